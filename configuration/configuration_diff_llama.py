@@ -1,0 +1,136 @@
+"""`DiffLlamaConfig`: a Llama config plus the fields of differential attention.
+
+Field names follow transformers' `LlamaConfig` so that every tool that reads a Llama config (generation,
+caches, mask creation, accelerate, PEFT) reads ours unchanged. `model_type` is `"diff_llama"`, distinct
+from transformers' built-in V1-only `"diffllama"`.
+"""
+
+from huggingface_hub.dataclasses import strict
+from transformers.configuration_utils import PreTrainedConfig
+from transformers.modeling_rope_utils import RopeParameters
+
+DIFF_MODES = ("v1", "v2", "dex")
+
+
+@strict
+class DiffLlamaConfig(PreTrainedConfig):
+    r"""
+    Configuration of a differential-attention Llama.
+
+    diff_mode (`str`, defaults to `"v1"`):
+        `"v1"`: DIFF Transformer (Ye et al., 2024): `num_attention_heads` differential heads, each with two
+        query/key halves of `head_dim` and a value of `2 * head_dim`; default `head_dim = hidden_size // (2h)`.
+        `"v2"`: DIFF Transformer V2: `2 * num_attention_heads` query heads forming signal/noise pairs
+        (2i, 2i+1) in one GQA group, mixed by a token-dependent `sigmoid(lambda_proj(x))`;
+        default `head_dim = hidden_size // h`.
+        `"dex"`: DEX retrofit (Kong et al., 2025): Llama attention whose output on the heads of `dex_heads`
+        becomes `O - lambda * f_D(O)`; default `head_dim = hidden_size // h`.
+    lambda_std_dev (`float`, defaults to 0.1):
+        Standard deviation of the normal initialisation of V1's `lambda_q1, lambda_k1, lambda_q2, lambda_k2`.
+    lambda_init (`float`, *optional*):
+        Constant lambda_init for every layer (V1, DEX). `None` uses the depth schedule `0.8 - 0.6 exp(-0.3 l)`.
+    dex_heads (`list[list[int]]`, *optional*):
+        DEX only: for each layer, the indices of the heads that carry the DEX operator. `None` selects all.
+    anneal_steps (`int`, defaults to 0):
+        V2 and DEX: number of training steps over which the differential term is annealed in from zero
+        (DEX: lambda schedule of the DEX paper; V2: a factor `min(1, t/T)` on the noise term). 0 disables
+        annealing: the differential term is at full strength from the start. The current step is stored
+        in each attention module's `anneal_step` buffer, so it is saved with the weights.
+    """
+
+    model_type = "diff_llama"
+    keys_to_ignore_at_inference = ["past_key_values", "cache"]
+    # Column-wise q/k/v and row-wise o shard along whole head pairs as long as the number of ranks divides
+    # num_key_value_heads: V1 keeps Q1/Q2 (and K1/K2) of one head contiguous in q_proj/k_proj rows, V2 keeps
+    # the pair (2i, 2i+1) contiguous, so a pair never straddles two ranks.
+    base_model_tp_plan = {
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+    }
+    base_model_pp_plan = {
+        "embed_tokens": (["input_ids"], ["inputs_embeds"]),
+        "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
+        "norm": (["hidden_states"], ["hidden_states"]),
+    }
+
+    vocab_size: int = 32000
+    hidden_size: int = 2048
+    intermediate_size: int = 5632
+    num_hidden_layers: int = 16
+    num_attention_heads: int = 16
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 4096
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-5
+    use_cache: bool = True
+    pad_token_id: int | None = None
+    bos_token_id: int | None = 1
+    eos_token_id: int | list[int] | None = 2
+    tie_word_embeddings: bool = False
+    rope_parameters: RopeParameters | dict | None = None
+    attention_bias: bool = False
+    attention_dropout: int | float | None = 0.0
+    mlp_bias: bool = False
+    diff_mode: str = "v1"
+    lambda_std_dev: float = 0.1
+    lambda_init: float | None = None
+    dex_heads: list | None = None
+    anneal_steps: int = 0
+
+    def __post_init__(self, **kwargs):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None and self.diff_mode in DIFF_MODES and self.num_attention_heads > 0:
+            heads_sharing_hidden = 2 * self.num_attention_heads if self.diff_mode == "v1" else self.num_attention_heads
+            if self.hidden_size % heads_sharing_hidden != 0:
+                raise ValueError(
+                    f"hidden_size ({self.hidden_size}) must be divisible by "
+                    f"{'2 * num_attention_heads' if self.diff_mode == 'v1' else 'num_attention_heads'} "
+                    f"({heads_sharing_hidden}) for diff_mode={self.diff_mode!r} when head_dim is not given"
+                )
+            self.head_dim = self.hidden_size // heads_sharing_hidden
+        super().__post_init__(**kwargs)
+
+    def validate_architecture(self):
+        """Part of `@strict` validation: every rule names the field it checks."""
+        if self.diff_mode not in DIFF_MODES:
+            raise ValueError(f"diff_mode must be one of {DIFF_MODES}, got {self.diff_mode!r}")
+        for field in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"{field} must be a positive integer, got {getattr(self, field)}")
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.lambda_std_dev < 0:
+            raise ValueError(f"lambda_std_dev must be >= 0, got {self.lambda_std_dev}")
+        if self.anneal_steps < 0:
+            raise ValueError(f"anneal_steps must be >= 0, got {self.anneal_steps}")
+        if self.dex_heads is not None:
+            if self.diff_mode != "dex":
+                raise ValueError(f"dex_heads is only used with diff_mode='dex', got diff_mode={self.diff_mode!r}")
+            if len(self.dex_heads) != self.num_hidden_layers:
+                raise ValueError(
+                    f"dex_heads must hold one list per layer ({self.num_hidden_layers}), got {len(self.dex_heads)}"
+                )
+            for layer_idx, heads in enumerate(self.dex_heads):
+                if len(set(heads)) != len(heads) or any(
+                    not isinstance(h, int) or not 0 <= h < self.num_attention_heads for h in heads
+                ):
+                    raise ValueError(
+                        f"dex_heads[{layer_idx}] must hold distinct head indices in [0, {self.num_attention_heads}), "
+                        f"got {heads}"
+                    )
+
+
+__all__ = ["DiffLlamaConfig", "DIFF_MODES"]

@@ -1,0 +1,37 @@
+"""modeling_diff: differential attention (DIFF Transformer V1, V2, DEX retrofit) as a transformers model.
+
+Importing the package registers `DiffLlamaConfig` (model_type "diff_llama") with `AutoConfig` and the
+models with `AutoModel`, `AutoModelForCausalLM` and `AutoModelForSequenceClassification`.
+transformers' built-in "diffllama" classes are untouched.
+"""
+
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+from .configuration import DIFF_MODES, PRESETS, DiffLlamaConfig, preset_config
+from .modeling_diff_llama import (
+    DiffLlamaForCausalLM,
+    DiffLlamaForSequenceClassification,
+    DiffLlamaModel,
+    DiffLlamaPreTrainedModel,
+    set_anneal_step,
+)
+
+__version__ = "0.1.0"
+
+# exist_ok: the class *name* DiffLlamaConfig is also transformers' built-in one.
+AutoConfig.register(DiffLlamaConfig.model_type, DiffLlamaConfig, exist_ok=True)
+AutoModel.register(DiffLlamaConfig, DiffLlamaModel, exist_ok=True)
+AutoModelForCausalLM.register(DiffLlamaConfig, DiffLlamaForCausalLM, exist_ok=True)
+AutoModelForSequenceClassification.register(DiffLlamaConfig, DiffLlamaForSequenceClassification, exist_ok=True)
+
+__all__ = [
+    "DIFF_MODES",
+    "PRESETS",
+    "DiffLlamaConfig",
+    "DiffLlamaForCausalLM",
+    "DiffLlamaForSequenceClassification",
+    "DiffLlamaModel",
+    "DiffLlamaPreTrainedModel",
+    "preset_config",
+    "set_anneal_step",
+]

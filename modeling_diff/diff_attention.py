@@ -1,0 +1,227 @@
+"""The three attention variants of modeling_diff: V1, V2 and DEX.
+
+Each module takes `(hidden_states, position_embeddings, attention_mask, cache)` like transformers'
+`LlamaAttention`, projects, applies RoPE, updates the cache through `Cache.update`, and computes softmax
+attention through transformers' attention interface (`config._attn_implementation`: eager, sdpa,
+flex_attention, flash_attention_2, or a kernel registered by `modeling_diff.kernels`). It returns
+`(output, attention_maps)`; with eager attention the maps are the *differential* maps.
+
+Shapes: B batch, L new tokens, S cached + new tokens, h = num_attention_heads, h_kv = num_key_value_heads,
+d = head_dim.
+"""
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb, eager_attention_forward
+
+from .configuration import DiffLlamaConfig
+
+
+def depth_lambda_init(layer_idx: int) -> float:
+    """lambda_init of layer l (from 0): 0.8 - 0.6 exp(-0.3 l). DIFF Transformer (arXiv 2410.05258), Sec. 2.1."""
+    return 0.8 - 0.6 * math.exp(-0.3 * layer_idx)
+
+
+def layer_lambda_init(config: DiffLlamaConfig, layer_idx: int) -> float:
+    return config.lambda_init if config.lambda_init is not None else depth_lambda_init(layer_idx)
+
+
+def anneal_fraction(anneal_step: torch.Tensor, anneal_steps: int) -> torch.Tensor:
+    """t / T as a float32 scalar tensor; 1 when annealing is off (T = 0)."""
+    if anneal_steps == 0:
+        return torch.ones_like(anneal_step)
+    return anneal_step / anneal_steps
+
+
+class _DiffAttentionBase(nn.Module):
+    """What the three variants share: sizes, the attention interface, the cache-position bookkeeping."""
+
+    def __init__(self, config: DiffLlamaConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_key_value_heads = config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = True
+
+    def attention_interface(self) -> Callable:
+        return ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+
+    def dropout_p(self) -> float:
+        return self.attention_dropout if self.training else 0.0
+
+
+class DiffAttentionV1(_DiffAttentionBase):
+    """DIFF Transformer V1 (arXiv 2410.05258, Eq. 1-3; layout of unilm `multihead_flashdiff_1.py`).
+
+    out = o_proj((1 - lambda_init) * subln(softmax(Q1 K1^T s) V - lambda * softmax(Q2 K2^T s) V)), s = 1/sqrt(d),
+    lambda = exp(lambda_q1 . lambda_k1) - exp(lambda_q2 . lambda_k2) + lambda_init.
+    """
+
+    def __init__(self, config: DiffLlamaConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        d = self.head_dim
+        # Differential head i reads kv head i // num_key_value_groups.
+        self.num_key_value_groups = self.num_heads // self.num_key_value_heads
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * 2 * d, bias=bias)  # (h, 2, d): Q1, Q2
+        self.k_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * 2 * d, bias=bias)  # (h_kv, 2, d)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * 2 * d, bias=bias)  # (h_kv, 2d)
+        self.o_proj = nn.Linear(self.num_heads * 2 * d, config.hidden_size, bias=bias)
+        self.lambda_init = layer_lambda_init(config, layer_idx)
+        # fp32 vectors, initialised N(0, lambda_std_dev) in DiffLlamaPreTrainedModel._init_weights.
+        self.lambda_q1 = nn.Parameter(torch.zeros(d, dtype=torch.float32))
+        self.lambda_k1 = nn.Parameter(torch.zeros(d, dtype=torch.float32))
+        self.lambda_q2 = nn.Parameter(torch.zeros(d, dtype=torch.float32))
+        self.lambda_k2 = nn.Parameter(torch.zeros(d, dtype=torch.float32))
+        self.subln = LlamaRMSNorm(2 * d, eps=config.rms_norm_eps)  # one norm shared by all heads
+
+    def differential_lambda(self) -> torch.Tensor:
+        """The layer's scalar lambda, in float32."""
+        lambda_1 = torch.exp(torch.sum(self.lambda_q1.float() * self.lambda_k1.float()))
+        lambda_2 = torch.exp(torch.sum(self.lambda_q2.float() * self.lambda_k2.float()))
+        return lambda_1 - lambda_2 + self.lambda_init
+
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
+        input_shape = hidden_states.shape[:-1]  # (B, L)
+        d = self.head_dim
+        query_states = self.q_proj(hidden_states).view(*input_shape, -1, 2, d)  # (B, L, h, 2, d)
+        key_states = self.k_proj(hidden_states).view(*input_shape, -1, 2, d)  # (B, L, h_kv, 2, d)
+        value_states = self.v_proj(hidden_states).view(*input_shape, -1, 2 * d).transpose(1, 2)  # (B, h_kv, L, 2d)
+
+        cos, sin = position_embeddings  # (B, L, d), broadcast over heads and the two halves
+        query_states, key_states = apply_rotary_pos_emb(
+            query_states, key_states, cos.unsqueeze(2), sin.unsqueeze(2), unsqueeze_dim=2
+        )
+        # The cache holds K as (B, h_kv, S, 2d) = K1|K2 and V as (B, h_kv, S, 2d): a Llama's bytes per token.
+        key_states = key_states.flatten(-2).transpose(1, 2)
+        if cache is not None:
+            key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
+
+        query_1, query_2 = query_states.transpose(1, 2).unbind(dim=3)  # (B, h, L, d) each
+        key_1, key_2 = key_states[..., :d], key_states[..., d:]  # (B, h_kv, S, d) each
+        attention_interface = self.attention_interface()
+        common = dict(dropout=self.dropout_p(), scaling=self.scaling, **kwargs)
+        attn_1, weights_1 = attention_interface(self, query_1, key_1, value_states, attention_mask, **common)
+        attn_2, weights_2 = attention_interface(self, query_2, key_2, value_states, attention_mask, **common)
+
+        lam = self.differential_lambda().to(attn_1.dtype)
+        attn_output = self.subln(attn_1 - lam * attn_2) * (1 - self.lambda_init)  # (B, L, h, 2d)
+        attn_output = self.o_proj(attn_output.reshape(*input_shape, -1))
+        attn_weights = None if weights_1 is None else weights_1 - lam * weights_2  # (B, h, L, S)
+        return attn_output, attn_weights
+
+
+class DiffAttentionV2(_DiffAttentionBase):
+    """DIFF Transformer V2 (unilm `Diff-Transformer-V2/multihead_flashdiffv2.py`).
+
+    2h query heads; heads 2i (signal) and 2i+1 (noise) form pair i and share a GQA group.
+    out = o_proj(A[2i] - f * sigmoid(lambda_proj(x))_i * A[2i+1]), f = min(1, t/T) the anneal factor (1 if T = 0).
+    """
+
+    def __init__(self, config: DiffLlamaConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        d = self.head_dim
+        # Query head j reads kv head j // (2h / h_kv); 2h/h_kv is even, so a pair never straddles two groups.
+        self.num_key_value_groups = 2 * self.num_heads // self.num_key_value_heads
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, 2 * self.num_heads * d, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * d, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * d, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * d, config.hidden_size, bias=bias)
+        self.lambda_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False)
+        self.anneal_step = nn.Buffer(torch.zeros((), dtype=torch.float32))
+
+    def noise_weight(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Per-token, per-pair weight of the noise head: (B, L, h)."""
+        fraction = anneal_fraction(self.anneal_step, self.config.anneal_steps).clamp(max=1.0)
+        return torch.sigmoid(self.lambda_proj(hidden_states)) * fraction.to(hidden_states.dtype)
+
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, 2h, L, d)
+        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, h_kv, L, d)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+
+        cos, sin = position_embeddings
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        if cache is not None:
+            key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
+
+        attn_output, attn_weights = self.attention_interface()(
+            self, query_states, key_states, value_states, attention_mask,
+            dropout=self.dropout_p(), scaling=self.scaling, **kwargs,
+        )  # (B, L, 2h, d)
+        weight = self.noise_weight(hidden_states)  # (B, L, h)
+        attn_output = attn_output[:, :, 0::2] - weight[..., None] * attn_output[:, :, 1::2]  # (B, L, h, d)
+        attn_output = self.o_proj(attn_output.reshape(*input_shape, -1))
+        if attn_weights is not None:  # (B, 2h, L, S) -> differential maps (B, h, L, S)
+            attn_weights = attn_weights[:, 0::2] - weight.transpose(1, 2)[..., None] * attn_weights[:, 1::2]
+        return attn_output, attn_weights
+
+
+class DexAttention(_DiffAttentionBase):
+    """DEX (Kong, Jang, Kwak, arXiv 2505.16333): Llama attention; on the selected heads the output O of a head
+    becomes O - lambda(t) * f_D(O), f_D a d x d map shared by the layer's heads (zero at conversion), and
+    lambda(t) = (1 - a) (t/T) lambda_init + a lambda_learn, a = min(1, t/T) (lambda_learn alone when T = 0).
+    """
+
+    def __init__(self, config: DiffLlamaConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        d = self.head_dim
+        self.num_key_value_groups = self.num_heads // self.num_key_value_heads
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * d, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * d, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * d, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * d, config.hidden_size, bias=bias)
+        self.lambda_init = layer_lambda_init(config, layer_idx)
+        self.dex_proj = nn.Linear(d, d, bias=False)  # f_D
+        self.lambda_learn = nn.Parameter(torch.full((), self.lambda_init, dtype=torch.float32))
+        self.anneal_step = nn.Buffer(torch.zeros((), dtype=torch.float32))
+        # (h,) 1.0 on the heads that carry the operator; derived from config.dex_heads, so not saved.
+        self.head_mask = nn.Buffer(self.selected_head_mask(), persistent=False)
+
+    def selected_head_mask(self) -> torch.Tensor:
+        heads = self.config.dex_heads[self.layer_idx] if self.config.dex_heads is not None else range(self.num_heads)
+        mask = torch.zeros(self.num_heads, dtype=torch.float32)
+        mask[list(heads)] = 1.0
+        return mask
+
+    def dex_lambda(self) -> torch.Tensor:
+        """The layer's lambda(t), in float32."""
+        t_over_T = anneal_fraction(self.anneal_step, self.config.anneal_steps)
+        a = t_over_T.clamp(max=1.0)
+        return (1 - a) * t_over_T * self.lambda_init + a * self.lambda_learn.float()
+
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, h, L, d)
+        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, h_kv, L, d)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+
+        cos, sin = position_embeddings
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        if cache is not None:
+            key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
+
+        attn_output, attn_weights = self.attention_interface()(
+            self, query_states, key_states, value_states, attention_mask,
+            dropout=self.dropout_p(), scaling=self.scaling, **kwargs,
+        )  # (B, L, h, d)
+        head_lambda = (self.dex_lambda() * self.head_mask).to(attn_output.dtype)  # (h,)
+        attn_output = attn_output - head_lambda[:, None] * self.dex_proj(attn_output)
+        attn_output = self.o_proj(attn_output.reshape(*input_shape, -1))
+        return attn_output, attn_weights
+
+
+ATTENTION_CLASSES = {"v1": DiffAttentionV1, "v2": DiffAttentionV2, "dex": DexAttention}
