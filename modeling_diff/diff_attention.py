@@ -76,11 +76,12 @@ class DiffAttentionV1(_DiffAttentionBase):
         self.v_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * 2 * d, bias=bias)  # (h_kv, 2d)
         self.o_proj = nn.Linear(self.num_heads * 2 * d, config.hidden_size, bias=bias)
         self.lambda_init = layer_lambda_init(config, layer_idx)
-        # fp32 vectors, initialised N(0, lambda_std_dev) in DiffLlamaPreTrainedModel._init_weights.
-        self.lambda_q1 = nn.Parameter(torch.zeros(d, dtype=torch.float32))
-        self.lambda_k1 = nn.Parameter(torch.zeros(d, dtype=torch.float32))
-        self.lambda_q2 = nn.Parameter(torch.zeros(d, dtype=torch.float32))
-        self.lambda_k2 = nn.Parameter(torch.zeros(d, dtype=torch.float32))
+        # fp32 vectors ~ N(0, lambda_std_dev); DiffLlamaPreTrainedModel._init_weights draws them again when a
+        # model is built on the meta device.
+        self.lambda_q1 = nn.Parameter(torch.normal(0.0, config.lambda_std_dev, size=(d,)))
+        self.lambda_k1 = nn.Parameter(torch.normal(0.0, config.lambda_std_dev, size=(d,)))
+        self.lambda_q2 = nn.Parameter(torch.normal(0.0, config.lambda_std_dev, size=(d,)))
+        self.lambda_k2 = nn.Parameter(torch.normal(0.0, config.lambda_std_dev, size=(d,)))
         self.subln = LlamaRMSNorm(2 * d, eps=config.rms_norm_eps)  # one norm shared by all heads
 
     def differential_lambda(self) -> torch.Tensor:
@@ -184,7 +185,8 @@ class DexAttention(_DiffAttentionBase):
         self.v_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * d, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * d, config.hidden_size, bias=bias)
         self.lambda_init = layer_lambda_init(config, layer_idx)
-        self.dex_proj = nn.Linear(d, d, bias=False)  # f_D
+        self.dex_proj = nn.Linear(d, d, bias=False)  # f_D, zero: a fresh DEX layer computes Llama attention
+        nn.init.zeros_(self.dex_proj.weight)
         self.lambda_learn = nn.Parameter(torch.full((), self.lambda_init, dtype=torch.float32))
         self.anneal_step = nn.Buffer(torch.zeros((), dtype=torch.float32))
         # (h,) 1.0 on the heads that carry the operator; derived from config.dex_heads, so not saved.

@@ -86,7 +86,7 @@ class DiffLlamaPreTrainedModel(PreTrainedModel):
             for vector in (module.lambda_q1, module.lambda_k1, module.lambda_q2, module.lambda_k2):
                 init.normal_(vector, 0.0, self.config.lambda_std_dev)
         elif isinstance(module, DexAttention):
-            init.zeros_(module.dex_proj.weight)  # f_D = 0: a fresh DEX layer computes Llama attention
+            init.zeros_(module.dex_proj.weight)
             init.constant_(module.lambda_learn, module.lambda_init)
             init.zeros_(module.anneal_step)
             init.copy_(module.head_mask, module.selected_head_mask())
