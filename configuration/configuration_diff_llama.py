@@ -96,6 +96,9 @@ class DiffLlamaConfig(PreTrainedConfig):
                     f"({heads_sharing_hidden}) for diff_mode={self.diff_mode!r} when head_dim is not given"
                 )
             self.head_dim = self.hidden_size // heads_sharing_hidden
+        # Validate here too: `@strict` wraps errors of its validators in its own exception type, and users
+        # (and DESIGN.md) expect a plain ValueError naming the field.
+        self.validate_architecture()
         super().__post_init__(**kwargs)
 
     def validate_architecture(self):

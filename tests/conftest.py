@@ -1,0 +1,43 @@
+import os
+
+# Tests never reach the Hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+import modeling_diff  # noqa: E402, F401  (registers the Auto classes)
+from modeling_diff import DiffLlamaConfig, DiffLlamaForCausalLM  # noqa: E402
+
+MODES = ("v1", "v2", "dex")
+
+
+def tiny_config(mode: str, **overrides) -> DiffLlamaConfig:
+    """A 2-layer model with GQA (4 heads, 2 kv heads) for every mode."""
+    fields = dict(
+        diff_mode=mode,
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    fields.update(overrides)
+    return DiffLlamaConfig(**fields)
+
+
+def tiny_model(mode: str, seed: int = 0, attn_implementation: str = "eager", **overrides) -> DiffLlamaForCausalLM:
+    """A tiny model whose differential parts are all active: DEX gets a non-zero f_D (a fresh one is zero)."""
+    torch.manual_seed(seed)
+    model = DiffLlamaForCausalLM(tiny_config(mode, **overrides)).eval()
+    model.set_attn_implementation(attn_implementation)
+    if mode == "dex":
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.dex_proj.weight.normal_(0.0, 0.3)
+    return model

@@ -1,0 +1,61 @@
+"""DiffLlamaConfig: defaults per mode, presets, and a clear ValueError for every invalid combination."""
+
+import pytest
+from transformers import AutoConfig
+
+from modeling_diff import DiffLlamaConfig, preset_config
+from modeling_diff.configuration import PRESETS
+
+
+@pytest.mark.parametrize("mode, head_dim", [("v1", 2048 // (2 * 16)), ("v2", 2048 // 16), ("dex", 2048 // 16)])
+def test_default_head_dim_per_mode(mode, head_dim):
+    config = DiffLlamaConfig(diff_mode=mode, hidden_size=2048, num_attention_heads=16)
+    assert config.head_dim == head_dim
+    assert config.num_key_value_heads == 16
+    assert config.model_type == "diff_llama"
+
+
+def test_explicit_head_dim_is_kept():
+    assert DiffLlamaConfig(diff_mode="v1", hidden_size=96, num_attention_heads=4, head_dim=16).head_dim == 16
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_build(name):
+    config = preset_config(name)
+    assert config.diff_mode == PRESETS[name]["diff_mode"]
+
+
+def test_round_trip_through_dict_and_auto_config(tmp_path):
+    config = DiffLlamaConfig(diff_mode="dex", num_hidden_layers=2, dex_heads=[[0, 3], [1]], anneal_steps=10)
+    config.save_pretrained(tmp_path)
+    loaded = AutoConfig.from_pretrained(tmp_path)
+    assert type(loaded) is DiffLlamaConfig
+    assert loaded.dex_heads == [[0, 3], [1]] and loaded.anneal_steps == 10 and loaded.diff_mode == "dex"
+
+
+@pytest.mark.parametrize(
+    "fields, field_named",
+    [
+        (dict(diff_mode="v3"), "diff_mode"),
+        (dict(num_attention_heads=6, num_key_value_heads=4, head_dim=8), "num_key_value_heads"),
+        (dict(diff_mode="v1", hidden_size=100, num_attention_heads=8), "hidden_size"),
+        (dict(diff_mode="v2", hidden_size=100, num_attention_heads=8), "hidden_size"),
+        (dict(head_dim=7), "head_dim"),
+        (dict(num_attention_heads=0), "num_attention_heads"),
+        (dict(lambda_std_dev=-0.1), "lambda_std_dev"),
+        (dict(anneal_steps=-1), "anneal_steps"),
+        (dict(diff_mode="v1", dex_heads=[[0], [0]]), "dex_heads"),
+        (dict(diff_mode="dex", dex_heads=[[0]]), "dex_heads"),
+        (dict(diff_mode="dex", dex_heads=[[0], [16]]), "dex_heads[1]"),
+        (dict(diff_mode="dex", dex_heads=[[0, 0], [1]]), "dex_heads[0]"),
+    ],
+)
+def test_invalid_configs_name_the_field(fields, field_named):
+    base = dict(hidden_size=256, num_attention_heads=16, num_key_value_heads=4, num_hidden_layers=2)
+    with pytest.raises(ValueError, match=field_named.replace("[", r"\[").replace("]", r"\]")):
+        DiffLlamaConfig(**{**base, **fields})
+
+
+def test_unknown_preset():
+    with pytest.raises(ValueError, match="preset"):
+        preset_config("huge-v9")
