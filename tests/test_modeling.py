@@ -1,0 +1,239 @@
+"""DiffLlamaForCausalLM as a transformers model: parameter counts against transformers' Llama, backends,
+generation with every cache, loss, dtypes, gradient checkpointing, save/load and the Auto classes."""
+
+import pytest
+import torch
+from conftest import MODES, tiny_config, tiny_model
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+import modeling_diff
+from modeling_diff import DiffLlamaForCausalLM, DiffLlamaModel
+
+
+def count(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def llama_like(config, heads, kv_heads) -> LlamaForCausalLM:
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_hidden_layers=config.num_hidden_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=config.head_dim,
+        )
+    )
+
+
+# ----------------------------------------------------------------------------------------------- parameters
+def test_v1_parameter_count_is_llama_with_2h_heads_plus_6d_per_layer():
+    config = tiny_config("v1")
+    h, h_kv, d, layers = config.num_attention_heads, config.num_key_value_heads, config.head_dim, 2
+    llama = llama_like(config, heads=2 * h, kv_heads=2 * h_kv)
+    assert count(DiffLlamaForCausalLM(config)) == count(llama) + layers * 6 * d
+
+
+def test_v2_parameter_count_is_llama_plus_noise_queries_and_lambda_proj():
+    config = tiny_config("v2")
+    h, d, hidden, layers = config.num_attention_heads, config.head_dim, config.hidden_size, 2
+    llama = llama_like(config, heads=h, kv_heads=config.num_key_value_heads)
+    # per layer: h extra query heads (hidden x h*d) and lambda_proj (hidden x h)
+    assert count(DiffLlamaForCausalLM(config)) == count(llama) + layers * (hidden * h * d + hidden * h)
+
+
+def test_dex_parameter_count_is_llama_plus_f_d_and_lambda_per_layer():
+    config = tiny_config("dex")
+    llama = llama_like(config, heads=config.num_attention_heads, kv_heads=config.num_key_value_heads)
+    assert count(DiffLlamaForCausalLM(config)) == count(llama) + 2 * (config.head_dim**2 + 1)
+
+
+def test_v1_cache_holds_the_bytes_of_the_equivalent_llama():
+    config = tiny_config("v1")
+    model = tiny_model("v1")
+    llama = llama_like(config, heads=2 * config.num_attention_heads, kv_heads=2 * config.num_key_value_heads).eval()
+    ids = torch.randint(3, 97, (1, 6))
+    ours = model(ids, use_cache=True)[1]
+    theirs = llama(ids, use_cache=True)[1]
+    layer_bytes = lambda cache: sum(t.numel() for t in (cache.layers[0].keys, cache.layers[0].values))  # noqa: E731
+    assert layer_bytes(ours) == layer_bytes(theirs)
+    assert ours.layers[0].keys.shape == (1, config.num_key_value_heads, 6, 2 * config.head_dim)
+
+
+# ----------------------------------------------------------------------------------------------- backends
+def padded_batch():
+    torch.manual_seed(1)
+    ids = torch.randint(3, 97, (2, 10))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding
+    ids[1, :4] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("padded", [False, True])
+def test_sdpa_matches_eager(mode, padded):
+    ids, mask = padded_batch()
+    mask = mask if padded else None
+    eager = tiny_model(mode)
+    sdpa = tiny_model(mode, attn_implementation="sdpa")
+    with torch.no_grad():
+        expected, got = eager(ids, attention_mask=mask).logits, sdpa(ids, attention_mask=mask).logits
+    keep = mask.bool() if padded else torch.ones_like(ids, dtype=torch.bool)
+    torch.testing.assert_close(got[keep], expected[keep], atol=1e-5, rtol=1e-4)
+
+
+def test_flex_attention_matches_eager():
+    # One padded batch per mode: flex_attention compiles on first use, which is slow on a CPU.
+    ids, mask = padded_batch()
+    for mode in MODES:
+        eager, flex = tiny_model(mode), tiny_model(mode, attn_implementation="flex_attention")
+        with torch.no_grad():
+            expected, got = eager(ids, attention_mask=mask).logits, flex(ids, attention_mask=mask).logits
+        torch.testing.assert_close(got[mask.bool()], expected[mask.bool()], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_output_attentions_returns_differential_maps(mode):
+    model = tiny_model(mode)
+    ids = torch.randint(3, 97, (1, 7))
+    with torch.no_grad():
+        maps = model(ids, output_attentions=True).attentions
+    assert len(maps) == 2 and maps[0].shape == (1, 4, 7, 7)
+    causal = torch.triu(torch.ones(7, 7, dtype=torch.bool), diagonal=1)
+    assert (maps[0][..., causal] == 0).all()
+    if mode == "dex":  # DEX keeps softmax maps: rows sum to 1
+        torch.testing.assert_close(maps[0].sum(-1), torch.ones(1, 4, 7))
+    elif mode == "v1":  # rows of A1 - lam*A2 sum to 1 - lam
+        lam = model.model.layers[0].self_attn.differential_lambda()
+        torch.testing.assert_close(maps[0].sum(-1), (1 - lam).expand(1, 4, 7))
+
+
+# ----------------------------------------------------------------------------------------------- generation
+@pytest.mark.parametrize("mode", MODES)
+def test_greedy_generation_with_cache_equals_full_recomputation(mode):
+    model = tiny_model(mode, attn_implementation="sdpa")
+    ids = torch.randint(3, 97, (2, 6))
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False, pad_token_id=0)
+    dynamic = model.generate(ids, **kw)
+    static = model.generate(ids, cache_implementation="static", **kw)
+    no_cache = model.generate(ids, use_cache=False, **kw)
+    assert dynamic.shape == (2, 14)
+    assert torch.equal(dynamic, no_cache)
+    assert torch.equal(dynamic, static)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("cache_implementation", [None, "static"])
+def test_left_padded_batch_generates_as_each_prompt_alone(mode, cache_implementation):
+    model = tiny_model(mode, attn_implementation="sdpa")
+    torch.manual_seed(2)
+    long, short = torch.randint(3, 97, (1, 8)), torch.randint(3, 97, (1, 5))
+    batch = torch.cat([long, torch.cat([torch.zeros(1, 3, dtype=torch.long), short], dim=1)])
+    mask = torch.ones_like(batch)
+    mask[1, :3] = 0
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, cache_implementation=cache_implementation)
+    together = model.generate(batch, attention_mask=mask, **kw)[:, 8:]
+    alone = [model.generate(p, attention_mask=torch.ones_like(p), **kw)[:, p.shape[1] :] for p in (long, short)]
+    assert torch.equal(together[0], alone[0][0])
+    assert torch.equal(together[1], alone[1][0])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_beam_search_and_sampling(mode):
+    model = tiny_model(mode, attn_implementation="sdpa")
+    ids = torch.randint(3, 97, (2, 5))
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=5, pad_token_id=0)
+    beams = model.generate(ids, num_beams=3, do_sample=False, **kw)
+    assert torch.equal(beams, model.generate(ids, num_beams=3, do_sample=False, use_cache=False, **kw))
+    torch.manual_seed(0)
+    sampled = model.generate(ids, do_sample=True, top_k=20, temperature=0.9, **kw)
+    torch.manual_seed(0)
+    assert torch.equal(sampled, model.generate(ids, do_sample=True, top_k=20, temperature=0.9, **kw))
+    assert sampled.shape == (2, 10)
+
+
+# ----------------------------------------------------------------------------------------------- training
+@pytest.mark.parametrize("mode", MODES)
+def test_loss_is_shifted_cross_entropy_and_logits_to_keep(mode):
+    model = tiny_model(mode)
+    ids = torch.randint(3, 97, (2, 8))
+    labels = ids.clone()
+    labels[0, :3] = -100
+    out = model(ids, labels=labels)
+    expected = torch.nn.functional.cross_entropy(
+        out.logits[:, :-1].reshape(-1, 97).float(), labels[:, 1:].reshape(-1), ignore_index=-100
+    )
+    torch.testing.assert_close(out.loss, expected)
+    # num_items_in_batch (Trainer's gradient accumulation): sum over tokens / given count
+    summed = model(ids, labels=labels, num_items_in_batch=torch.tensor(20)).loss
+    torch.testing.assert_close(summed, expected * (labels[:, 1:] != -100).sum() / 20)
+    last = model(ids, logits_to_keep=3).logits
+    assert last.shape == (2, 3, 97)
+    torch.testing.assert_close(last, out.logits[:, -3:])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gradient_checkpointing_gives_the_same_gradients(mode):
+    ids = torch.randint(3, 97, (2, 8))
+    grads = []
+    for checkpointing in (False, True):
+        model = tiny_model(mode).train()
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        model(ids, labels=ids).loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], msg=name)
+    # every differential parameter learns (DEX f_D at t = T = 0 has lambda = lambda_learn != 0)
+    differential = [n for n in grads[0] if any(k in n for k in ("lambda", "subln", "dex_proj"))]
+    assert differential and all(grads[0][n].abs().sum() > 0 for n in differential)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mode", MODES)
+def test_half_precision_forward_is_close_to_fp32(mode, dtype):
+    model = tiny_model(mode, attn_implementation="sdpa")
+    ids = torch.randint(3, 97, (2, 8))
+    with torch.no_grad():
+        expected = model(ids).logits
+        half = model.to(dtype)(ids).logits
+    assert half.dtype == dtype
+    assert (half.float() - expected).abs().max() < 0.1
+
+
+# ----------------------------------------------------------------------------------------------- save / load
+@pytest.mark.parametrize("mode", MODES)
+def test_save_load_round_trip_through_auto(mode, tmp_path):
+    model = tiny_model(mode)
+    if mode != "v1":
+        model.model.layers[0].self_attn.anneal_step.fill_(7)  # training state travels with the weights
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").exists()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    assert type(loaded) is DiffLlamaForCausalLM
+    ids = torch.randint(3, 97, (2, 8))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, loaded(ids).logits)
+    if mode != "v1":
+        assert loaded.model.layers[0].self_attn.anneal_step.item() == 7
+    assert type(AutoModel.from_pretrained(tmp_path)) is DiffLlamaModel
+
+
+def test_auto_classes_resolve_ours_and_leave_transformers_diffllama_alone():
+    assert type(AutoConfig.for_model("diff_llama")) is modeling_diff.DiffLlamaConfig
+    ours = AutoModelForCausalLM.from_config(tiny_config("v2"))
+    assert type(ours) is DiffLlamaForCausalLM
+
+    from transformers import DiffLlamaConfig as BuiltinConfig
+    from transformers import DiffLlamaForCausalLM as BuiltinModel
+
+    builtin_config = AutoConfig.for_model(
+        "diffllama", vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2,
+    )
+    assert type(builtin_config) is BuiltinConfig
+    assert type(AutoModelForCausalLM.from_config(builtin_config)) is BuiltinModel
