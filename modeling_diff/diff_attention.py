@@ -19,6 +19,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb, eager_attention_forward
 
 from .configuration import DiffLlamaConfig
+from .kernels import resolve, v1_combine, v2_combine
 
 
 def depth_lambda_init(layer_idx: int) -> float:
@@ -51,8 +52,9 @@ class _DiffAttentionBase(nn.Module):
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
 
-    def attention_interface(self) -> Callable:
-        return ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+    def attention_interface(self, query: torch.Tensor) -> Callable:
+        implementation = resolve(self.config._attn_implementation, query)  # sdpa on CUDA -> diff_triton
+        return ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
 
     def dropout_p(self) -> float:
         return self.attention_dropout if self.training else 0.0
@@ -63,13 +65,19 @@ class DiffAttentionV1(_DiffAttentionBase):
 
     out = o_proj((1 - lambda_init) * subln(softmax(Q1 K1^T s) V - lambda * softmax(Q2 K2^T s) V)), s = 1/sqrt(d),
     lambda = exp(lambda_q1 . lambda_k1) - exp(lambda_q2 . lambda_k2) + lambda_init.
+
+    Both maps come from ONE attention call of 2h query heads of width 2d against the cached K = K1|K2:
+    query head 2i is [Q1_i, 0] and 2i+1 is [0, Q2_i], so [Q1, 0] . [K1, K2] = Q1 . K1 and [0, Q2] . [K1, K2] =
+    Q2 . K2. Every backend then sees equal query, key and value widths (FlashAttention accepts it), reads
+    K and V once for both maps, and the pair shares a GQA group like V2's.
     """
 
     def __init__(self, config: DiffLlamaConfig, layer_idx: int):
         super().__init__(config, layer_idx)
         d = self.head_dim
-        # Differential head i reads kv head i // num_key_value_groups.
-        self.num_key_value_groups = self.num_heads // self.num_key_value_heads
+        # Differential head i reads kv head i // (h / h_kv); as the attention call sees it, query heads 2i and 2i+1
+        # (its two maps) read kv head j // (2h / h_kv).
+        self.num_key_value_groups = 2 * self.num_heads // self.num_key_value_heads
         bias = config.attention_bias
         self.q_proj = nn.Linear(config.hidden_size, self.num_heads * 2 * d, bias=bias)  # (h, 2, d): Q1, Q2
         self.k_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * 2 * d, bias=bias)  # (h_kv, 2, d)
@@ -106,17 +114,19 @@ class DiffAttentionV1(_DiffAttentionBase):
         if cache is not None:
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
 
-        query_1, query_2 = query_states.transpose(1, 2).unbind(dim=3)  # (B, h, L, d) each
-        key_1, key_2 = key_states[..., :d], key_states[..., d:]  # (B, h_kv, S, d) each
-        attention_interface = self.attention_interface()
-        common = dict(dropout=self.dropout_p(), scaling=self.scaling, **kwargs)
-        attn_1, weights_1 = attention_interface(self, query_1, key_1, value_states, attention_mask, **common)
-        attn_2, weights_2 = attention_interface(self, query_2, key_2, value_states, attention_mask, **common)
+        # (B, L, h, 2, d) -> (B, L, h, 2, 2d): [Q1, 0] and [0, Q2] -> (B, 2h, L, 2d)
+        halves = torch.eye(2, dtype=query_states.dtype, device=query_states.device)[:, :, None]  # (2, 2, 1)
+        query_states = (query_states.unsqueeze(-2) * halves).flatten(-2).flatten(2, 3).transpose(1, 2)
 
-        lam = self.differential_lambda().to(attn_1.dtype)
-        attn_output = self.subln(attn_1 - lam * attn_2) * (1 - self.lambda_init)  # (B, L, h, 2d)
+        attn_output, attn_weights = self.attention_interface(query_states)(
+            self, query_states, key_states, value_states, attention_mask,
+            dropout=self.dropout_p(), scaling=self.scaling, **kwargs,
+        )  # (B, L, 2h, 2d): the pair (A1 V, A2 V) of each differential head
+        lam = self.differential_lambda()
+        attn_output = v1_combine(attn_output, lam, self.subln, 1 - self.lambda_init)  # (B, L, h, 2d)
         attn_output = self.o_proj(attn_output.reshape(*input_shape, -1))
-        attn_weights = None if weights_1 is None else weights_1 - lam * weights_2  # (B, h, L, S)
+        if attn_weights is not None:  # (B, 2h, L, S) -> differential maps (B, h, L, S)
+            attn_weights = attn_weights[:, 0::2] - lam.to(attn_weights.dtype) * attn_weights[:, 1::2]
         return attn_output, attn_weights
 
 
@@ -157,12 +167,12 @@ class DiffAttentionV2(_DiffAttentionBase):
         if cache is not None:
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
 
-        attn_output, attn_weights = self.attention_interface()(
+        attn_output, attn_weights = self.attention_interface(query_states)(
             self, query_states, key_states, value_states, attention_mask,
             dropout=self.dropout_p(), scaling=self.scaling, **kwargs,
         )  # (B, L, 2h, d)
         weight = self.noise_weight(hidden_states)  # (B, L, h)
-        attn_output = attn_output[:, :, 0::2] - weight[..., None] * attn_output[:, :, 1::2]  # (B, L, h, d)
+        attn_output = v2_combine(attn_output, weight)  # (B, L, h, d)
         attn_output = self.o_proj(attn_output.reshape(*input_shape, -1))
         if attn_weights is not None:  # (B, 2h, L, S) -> differential maps (B, h, L, S)
             attn_weights = attn_weights[:, 0::2] - weight.transpose(1, 2)[..., None] * attn_weights[:, 1::2]
@@ -216,7 +226,7 @@ class DexAttention(_DiffAttentionBase):
         if cache is not None:
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
 
-        attn_output, attn_weights = self.attention_interface()(
+        attn_output, attn_weights = self.attention_interface(query_states)(
             self, query_states, key_states, value_states, attention_mask,
             dropout=self.dropout_p(), scaling=self.scaling, **kwargs,
         )  # (B, L, h, d)

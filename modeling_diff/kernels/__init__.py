@@ -1,0 +1,18 @@
+"""Fast paths of modeling_diff: Triton kernels next to their plain PyTorch references.
+
+- `combine.py`: the differential combine after the attention call (V1 lambda + subln, V2 noise weight),
+  fused into one Triton pass forward and backward (`triton_combine.py`).
+- `decode.py`: split-KV attention for decoding steps, one read of the KV cache per step (`triton_decode.py`).
+- `attention.py`: the attention implementation `"diff_triton"` that uses them, chosen automatically for
+  `sdpa` on CUDA.
+
+triton is optional: nothing here imports it until a kernel runs, so the model loads without it.
+"""
+
+from ._triton import triton_available
+from .attention import NAME as DIFF_TRITON, diff_triton_attention_forward, register, resolve
+from .combine import v1_combine, v2_combine
+
+register()
+
+__all__ = ["DIFF_TRITON", "diff_triton_attention_forward", "resolve", "triton_available", "v1_combine", "v2_combine"]

@@ -1,0 +1,48 @@
+"""The project's attention implementation, `"diff_triton"`: Triton where it beats SDPA, SDPA elsewhere.
+
+It has the signature of transformers' attention functions, so every attention module of modeling_diff calls
+it like `sdpa`. Decoding steps (a few query tokens against the cache) go to the split-KV Triton kernel, which
+reads each cache entry once; longer queries (prefill, training) go to transformers' SDPA call, which uses
+FlashAttention or cuDNN with GQA. On CUDA, `sdpa` is routed here automatically (see `resolve`).
+"""
+
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from ._triton import triton_available
+from .decode import decode_attention, decode_kernel_applies
+
+NAME = "diff_triton"
+
+
+def diff_triton_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # (B, Hq, L, Dq)
+    key: torch.Tensor,  # (B, Hkv, S, Dq)
+    value: torch.Tensor,  # (B, Hkv, S, Dv)
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    plain = all(kwargs.get(name) is None for name in ("softcap", "sliding_window", "position_bias", "s_aux"))
+    if plain and decode_kernel_applies(query, key, value, attention_mask, dropout):
+        return decode_attention(query, key, value, attention_mask, scaling), None  # (B, L, Hq, Dv)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def resolve(implementation: str, query: torch.Tensor) -> str:
+    """The implementation a module actually uses: `sdpa` on CUDA becomes `diff_triton` when triton is there."""
+    if implementation == "sdpa" and query.is_cuda and triton_available():
+        return NAME
+    return implementation
+
+
+def register() -> None:
+    """Make `attn_implementation="diff_triton"` a valid choice for transformers (attention and mask)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    AttentionInterface.register(NAME, diff_triton_attention_forward)
+    AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])

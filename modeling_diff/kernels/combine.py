@@ -1,0 +1,142 @@
+"""The differential combine after the attention call: PyTorch references and their fused Triton versions.
+
+The attention call returns, for every differential head i, the pair of head outputs (2i, 2i+1) side by side
+(`attn` of shape (B, L, 2h, D)). The combine turns each pair into one head:
+
+- V1 (DIFF Transformer, arXiv 2410.05258, Eq. 3): `(1 - lambda_init) * subln(attn[2i] - lambda * attn[2i+1])`.
+- V2 (unilm Diff-Transformer-V2): `attn[2i] - w[..., i] * attn[2i+1]`, w the per-token noise weight.
+
+The references are the definition (and the path on CPU and under torch.compile, where Inductor fuses them);
+on CUDA the Triton kernels do each combine in one pass forward and one pass backward.
+"""
+
+import torch
+from torch import nn
+
+from ._triton import triton_available
+
+
+def v1_combine_reference(attn: torch.Tensor, lam: torch.Tensor, subln: nn.Module, scale: float) -> torch.Tensor:
+    """(B, L, 2h, 2d) -> (B, L, h, 2d)."""
+    return subln(attn[:, :, 0::2] - lam.to(attn.dtype) * attn[:, :, 1::2]) * scale
+
+
+def v2_combine_reference(attn: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """(B, L, 2h, d), weight (B, L, h) -> (B, L, h, d)."""
+    return attn[:, :, 0::2] - weight[..., None] * attn[:, :, 1::2]
+
+
+def _rows_per_program(width: int) -> int:
+    return max(1, 4096 // width)  # about 4K elements per tile
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+class _V1Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, attn, lam, weight, eps, scale):
+        from .triton_combine import _v1_combine_fwd
+
+        batch, length, two_h, width = attn.shape
+        pairs = attn.contiguous().view(-1, 2, width)  # (R, 2, D), R = B * L * h
+        rows = pairs.shape[0]
+        out = torch.empty(rows, width, dtype=attn.dtype, device=attn.device)
+        rstd = torch.empty(rows, dtype=torch.float32, device=attn.device)
+        block = _rows_per_program(width)
+        _v1_combine_fwd[(triton_cdiv(rows, block),)](pairs, lam, weight, out, rstd, rows, eps, scale, width, block)
+        ctx.save_for_backward(pairs, lam, weight, rstd)
+        ctx.scale, ctx.shape = scale, (batch, length, two_h, width)
+        return out.view(batch, length, two_h // 2, width)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        from .triton_combine import _v1_combine_bwd
+
+        pairs, lam, weight, rstd = ctx.saved_tensors
+        rows, _, width = pairs.shape
+        block = _rows_per_program(width)
+        programs = triton_cdiv(rows, block)
+        grad_pairs = torch.empty_like(pairs)
+        grad_weight = torch.empty(programs, width, dtype=torch.float32, device=pairs.device)
+        grad_lam = torch.empty(programs, dtype=torch.float32, device=pairs.device)
+        _v1_combine_bwd[(programs,)](
+            pairs, lam, weight, rstd, grad_out.contiguous(), grad_pairs, grad_weight, grad_lam,
+            rows, ctx.scale, width, block,
+        )
+        return (
+            grad_pairs.view(ctx.shape),
+            grad_lam.sum().to(lam.dtype).reshape(lam.shape),
+            grad_weight.sum(0).to(weight.dtype),
+            None,
+            None,
+        )
+
+
+class _V2Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, attn, weight):
+        from .triton_combine import _v2_combine_fwd
+
+        batch, length, two_h, width = attn.shape
+        pairs = attn.contiguous().view(-1, 2, width)  # (R, 2, D)
+        row_weight = weight.contiguous().view(-1)  # (R,)
+        rows = pairs.shape[0]
+        out = torch.empty(rows, width, dtype=attn.dtype, device=attn.device)
+        block = _rows_per_program(width)
+        _v2_combine_fwd[(triton_cdiv(rows, block),)](pairs, row_weight, out, rows, width, block)
+        ctx.save_for_backward(pairs, row_weight)
+        ctx.shapes = attn.shape, weight.shape
+        return out.view(batch, length, two_h // 2, width)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        from .triton_combine import _v2_combine_bwd
+
+        pairs, row_weight = ctx.saved_tensors
+        rows, _, width = pairs.shape
+        block = _rows_per_program(width)
+        grad_pairs = torch.empty_like(pairs)
+        grad_weight = torch.empty_like(row_weight)
+        _v2_combine_bwd[(triton_cdiv(rows, block),)](
+            pairs, row_weight, grad_out.contiguous(), grad_pairs, grad_weight, rows, width, block
+        )
+        attn_shape, weight_shape = ctx.shapes
+        return grad_pairs.view(attn_shape), grad_weight.view(weight_shape)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def v1_combine_triton(attn: torch.Tensor, lam: torch.Tensor, subln: nn.Module, scale: float) -> torch.Tensor:
+    """The fused Triton V1 combine; same contract as `v1_combine_reference`."""
+    return _V1Combine.apply(attn, lam.float(), subln.weight, subln.variance_epsilon, scale)
+
+
+def v2_combine_triton(attn: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The fused Triton V2 combine; same contract as `v2_combine_reference`."""
+    return _V2Combine.apply(attn, weight)
+
+
+def _fused(attn: torch.Tensor) -> bool:
+    """Triton on CUDA in eager mode; under torch.compile Inductor fuses the reference itself."""
+    return (
+        attn.is_cuda
+        and _is_power_of_two(attn.shape[-1])
+        and not torch.compiler.is_compiling()
+        and triton_available()
+    )
+
+
+def v1_combine(attn: torch.Tensor, lam: torch.Tensor, subln: nn.Module, scale: float) -> torch.Tensor:
+    if _fused(attn) and type(subln.weight) is nn.Parameter:
+        return v1_combine_triton(attn, lam, subln, scale)
+    return v1_combine_reference(attn, lam, subln, scale)
+
+
+def v2_combine(attn: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if _fused(attn):
+        return v2_combine_triton(attn, weight)
+    return v2_combine_reference(attn, weight)

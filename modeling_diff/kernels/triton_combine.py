@@ -1,0 +1,77 @@
+"""Triton kernels for the differential combine that follows the attention call (forward and backward).
+
+Imported only when triton is installed (see `kernels/combine.py`, which holds the PyTorch references and the
+autograd wiring). Rows are independent: a program handles BLOCK_R rows of one head's output.
+
+V1 (per row, D = 2d):  x = a1 - lam * a2,  n = x * rsqrt(mean(x^2) + eps),  y = scale * w * n
+V2 (per row, D = d):   y = a_signal - w_row * a_noise
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _v1_combine_fwd(A, Lam, W, Y, Rstd, R, eps, scale, D: tl.constexpr, BLOCK_R: tl.constexpr):
+    # A: (R, 2, D) contiguous (pair of maps per row); Y: (R, D); Rstd: (R,) fp32, saved for backward.
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, D)
+    ok = rows[:, None] < R
+    a1 = tl.load(A + rows[:, None] * (2 * D) + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    a2 = tl.load(A + rows[:, None] * (2 * D) + D + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    lam = tl.load(Lam).to(tl.float32)
+    w = tl.load(W + cols).to(tl.float32)
+    x = a1 - lam * a2
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
+    y = x * rstd[:, None] * w[None, :] * scale
+    tl.store(Y + rows[:, None] * D + cols[None, :], y.to(Y.dtype.element_ty), mask=ok)
+    tl.store(Rstd + rows, rstd, mask=rows < R)
+
+
+@triton.jit
+def _v1_combine_bwd(A, Lam, W, Rstd, DY, DA, DWpart, DLampart, R, scale, D: tl.constexpr, BLOCK_R: tl.constexpr):
+    # RMSNorm backward: dx = rstd * (dn - n * mean(dn * n)), dn = dy * scale * w; da1 = dx, da2 = -lam dx.
+    # Per-program partial sums of dw (D,) and dlam go to DWpart / DLampart; the caller sums them.
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, D)
+    ok = rows[:, None] < R
+    a1 = tl.load(A + rows[:, None] * (2 * D) + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    a2 = tl.load(A + rows[:, None] * (2 * D) + D + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    dy = tl.load(DY + rows[:, None] * D + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    lam = tl.load(Lam).to(tl.float32)
+    w = tl.load(W + cols).to(tl.float32)
+    rstd = tl.load(Rstd + rows, mask=rows < R, other=0.0)
+    n = (a1 - lam * a2) * rstd[:, None]
+    dn = dy * scale * w[None, :]
+    dx = rstd[:, None] * (dn - n * (tl.sum(dn * n, axis=1) / D)[:, None])
+    tl.store(DA + rows[:, None] * (2 * D) + cols[None, :], dx.to(DA.dtype.element_ty), mask=ok)
+    tl.store(DA + rows[:, None] * (2 * D) + D + cols[None, :], (-lam * dx).to(DA.dtype.element_ty), mask=ok)
+    tl.store(DWpart + pid * D + cols, tl.sum(dy * scale * n, axis=0))
+    tl.store(DLampart + pid, -tl.sum(tl.sum(dx * a2, axis=1), axis=0))
+
+
+@triton.jit
+def _v2_combine_fwd(A, Wt, Y, R, D: tl.constexpr, BLOCK_R: tl.constexpr):
+    # A: (R, 2, D) contiguous (signal, noise); Wt: (R,) noise weight per row; Y: (R, D).
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, D)
+    ok = rows[:, None] < R
+    signal = tl.load(A + rows[:, None] * (2 * D) + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    noise = tl.load(A + rows[:, None] * (2 * D) + D + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    w = tl.load(Wt + rows, mask=rows < R, other=0.0).to(tl.float32)
+    tl.store(Y + rows[:, None] * D + cols[None, :], (signal - w[:, None] * noise).to(Y.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _v2_combine_bwd(A, Wt, DY, DA, DWt, R, D: tl.constexpr, BLOCK_R: tl.constexpr):
+    # d signal = dy, d noise = -w dy, d w = -sum(dy * noise) per row.
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, D)
+    ok = rows[:, None] < R
+    noise = tl.load(A + rows[:, None] * (2 * D) + D + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    dy = tl.load(DY + rows[:, None] * D + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    w = tl.load(Wt + rows, mask=rows < R, other=0.0).to(tl.float32)
+    tl.store(DA + rows[:, None] * (2 * D) + cols[None, :], dy.to(DA.dtype.element_ty), mask=ok)
+    tl.store(DA + rows[:, None] * (2 * D) + D + cols[None, :], (-w[:, None] * dy).to(DA.dtype.element_ty), mask=ok)
+    tl.store(DWt + rows, (-tl.sum(dy * noise, axis=1)).to(DWt.dtype.element_ty), mask=rows < R)

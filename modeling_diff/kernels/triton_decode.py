@@ -1,0 +1,98 @@
+"""Triton split-KV attention for decoding steps (few query tokens): each KV-cache entry is read once per step.
+
+A program owns one (batch, kv head) and one chunk of the cached sequence. Its rows are every query of the
+kv head's GQA group (G query heads x L tokens), so the K and V tiles it loads serve the whole group; the
+chunks run in parallel (flash-decoding) and `_decode_reduce` merges their partial softmaxes.
+
+Imported only when triton is installed (see `kernels/decode.py` for the reference and the dispatch).
+"""
+
+import triton
+import triton.language as tl
+
+@triton.jit
+def _decode_partial(
+    Q, K, V, Mask, Opart, Mpart, Lpart,
+    sqb, sqh, sql, skb, skh, sks, svb, svh, svs, smb, sml, sms,
+    H_KV, S, L, chunk, splits, scale,
+    G: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    DQ: tl.constexpr, DV: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid_bh // H_KV
+    kvh = pid_bh % H_KV
+    r = tl.arange(0, BLOCK_R)
+    g = r // L  # query head within the group
+    t = r % L  # query token
+    row_ok = r < G * L
+    dq = tl.arange(0, DQ)
+    dv = tl.arange(0, DV)
+    q = tl.load(
+        Q + b * sqb + (kvh * G + g)[:, None] * sqh + t[:, None] * sql + dq[None, :], mask=row_ok[:, None], other=0.0
+    )
+    qk_scale = scale * 1.4426950408889634  # softmax in base 2
+
+    # A finite "minus infinity": a chunk whose keys are all masked stays NaN-free.
+    m_i = tl.full((BLOCK_R,), -1.0e30, tl.float32)
+    l_i = tl.zeros((BLOCK_R,), tl.float32)
+    acc = tl.zeros((BLOCK_R, DV), tl.float32)
+    start = split * chunk
+    end = tl.minimum(start + chunk, S)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < end
+        k = tl.load(K + b * skb + kvh * skh + n[None, :] * sks + dq[:, None], mask=n_ok[None, :], other=0.0)
+        s = tl.dot(q, k) * qk_scale  # (BLOCK_R, BLOCK_N), fp32
+        if HAS_MASK:
+            allowed = tl.load(
+                Mask + b * smb + t[:, None] * sml + n[None, :] * sms, mask=row_ok[:, None] & n_ok[None, :], other=0
+            ) != 0
+        else:  # causal, the L queries being the last L positions
+            allowed = n[None, :] <= (S - L + t)[:, None]
+        allowed = allowed & n_ok[None, :]
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        v = tl.load(V + b * svb + kvh * svh + n[:, None] * svs + dv[None, :], mask=n_ok[:, None], other=0.0)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    part = pid_bh * splits + split
+    tl.store(Opart + (part * BLOCK_R + r)[:, None] * DV + dv[None, :], acc)
+    tl.store(Mpart + part * BLOCK_R + r, m_i)
+    tl.store(Lpart + part * BLOCK_R + r, l_i)
+
+
+@triton.jit
+def _decode_reduce(
+    Opart, Mpart, Lpart, Out, sob, sol, soh, H_KV, L, splits,
+    G: tl.constexpr, BLOCK_R: tl.constexpr, DV: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    b = pid_bh // H_KV
+    kvh = pid_bh % H_KV
+    r = tl.arange(0, BLOCK_R)
+    dv = tl.arange(0, DV)
+    m = tl.full((BLOCK_R,), -1.0e30, tl.float32)
+    l_sum = tl.zeros((BLOCK_R,), tl.float32)
+    acc = tl.zeros((BLOCK_R, DV), tl.float32)
+    for split in range(0, splits):
+        part = pid_bh * splits + split
+        m_s = tl.load(Mpart + part * BLOCK_R + r)
+        l_s = tl.load(Lpart + part * BLOCK_R + r)
+        o_s = tl.load(Opart + (part * BLOCK_R + r)[:, None] * DV + dv[None, :])
+        m_new = tl.maximum(m, m_s)
+        alpha = tl.exp2(m - m_new)
+        beta = tl.exp2(m_s - m_new)
+        acc = acc * alpha[:, None] + o_s * beta[:, None]
+        l_sum = l_sum * alpha + l_s * beta
+        m = m_new
+    out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]  # a query with no visible key gets 0
+    g = r // L
+    t = r % L
+    ok = r < G * L
+    tl.store(Out + b * sob + t[:, None] * sol + (kvh * G + g)[:, None] * soh + dv[None, :],
+             out.to(Out.dtype.element_ty), mask=ok[:, None])
