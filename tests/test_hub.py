@@ -1,0 +1,240 @@
+"""Hub export with remote code: a flat self-contained folder that loads with trust_remote_code=True in a Python
+where `modeling_diff` is not importable, and generates the same tokens; push_to_hub uploads exactly that folder."""
+
+import ast
+import inspect
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from ecosystem_helpers import PYTHON, REPO, offline_env, readme_snippet, tiny_config
+from huggingface_hub import HfApi
+from transformers import AutoModelForCausalLM
+from transformers.dynamic_module_utils import check_imports, get_relative_import_files
+
+import modeling_diff
+from modeling_diff import DiffLlamaForCausalLM, set_anneal_step
+from modeling_diff.hub import flatten_modules, push_to_hub, save_for_hub
+
+PROMPT = [[5, 17, 99, 3, 42, 7], [8, 8, 200, 31, 64, 2]]
+
+# Runs in a fresh `python -I` (no PYTHONPATH, no cwd on sys.path) that also drops the editable-install finder and
+# every repository path but the virtual environment's, so `modeling_diff` cannot be imported: only the exported files can serve.
+FRESH_PROCESS = r"""
+import json, sys, importlib.util
+REPO = sys.argv[1]
+sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
+def in_repo(path):  # the repository's own folders; the virtual environment may live inside it
+    return (path + "/").startswith(REPO + "/") and not (path + "/").startswith(sys.prefix + "/")
+sys.path[:] = [p for p in sys.path if "__editable__" not in p and not in_repo(p)]
+sys.path_importer_cache.clear()
+result = {"modeling_diff_importable": importlib.util.find_spec("modeling_diff") is not None}
+import torch
+from transformers import AutoModelForCausalLM
+prompt = torch.tensor(json.loads(sys.argv[2]))
+for folder in sys.argv[3:]:
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+    tokens = model.generate(prompt, max_new_tokens=8, do_sample=False, attention_mask=torch.ones_like(prompt))
+    result[folder] = {"tokens": tokens.tolist(), "class": type(model).__module__ + "." + type(model).__name__}
+result["modeling_diff_loaded"] = any(name.startswith("modeling_diff") for name in sys.modules)
+print("RESULT" + json.dumps(result))
+"""
+
+
+def imported_packages(path: Path) -> set:
+    """Top-level packages of a file's absolute imports, anywhere in it."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.partition(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names.add(node.module.partition(".")[0])
+    return names
+
+
+def trained_looking_model(mode: str) -> DiffLlamaForCausalLM:
+    """A tiny model whose differential terms are all active (DEX: f_D non-zero and lambda annealed in)."""
+    torch.manual_seed(0)
+    model = DiffLlamaForCausalLM(tiny_config(mode, anneal_steps=10 if mode != "v1" else 0)).eval()
+    if mode == "dex":
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.dex_proj.weight.normal_(0, 0.3)
+        set_anneal_step(model, 5)
+    return model
+
+
+def greedy(model, prompt) -> list:
+    prompt = torch.tensor(prompt)
+    return model.generate(prompt, max_new_tokens=8, do_sample=False, attention_mask=torch.ones_like(prompt)).tolist()
+
+
+def test_remote_code_export_loads_without_the_package(tmp_path):
+    expected, folders = {}, []
+    for mode in ("v1", "v2", "dex"):
+        model = trained_looking_model(mode)
+        folder = save_for_hub(model, tmp_path / f"export-{mode}")
+        expected[str(folder)] = greedy(model, PROMPT)
+        folders.append(str(folder))
+
+        # Flat: no sub-folders; every file transformers' loader follows from auto_map exists and imports only
+        # installed packages; nothing names modeling_diff.
+        files = {p.name for p in folder.iterdir()}
+        assert all(p.is_file() for p in folder.iterdir())
+        assert {"config.json", "model.safetensors", "README.md", "modeling_diff_llama.py", "diff_attention.py",
+                "configuration_diff_llama.py"} <= files
+        auto_map = json.loads((folder / "config.json").read_text())["auto_map"]
+        assert auto_map["AutoConfig"] == "configuration_diff_llama.DiffLlamaConfig"
+        assert auto_map["AutoModelForCausalLM"] == "modeling_diff_llama.DiffLlamaForCausalLM"
+        for reference in auto_map.values():
+            module_file = folder / (reference.rpartition(".")[0] + ".py")
+            for needed in [str(module_file), *get_relative_import_files(module_file)]:
+                assert Path(needed).exists(), needed
+                check_imports(needed)
+                assert not imported_packages(Path(needed)) & {"modeling_diff"}
+
+    out = subprocess.run(
+        [PYTHON, "-I", "-c", FRESH_PROCESS, str(REPO), json.dumps(PROMPT), *folders],
+        cwd=tmp_path, env=offline_env(tmp_path), capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.split("RESULT", 1)[1])
+    assert result.pop("modeling_diff_importable") is False
+    assert result.pop("modeling_diff_loaded") is False
+    for folder in folders:
+        assert result[folder]["class"].startswith("transformers_modules."), result[folder]["class"]
+        assert result[folder]["class"].endswith(".modeling_diff_llama.DiffLlamaForCausalLM")
+        assert result[folder]["tokens"] == expected[folder]
+
+
+def test_export_loads_with_the_package_classes_when_imported(tmp_path):
+    model = trained_looking_model("v2")
+    folder = save_for_hub(model, tmp_path / "export")
+    loaded = AutoModelForCausalLM.from_pretrained(folder).eval()
+    assert type(loaded) is DiffLlamaForCausalLM
+    assert greedy(loaded, PROMPT) == greedy(model, PROMPT)
+
+
+def test_save_for_hub_writes_whole_folders_only(tmp_path):
+    model = trained_looking_model("v1")
+    target = tmp_path / "export"
+    target.mkdir()
+    (target / "keep.txt").write_text("x")
+    with pytest.raises(ValueError, match="save_directory .* not empty"):
+        save_for_hub(model, target)
+
+    class BrokenTokenizer:
+        def save_pretrained(self, folder):
+            raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        save_for_hub(model, target, tokenizer=BrokenTokenizer(), overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # no staging folder left behind
+    assert [p.name for p in target.iterdir()] == ["keep.txt"]  # the old content is untouched
+
+    save_for_hub(model, target, overwrite=True)
+    assert not (target / "keep.txt").exists() and (target / "modeling_diff_llama.py").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
+
+
+def test_push_to_hub_uploads_the_export_folder(tmp_path):
+    """No network: a recording HfApi stands in; its calls must bind to the real HfApi signatures."""
+
+    class RecordingApi:
+        calls = []
+
+        def create_repo(self, *args, **kwargs):
+            inspect.signature(HfApi.create_repo).bind(self, *args, **kwargs)
+            self.calls.append(("create_repo", args, kwargs))
+            return type("RepoUrl", (), {"repo_id": "me/tiny-diff"})()
+
+        def upload_folder(self, **kwargs):
+            inspect.signature(HfApi.upload_folder).bind(self, **kwargs)
+            folder = Path(kwargs["folder_path"])
+            self.calls.append(("upload_folder", {p.name: p.read_bytes() for p in folder.iterdir()}, kwargs))
+            return "commit-info"
+
+    model = trained_looking_model("dex")
+    api = RecordingApi()
+    assert push_to_hub(model, "me/tiny-diff", api=api, private=True) == "commit-info"
+    (_, args, kwargs), (_, uploaded, upload_kwargs) = api.calls
+    assert args == ("me/tiny-diff",) and kwargs["private"] is True and kwargs["exist_ok"] is True
+    assert upload_kwargs["repo_id"] == "me/tiny-diff" and upload_kwargs["repo_type"] == "model"
+
+    reference = save_for_hub(model, tmp_path / "reference", repo_id="me/tiny-diff")
+    assert uploaded == {p.name: p.read_bytes() for p in reference.iterdir()}
+    card = uploaded["README.md"].decode()
+    assert "custom_code" in card and 'from_pretrained("me/tiny-diff", trust_remote_code=True)' in card
+    with pytest.raises(ValueError, match="repo_id"):
+        push_to_hub(model, "a/b/c", api=api)
+
+
+def write_package(root: Path, files: dict) -> None:
+    for name, source in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(source))
+
+
+def test_flatten_follows_reexports_lazy_and_optional_imports(tmp_path, monkeypatch):
+    """The import-graph walk on a nested package shaped like ours (a re-exporting sub-package, a lazily imported
+    optional kernels sub-package): the flat files work as one package, and transformers' loader finds them all."""
+    write_package(tmp_path / "src", {
+        "pkgx/__init__.py": "from .model import Model\n",
+        "pkgx/conf/__init__.py": "from .settings import Settings as Settings\n",
+        "pkgx/conf/settings.py": "class Settings:\n    scale = 3\n",
+        "pkgx/helpers.py": "def double(x):\n    return 2 * x\n",
+        "pkgx/kernels/__init__.py": "",
+        "pkgx/kernels/fast.py": "from ..helpers import double\n\ndef triple(x):\n    return double(x) + x\n",
+        "pkgx/model.py": """\
+            from .conf import Settings
+            from pkgx.helpers import double as twice
+
+
+            class Model:
+                def run(self, x):
+                    try:
+                        from .kernels.fast import triple  # optional, lazy
+                    except ImportError:
+                        triple = None
+                    from . import helpers
+                    return twice(x) * Settings.scale, helpers.double(x), triple(x)
+            """,
+    })
+    monkeypatch.syspath_prepend(str(tmp_path / "src"))
+    sources = flatten_modules(["pkgx.model"])
+    assert sorted(sources) == ["fast", "helpers", "model", "settings"]
+
+    flat = tmp_path / "flat" / "flatpkg"
+    write_package(flat, {"__init__.py": "", **{f"{name}.py": src for name, src in sources.items()}})
+    assert {Path(f).name for f in get_relative_import_files(flat / "model.py")} == {"fast.py", "helpers.py",
+                                                                                      "settings.py"}
+    monkeypatch.syspath_prepend(str(tmp_path / "flat"))
+    from flatpkg.model import Model
+
+    assert Model().run(5) == (30, 10, 15)
+    assert "pkgx" not in sys.modules["flatpkg.model"].__dict__
+
+    bad = {"pkgy/__init__.py": "", "pkgy/a.py": "import pkgy.b\n", "pkgy/b.py": "",
+           "pkgy/star.py": "from .b import *\n", "pkgy/sub/__init__.py": "", "pkgy/sub/b.py": "",
+           "pkgy/clash.py": "from .b import x\nfrom .sub.b import y\n"}
+    write_package(tmp_path / "src", bad)
+    with pytest.raises(ValueError, match="cannot be exported as flat"):
+        flatten_modules(["pkgy.a"])
+    with pytest.raises(ValueError, match=r"import \*"):
+        flatten_modules(["pkgy.star"])
+    with pytest.raises(ValueError, match=r"would both be exported as b.py"):
+        flatten_modules(["pkgy.clash"])
+
+
+def test_readme_hub_snippet(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    exec(readme_snippet("hub"), {})
+    folder = tmp_path / "diffllama-tiny"
+    assert json.loads((folder / "config.json").read_text())["auto_map"]["AutoConfig"].startswith("configuration_")
+    assert (folder / "modeling_diff_llama.py").exists()
+    assert modeling_diff.__name__ == "modeling_diff"
