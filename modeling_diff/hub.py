@@ -14,7 +14,8 @@ together with the files named by its `from .x import y` lines (recursively), and
 itself is nested (`modeling_diff.configuration` is another folder), so its code is carried by following the
 import graph from the modules of the exported classes: every internal import, also lazy ones inside functions
 or try blocks (optional kernels), is resolved to the module that *defines* the imported name, and that module
-is carried under its own name.
+is carried under its own name; a package `__init__` that does more than re-export (e.g. registers an attention
+implementation) is carried itself, under the package's name.
 """
 
 import ast
@@ -149,9 +150,9 @@ class _ImportFlattener:
         """(module, name) where `name`, as seen in `module_name`, is defined: follows a package's re-exports."""
         if _spec(module_name) is None:
             raise ValueError(f"{importer} imports {name!r} from {module_name!r}, which is not a module")
-        if not _is_package(module_name):
-            return module_name, name
-        for node in ast.parse(_source(module_name)).body:  # an __init__'s own top-level re-exports
+        if not _is_package(module_name) or not _only_reexports(module_name):
+            return module_name, name  # an __init__ that does more than re-export (registers something) is carried
+        for node in ast.parse(_source(module_name)).body:
             if isinstance(node, ast.ImportFrom) and node.level > 0:
                 for alias in node.names:
                     if (alias.asname or alias.name) == name:
@@ -160,6 +161,17 @@ class _ImportFlattener:
                             return module_name, name  # a submodule bound in the package: carry the __init__ itself
                         return self._definition(base, alias.name, importer)
         return module_name, name  # defined in the __init__ itself
+
+
+def _only_reexports(module_name: str) -> bool:
+    """Whether a module's top level holds nothing but imports, a docstring and `__all__`: importing it has no
+    effect of its own, so its names can be taken from the modules that define them."""
+    for node in ast.parse(_source(module_name)).body:
+        docstring = isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+        dunder_all = isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["__all__"]
+        if not (isinstance(node, (ast.Import, ast.ImportFrom)) or docstring or dunder_all):
+            return False
+    return True
 
 
 def flatten_modules(roots: list[str]) -> dict[str, str]:

@@ -51,7 +51,10 @@ def _sm_count(device: torch.device) -> int:
 def _decode_op():
     """Registers the kernel as the custom op `modeling_diff::decode_attention` (traceable by torch.compile
     with fullgraph=True); built on first use so that importing the package never imports triton."""
-    import triton
+    try:  # guarded: transformers' remote-code loader requires unguarded imports of a Hub export to be installed
+        import triton
+    except ImportError as error:
+        raise ImportError("modeling_diff's Triton decode kernel needs the triton package") from error
     from torch.library import triton_op, wrap_triton
 
     from .triton_decode import _decode_partial, _decode_reduce

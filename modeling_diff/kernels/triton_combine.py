@@ -7,8 +7,13 @@ V1 (per row, D = 2d):  x = a1 - lam * a2,  n = x * rsqrt(mean(x^2) + eps),  y = 
 V2 (per row, D = d):   y = a_signal - w_row * a_noise
 """
 
-import triton
-import triton.language as tl
+# In a try block because transformers' remote-code loader requires every *unguarded* import of a Hub export's
+# files to be installed; this module is imported only where triton is (see _triton.triton_available).
+try:
+    import triton
+    import triton.language as tl
+except ImportError as error:
+    raise ImportError("modeling_diff's Triton kernels need the triton package") from error
 
 
 @triton.jit

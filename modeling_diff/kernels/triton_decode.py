@@ -7,8 +7,13 @@ chunks run in parallel (flash-decoding) and `_decode_reduce` merges their partia
 Imported only when triton is installed (see `kernels/decode.py` for the reference and the dispatch).
 """
 
-import triton
-import triton.language as tl
+# In a try block because transformers' remote-code loader requires every *unguarded* import of a Hub export's
+# files to be installed; this module is imported only where triton is (see _triton.triton_available).
+try:
+    import triton
+    import triton.language as tl
+except ImportError as error:
+    raise ImportError("modeling_diff's Triton kernels need the triton package") from error
 
 @triton.jit
 def _decode_partial(
