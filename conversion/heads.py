@@ -1,0 +1,86 @@
+"""Which heads of each layer carry the DEX operator.
+
+DEX (arXiv 2505.16333) adapts the heads whose attention is diffuse: high-entropy heads, which the paper finds
+to matter least to the pretrained model. The paper gives no exact recipe, so ours is:
+- score of head (l, i) = mean over calibration sequences and query positions of the entropy (nats) of its
+  softmax attention row, -sum_s p_s log p_s, computed on the source model itself;
+- per layer, the ceil(fraction * h) heads of highest score (default fraction 0.5).
+
+Calibration streams the checkpoint layer by layer (a layer's tensors are read, run, released), so it needs
+the memory of one layer plus the activations, whatever the size of the model.
+"""
+
+import copy
+import math
+from collections.abc import Callable
+
+import torch
+from tqdm.auto import tqdm
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from modeling_diff.modeling_diff_llama import DiffLlamaDecoderLayer
+
+from .mapping import TensorMapping
+
+HEAD_CHOICES = ("entropy", "all")
+
+
+def resolve_heads(heads, num_layers: int, num_heads: int) -> list[list[int]] | None:
+    """`"all"` or an explicit choice -> one sorted list per layer; `"entropy"` -> None (calibrate).
+    An explicit choice is one list of head indices for every layer, or one list per layer."""
+    if isinstance(heads, str):
+        if heads not in HEAD_CHOICES:
+            raise ValueError(f"heads must be one of {HEAD_CHOICES} or a list of head indices, got {heads!r}")
+        return None if heads == "entropy" else [list(range(num_heads)) for _ in range(num_layers)]
+    heads = list(heads)
+    if all(isinstance(h, int) for h in heads):
+        heads = [heads] * num_layers
+    if len(heads) != num_layers or not all(isinstance(layer, (list, tuple)) for layer in heads):
+        raise ValueError(f"heads must be a list of head indices or one such list per layer ({num_layers}), got {heads!r}")
+    for layer_idx, layer in enumerate(heads):
+        if len(set(layer)) != len(layer) or any(not isinstance(h, int) or not 0 <= h < num_heads for h in layer):
+            raise ValueError(f"heads[{layer_idx}] must hold distinct head indices in [0, {num_heads}), got {list(layer)}")
+    return [sorted(layer) for layer in heads]
+
+
+@torch.no_grad()
+def attention_entropy(
+    get_tensor: Callable[[str], torch.Tensor], mapping: TensorMapping, calibration_ids: torch.Tensor, progress: bool = True,
+) -> torch.Tensor:
+    """Mean attention entropy of every head of the source model on `calibration_ids` (B, L): (num_layers, h).
+
+    `get_tensor(name)` returns a source tensor; `mapping` is the DEX mapping of the source, whose layers (with
+    f_D = 0) compute the source's attention exactly.
+    """
+    if calibration_ids.ndim != 2 or calibration_ids.shape[1] < 2:
+        raise ValueError(f"calibration_ids must have shape (batch, length >= 2), got {tuple(calibration_ids.shape)}")
+    config = copy.deepcopy(mapping.config)
+    config._attn_implementation = "eager"  # the only backend that materialises the softmax maps
+    hidden = torch.nn.functional.embedding(calibration_ids, get_tensor("model.embed_tokens.weight").float())
+    length = calibration_ids.shape[1]
+    position_embeddings = LlamaRotaryEmbedding(config=config)(hidden, torch.arange(length)[None])
+    causal_mask = torch.full((length, length), float("-inf")).triu(1)[None, None]  # added to the scores by eager
+
+    entropies = []
+    for layer_idx in tqdm(range(config.num_hidden_layers), desc="calibrating heads", disable=not progress):
+        prefix = f"model.layers.{layer_idx}."
+        state = {name: get_tensor(name).float() for name in mapping.source_shapes if name.startswith(prefix)}
+        state.update({name: t.float() for name, t in mapping.layer_extras(layer_idx, torch.float32).items()})
+        layer = DiffLlamaDecoderLayer(config, layer_idx)
+        layer.load_state_dict({name.removeprefix(prefix): t for name, t in state.items()})
+        captured = {}
+        hook = layer.self_attn.register_forward_hook(lambda module, args, output: captured.update(maps=output[1]))
+        hidden = layer(hidden, attention_mask=causal_mask, position_embeddings=position_embeddings)
+        hook.remove()
+        maps = captured["maps"]  # (B, h, L, L), rows sum to 1, zeros above the diagonal
+        entropy = -(maps * maps.clamp_min(1e-30).log()).sum(-1)  # (B, h, L)
+        entropies.append(entropy.mean(dim=(0, 2)))
+    return torch.stack(entropies)
+
+
+def top_entropy_heads(entropy: torch.Tensor, fraction: float = 0.5) -> list[list[int]]:
+    """Per layer, the ceil(fraction * h) heads of highest entropy, sorted by index."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"head_fraction must be in (0, 1], got {fraction}")
+    count = math.ceil(fraction * entropy.shape[1])
+    return [sorted(row.topk(count).indices.tolist()) for row in entropy]
