@@ -119,21 +119,12 @@ def build(cls, mode, layer_idx=1, **overrides):
 
 
 @pytest.mark.parametrize("pad_left", [[0, 0], [0, 3]])
-def test_v1_matches_reference(pad_left):
-    attn = build(DiffAttentionV1, "v1")
+@pytest.mark.parametrize("cls, mode, reference", [(DiffAttentionV1, "v1", reference_v1), (DiffAttentionV2, "v2", reference_v2)])
+def test_differential_attention_matches_reference(cls, mode, reference, pad_left):
+    attn = build(cls, mode)
     x, (cos, sin), mask = torch.randn(B, L, 64), rope_tables(L, attn.head_dim), causal_padding_mask(pad_left)
     out, maps = attn(x, (cos, sin), attention_mask=mask)
-    ref_out, ref_maps = reference_v1(attn, x, cos, sin, mask)
-    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(maps, ref_maps, atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("pad_left", [[0, 0], [0, 3]])
-def test_v2_matches_reference(pad_left):
-    attn = build(DiffAttentionV2, "v2")
-    x, (cos, sin), mask = torch.randn(B, L, 64), rope_tables(L, attn.head_dim), causal_padding_mask(pad_left)
-    out, maps = attn(x, (cos, sin), attention_mask=mask)
-    ref_out, ref_maps = reference_v2(attn, x, cos, sin, mask)
+    ref_out, ref_maps = reference(attn, x, cos, sin, mask)
     torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(maps, ref_maps, atol=1e-5, rtol=1e-5)
 
