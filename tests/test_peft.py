@@ -1,0 +1,100 @@
+"""PEFT LoRA on every diff_mode: adapters on q/k/v/o and the MLP, the differential parameters trained alongside,
+saved and loaded with the adapter; merge_and_unload keeps the logits."""
+
+import pytest
+import torch
+from ecosystem_helpers import byte_tokenizer, readme_snippet, shakespeare, text_blocks, tiny_config
+from peft import PeftModel
+
+from modeling_diff import DiffLlamaForCausalLM
+from modeling_diff.lora import LORA_TARGET_MODULES, get_lora_model, lora_config, save_lora
+
+MODES = ("v1", "v2", "dex")
+# What differential attention adds, per mode, as parameter-name suffixes of one attention module.
+DIFFERENTIAL = {
+    "v1": ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2", "subln.weight"),
+    "v2": ("lambda_proj.weight",),
+    "dex": ("dex_proj.weight", "lambda_learn"),
+}
+
+
+def base_model(mode: str) -> DiffLlamaForCausalLM:
+    torch.manual_seed(0)
+    return DiffLlamaForCausalLM(tiny_config(mode))
+
+
+def active_value(model, layer: int, suffix: str) -> torch.Tensor:
+    """The value the forward pass uses (for a module in modules_to_save: its trained copy)."""
+    attention = model.get_base_model().model.layers[layer].self_attn
+    owner, _, name = suffix.rpartition(".")
+    module = getattr(attention, owner) if owner else attention
+    if hasattr(module, "modules_to_save"):  # PEFT's ModulesToSaveWrapper: the trained copy is the active one
+        module = module.modules_to_save["default"]
+    return getattr(module, name).detach().clone()
+
+
+@pytest.fixture(scope="module")
+def batches():
+    return text_blocks(shakespeare(), byte_tokenizer(), block=64, count=32).split(8)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_lora_trains_adapter_and_differential_parameters_and_reloads(mode, batches, tmp_path):
+    model = get_lora_model(base_model(mode), lora_config(r=4, lora_alpha=8, lora_dropout=0.0))
+
+    # A module in modules_to_save trains its copy, "<module>.modules_to_save.default.<parameter>".
+    trainable = {n.replace(".modules_to_save.default", "") for n, p in model.named_parameters() if p.requires_grad}
+    frozen_base = {name for name, p in model.named_parameters() if not p.requires_grad}
+    for target in LORA_TARGET_MODULES:  # every projection of every layer carries an adapter
+        assert sum(f".{target}.lora_A." in n for n in trainable) == model.config.num_hidden_layers, target
+    for suffix in DIFFERENTIAL[mode]:
+        assert sum(n.endswith(suffix) for n in trainable) == model.config.num_hidden_layers, suffix
+    assert all(("lora_" in n) or any(n.endswith(s) for s in DIFFERENTIAL[mode]) for n in trainable)
+    assert any(n.endswith("q_proj.base_layer.weight") for n in frozen_base)
+
+    before = {s: active_value(model, 0, s) for s in DIFFERENTIAL[mode]}
+    base_q = model.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight.detach().clone()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model.train()
+    losses = []
+    for step in range(12):
+        batch = batches[step % len(batches)]
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    model.eval()
+    assert sum(losses[-3:]) < sum(losses[:3])
+    for suffix, value in before.items():
+        assert not torch.equal(active_value(model, 0, suffix), value), f"{suffix} was not trained"
+    torch.testing.assert_close(model.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight, base_q)
+
+    probe = batches[0][:2]
+    with torch.no_grad():
+        expected = model(input_ids=probe).logits
+    save_lora(model, tmp_path / "adapter")
+    reloaded = PeftModel.from_pretrained(base_model(mode), tmp_path / "adapter").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=probe).logits, expected)
+    for suffix in DIFFERENTIAL[mode]:
+        torch.testing.assert_close(active_value(reloaded, 1, suffix), active_value(model, 1, suffix))
+
+    merged = model.merge_and_unload()
+    assert type(merged) is DiffLlamaForCausalLM
+    assert not any("lora_" in n or "modules_to_save" in n for n, _ in merged.named_parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=probe).logits, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_differential_parameters_can_stay_frozen():
+    model = get_lora_model(base_model("v1"), lora_config(modules_to_save=None), train_differential=False)
+    assert all("lora_" in name for name, p in model.named_parameters() if p.requires_grad)
+
+
+def test_readme_peft_snippet(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    scope = {}
+    exec(readme_snippet("peft"), scope)
+    assert (tmp_path / "diffllama-lora" / "adapter_model.safetensors").exists()
+    assert isinstance(scope["merged"], DiffLlamaForCausalLM)
