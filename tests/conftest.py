@@ -6,6 +6,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+if not torch.cuda.is_available():  # Triton kernels then run through its interpreter; must precede `import triton`
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import modeling_diff  # noqa: E402, F401  (registers the Auto classes)
 from modeling_diff import DiffLlamaConfig, DiffLlamaForCausalLM  # noqa: E402
 

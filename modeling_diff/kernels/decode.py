@@ -30,10 +30,11 @@ def decode_attention_reference(query, key, value, mask, scale):
 
 
 def decode_kernel_applies(query, key, value, mask, dropout: float) -> bool:
-    """Shapes and options the kernel covers; everything else goes to SDPA."""
+    """Shapes and options the kernel covers (forward only: no gradient); everything else goes to SDPA."""
     groups = query.shape[1] // key.shape[1]
     return (
-        triton_available()
+        not (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)))
+        and triton_available()
         and (query.is_cuda or triton_interpreting())
         and dropout == 0.0
         and groups * query.shape[2] <= MAX_GROUP_ROWS
@@ -71,9 +72,10 @@ def _decode_op():
         groups = q_heads // kv_heads
         block_rows = max(16, triton.next_power_of_2(groups * length))
         block_n = 64
-        # Enough chunks for about two programs per multiprocessor.
-        splits = max(1, min(triton.cdiv(2 * _sm_count(query.device), batch * kv_heads), triton.cdiv(kv_length, block_n)))
-        chunk = triton.cdiv(triton.cdiv(kv_length, splits), block_n) * block_n
+        # Enough chunks for about two programs per multiprocessor; the chunk length is a power of two (a
+        # compile-time constant of the kernel), so a growing cache changes it, and recompiles, rarely.
+        target = max(1, triton.cdiv(2 * _sm_count(query.device), batch * kv_heads))
+        chunk = max(block_n, triton.next_power_of_2(triton.cdiv(kv_length, target)))
         splits = triton.cdiv(kv_length, chunk)
         parts = batch * kv_heads * splits * block_rows
         out_part = torch.empty(parts, v_dim, dtype=torch.float32, device=query.device)
@@ -91,12 +93,13 @@ def _decode_op():
             key.stride(0), key.stride(1), key.stride(2),
             value.stride(0), value.stride(1), value.stride(2),
             *mask_strides,
-            kv_heads, kv_length, length, chunk, splits, scale,
-            G=groups, HAS_MASK=mask is not None, BLOCK_R=block_rows, BLOCK_N=block_n, DQ=q_dim, DV=v_dim,
+            kv_heads, kv_length, length, splits, scale,
+            G=groups, HAS_MASK=mask is not None, BLOCK_R=block_rows, BLOCK_N=block_n, DQ=q_dim, DV=v_dim, CHUNK=chunk,
         )
         launcher(_decode_reduce)[(batch * kv_heads,)](
             out_part, max_part, sum_part, out, out.stride(0), out.stride(1), out.stride(2),
             kv_heads, length, splits, G=groups, BLOCK_R=block_rows, DV=v_dim,
+            MAX_SPLITS=triton.next_power_of_2(splits),
         )
         return out
 

@@ -19,9 +19,9 @@ except ImportError as error:
 def _decode_partial(
     Q, K, V, Mask, Opart, Mpart, Lpart,
     sqb, sqh, sql, skb, skh, sks, svb, svh, svs, smb, sml, sms,
-    H_KV, S, L, chunk, splits, scale,
+    H_KV, S, L, splits, scale,
     G: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    DQ: tl.constexpr, DV: tl.constexpr,
+    DQ: tl.constexpr, DV: tl.constexpr, CHUNK: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -42,11 +42,10 @@ def _decode_partial(
     m_i = tl.full((BLOCK_R,), -1.0e30, tl.float32)
     l_i = tl.zeros((BLOCK_R,), tl.float32)
     acc = tl.zeros((BLOCK_R, DV), tl.float32)
-    start = split * chunk
-    end = tl.minimum(start + chunk, S)
-    for n0 in range(start, end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = n < end
+    start = split * CHUNK  # CHUNK: a power of two >= BLOCK_N, so a growing cache recompiles rarely
+    for n0 in range(0, CHUNK, BLOCK_N):
+        n = start + n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < S
         k = tl.load(K + b * skb + kvh * skh + n[None, :] * sks + dq[:, None], mask=n_ok[None, :], other=0.0)
         s = tl.dot(q, k) * qk_scale  # (BLOCK_R, BLOCK_N), fp32
         if HAS_MASK:
@@ -74,7 +73,7 @@ def _decode_partial(
 @triton.jit
 def _decode_reduce(
     Opart, Mpart, Lpart, Out, sob, sol, soh, H_KV, L, splits,
-    G: tl.constexpr, BLOCK_R: tl.constexpr, DV: tl.constexpr,
+    G: tl.constexpr, BLOCK_R: tl.constexpr, DV: tl.constexpr, MAX_SPLITS: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     b = pid_bh // H_KV
@@ -84,11 +83,12 @@ def _decode_reduce(
     m = tl.full((BLOCK_R,), -1.0e30, tl.float32)
     l_sum = tl.zeros((BLOCK_R,), tl.float32)
     acc = tl.zeros((BLOCK_R, DV), tl.float32)
-    for split in range(0, splits):
+    for split in range(0, MAX_SPLITS):  # MAX_SPLITS: splits rounded up to a power of two
         part = pid_bh * splits + split
-        m_s = tl.load(Mpart + part * BLOCK_R + r)
-        l_s = tl.load(Lpart + part * BLOCK_R + r)
-        o_s = tl.load(Opart + (part * BLOCK_R + r)[:, None] * DV + dv[None, :])
+        live = split < splits
+        m_s = tl.load(Mpart + part * BLOCK_R + r, mask=live, other=-1.0e30)
+        l_s = tl.load(Lpart + part * BLOCK_R + r, mask=live, other=0.0)
+        o_s = tl.load(Opart + (part * BLOCK_R + r)[:, None] * DV + dv[None, :], mask=live, other=0.0)
         m_new = tl.maximum(m, m_s)
         alpha = tl.exp2(m - m_new)
         beta = tl.exp2(m_s - m_new)

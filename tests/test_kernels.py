@@ -1,0 +1,286 @@
+"""The Triton kernels and the fast attention paths against references written here from the formulas.
+
+On a CPU (CI) the kernels run through Triton's interpreter (TRITON_INTERPRET=1) on tiny shapes in float32.
+On a GPU the same tests run at the ~1.1B model's shapes in bfloat16 (`pytest tests/test_kernels.py` on the
+accelerator machine); tolerances follow the dtype.
+"""
+
+import functools
+import math
+import sys
+import types
+
+import pytest
+import torch
+from conftest import MODES, tiny_model  # conftest sets TRITON_INTERPRET=1 where there is no GPU
+from transformers import DynamicCache, StaticCache
+
+from modeling_diff import preset_config
+from modeling_diff.kernels.combine import v1_combine_triton, v2_combine_triton
+from modeling_diff.kernels.decode import decode_attention
+
+GPU = torch.cuda.is_available()
+DEVICE = "cuda" if GPU else "cpu"
+DTYPE = torch.bfloat16 if GPU else torch.float32
+TOL = 2e-2 if GPU else 1e-5  # relative error ||out - ref|| / ||ref||
+GRAD_TOL = 5e-2 if GPU else 1e-3  # gradients of a whole model: summation orders differ between backends
+if GPU:  # the ~1.1B model's attention: V1 16 heads of 2*64 over 4 kv heads, V2 64 query heads of 64 over 8
+    B, L, H, D = 4, 1024, 16, 128
+else:
+    B, L, H, D = 2, 5, 3, 16
+
+
+def rel_err(out, ref):
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def rand(*shape, grad=False):
+    return torch.randn(*shape, device=DEVICE, dtype=DTYPE).requires_grad_(grad)
+
+
+class Norm(torch.nn.Module):  # what the kernel reads of LlamaRMSNorm: weight and variance_epsilon
+    def __init__(self, width):
+        super().__init__()
+        self.weight = torch.nn.Parameter(1 + 0.1 * torch.randn(width, device=DEVICE, dtype=DTYPE))
+        self.variance_epsilon = 1e-5
+
+
+def test_v1_combine_forward_and_gradients_match_the_formula():
+    torch.manual_seed(0)
+    attn = rand(B, L, 2 * H, D, grad=True)
+    lam = torch.tensor(0.37, device=DEVICE, requires_grad=True)
+    norm, scale = Norm(D), 1 - 0.44
+    grad_out = rand(B, L, H, D)
+
+    out = v1_combine_triton(attn, lam, norm, scale)
+    grads = torch.autograd.grad(out, (attn, lam, norm.weight), grad_out)
+
+    # (1 - lambda_init) * RMSNorm_w(A1 V - lambda A2 V), each pair (2i, 2i+1); float64
+    a64, lam64, w64 = (t.detach().double().requires_grad_() for t in (attn, lam, norm.weight))
+    x = a64[:, :, 0::2] - lam64 * a64[:, :, 1::2]
+    ref = scale * w64 * x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-5)
+    ref_grads = torch.autograd.grad(ref, (a64, lam64, w64), grad_out.double())
+
+    assert out.shape == (B, L, H, D) and out.dtype == DTYPE
+    assert rel_err(out, ref) < TOL
+    for got, want in zip(grads, ref_grads):
+        assert rel_err(got, want) < TOL
+
+
+def test_v2_combine_forward_and_gradients_match_the_formula():
+    torch.manual_seed(1)
+    attn = rand(B, L, 2 * H, D // 2, grad=True)
+    weight = torch.sigmoid(rand(B, L, H)).detach().requires_grad_()
+    grad_out = rand(B, L, H, D // 2)
+
+    out = v2_combine_triton(attn, weight)
+    grads = torch.autograd.grad(out, (attn, weight), grad_out)
+
+    a64, w64 = (t.detach().double().requires_grad_() for t in (attn, weight))
+    ref = a64[:, :, 0::2] - w64[..., None] * a64[:, :, 1::2]
+    ref_grads = torch.autograd.grad(ref, (a64, w64), grad_out.double())
+
+    assert rel_err(out, ref) < TOL
+    for got, want in zip(grads, ref_grads):
+        assert rel_err(got, want) < TOL
+
+
+def attention_formula(q, k, v, visible, scale):
+    """Per query head j: softmax(q_j k_{j // G}^T scale, masked where not visible) v_{j // G}; float64.
+    q (B, Hq, L, Dq), k (B, Hkv, S, Dq), v (B, Hkv, S, Dv), visible (B, L, S) -> (B, L, Hq, Dv)."""
+    groups = q.shape[1] // k.shape[1]
+    out = []
+    for j in range(q.shape[1]):
+        scores = q[:, j].double() @ k[:, j // groups].double().transpose(-1, -2) * scale
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out.append(torch.softmax(scores, dim=-1) @ v[:, j // groups].double())
+    return torch.stack(out, dim=2)
+
+
+# (query heads, kv heads, query tokens, cached tokens, q width, v width): V1-like (q = v = 2d), V2-like (2h
+# query heads), plain GQA (DEX), a short chunked prefill, and a cache longer than the split chunks
+DECODE_CASES = (
+    [(32, 4, 1, 2048, 128, 128), (64, 8, 1, 4096, 64, 64), (32, 8, 1, 8192, 64, 64), (32, 8, 2, 1000, 64, 64)]
+    if GPU
+    else [(8, 2, 1, 37, 32, 32), (6, 2, 1, 300, 16, 32), (4, 4, 3, 70, 16, 16), (2, 1, 1, 200, 16, 16)]
+)
+
+
+@pytest.mark.parametrize("q_heads,kv_heads,length,kv_length,q_dim,v_dim", DECODE_CASES)
+@pytest.mark.parametrize("masked", [False, True])
+def test_decode_attention_matches_the_formula(q_heads, kv_heads, length, kv_length, q_dim, v_dim, masked):
+    torch.manual_seed(2)
+    batch = 3
+    q = rand(batch, q_heads, length, q_dim)
+    k, v = rand(batch, kv_heads, kv_length, q_dim), rand(batch, kv_heads, kv_length, v_dim)
+    # Unmasked: causal with the queries last. Masked: each row also left-padded and with a few random holes
+    # (a static cache's empty tail looks the same); the first row hides whole chunks of the sequence.
+    positions = torch.arange(kv_length, device=DEVICE)
+    visible = positions[None, None, :] <= (kv_length - length + torch.arange(length, device=DEVICE))[None, :, None]
+    visible = visible.expand(batch, length, kv_length).clone()
+    mask = None
+    if masked:
+        visible &= torch.rand(batch, length, kv_length, device=DEVICE) > 0.2
+        visible[0, :, : kv_length * 2 // 3] = False
+        visible[1, :, : kv_length // 3] = False
+        visible[:, :, -1] = True
+        mask = visible[:, None]  # (B, 1, L, S) bool, as transformers' sdpa mask
+    scale = 1 / math.sqrt(q_dim // 2)
+
+    out = decode_attention(q, k, v, mask, scale)
+
+    assert out.shape == (batch, length, q_heads, v_dim)
+    assert rel_err(out, attention_formula(q, k, v, visible, scale)) < TOL
+
+
+def test_decode_attention_reads_strided_cache_views():
+    """V1 hands the kernel views of the cache (key = K1|K2 slices are not copied)."""
+    torch.manual_seed(3)
+    cache = rand(2, 2, 64, 2 * 32)
+    q = rand(2, 4, 1, 32)
+    k, v = cache[..., :32], cache[..., 32:]
+    visible = torch.ones(2, 1, 64, dtype=torch.bool, device=DEVICE)
+    assert rel_err(decode_attention(q, k, v, None, 0.2), attention_formula(q, k, v, visible, 0.2)) < TOL
+
+
+# ---- the model on the fast paths --------------------------------------------------------------------------
+
+
+def model_pair(mode, fast_implementation):
+    """The same weights twice: eager (the reference) and the fast implementation."""
+    if GPU:  # two layers of the ~1.1B shape
+        overrides = dict(preset_config(f"1.1b-{mode}").to_diff_dict(), num_hidden_layers=2, vocab_size=1000)
+        overrides = {k: v for k, v in overrides.items() if k not in ("model_type", "transformers_version")}
+    else:
+        overrides = {}
+    eager = tiny_model(mode, **overrides).to(DEVICE, DTYPE)
+    fast = tiny_model(mode, attn_implementation=fast_implementation, **overrides).to(DEVICE, DTYPE)
+    fast.load_state_dict(eager.state_dict())
+    return eager, fast
+
+
+def padded_batch(vocab, batch=2, length=12, pad=4):
+    ids = torch.randint(3, vocab, (batch, length), device=DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, :pad] = 0  # left padding
+    ids[1, :pad] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fast_path_forward_and_gradients_equal_eager(mode):
+    """`sdpa` on CUDA takes the fast path (the fused combine; the split-KV kernel for decoding)."""
+    eager, fast = model_pair(mode, "sdpa" if GPU else "diff_triton")
+    eager.train(), fast.train()
+    ids, mask = padded_batch(eager.config.vocab_size, length=256 if GPU else 12)
+    for use_mask in (None, mask):
+        # No loss predicted from a padded position (its output is arbitrary under every backend).
+        labels = ids if use_mask is None else ids.masked_fill(use_mask.roll(1, dims=1) == 0, -100)
+        losses = [m(ids, attention_mask=use_mask, labels=labels).loss for m in (eager, fast)]
+        for loss, model in zip(losses, (eager, fast)):
+            model.zero_grad()
+            loss.backward()
+        assert abs(losses[0].item() - losses[1].item()) < TOL * abs(losses[0].item())
+        for (name, p_eager), p_fast in zip(eager.named_parameters(), fast.parameters()):
+            if p_eager.grad is not None and p_eager.grad.norm() > 0:
+                assert rel_err(p_fast.grad, p_eager.grad) < GRAD_TOL, name
+
+
+@torch.no_grad()  # as in generate(); the kernel has no backward
+def decode(model, cache_class, ids, mask, steps):
+    """Last-position logits of the prefill and of each decoding step (B, 1 + steps, vocab)."""
+    if cache_class is StaticCache:
+        cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + steps.shape[1] + 3)
+    else:
+        cache = DynamicCache(config=model.config)
+    logits = [model(ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits[:, -1]]
+    for t in range(steps.shape[1]):
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        logits.append(model(steps[:, t : t + 1], attention_mask=mask, past_key_values=cache).logits[:, -1])
+    return torch.stack(logits, 1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("cache_class", [DynamicCache, StaticCache])
+def test_decoding_steps_on_the_kernel_equal_eager(mode, cache_class, monkeypatch):
+    """Prefill, then decoding steps through the split-KV kernel, with left padding, dynamic and static caches."""
+    import modeling_diff.kernels.attention as fast_attention
+
+    kernel_calls = []
+    kernel = fast_attention.decode_attention
+    monkeypatch.setattr(fast_attention, "decode_attention", lambda *a: kernel_calls.append(1) or kernel(*a))
+    eager, fast = model_pair(mode, "sdpa" if GPU else "diff_triton")
+    ids, mask = padded_batch(eager.config.vocab_size)
+    steps = torch.randint(3, eager.config.vocab_size, (ids.shape[0], 4), device=DEVICE)
+    logits = [decode(model, cache_class, ids, mask, steps) for model in (eager, fast)]
+    assert rel_err(logits[1], logits[0]) < TOL
+    assert len(kernel_calls) >= steps.shape[1] * eager.config.num_hidden_layers  # every decoding step (+ short prefills)
+
+
+# ---- flash_attention_2, through a stand-in with flash_attn's call signature ---------------------------------
+
+
+def _flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                     alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash_attn 2's contract: (B, L, Hq, D) inputs, GQA by head count, causal aligned bottom-right."""
+    batch, length, kv_length = q.shape[0], q.shape[1], k.shape[1]
+    visible = torch.ones(length, kv_length, dtype=torch.bool, device=q.device)
+    if causal:
+        visible = visible.tril(kv_length - length)
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    out = attention_formula(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), visible.expand(batch, -1, -1), scale)
+    return out.to(q.dtype)
+
+
+def _flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                            deterministic=False, return_attn_probs=False, block_table=None):
+    """Packed sequences (total tokens, H, D), sequence i at cu_seqlens[i]:cu_seqlens[i + 1]."""
+    outs = []
+    for i in range(len(cu_seqlens_q) - 1):
+        qs, ks = slice(cu_seqlens_q[i], cu_seqlens_q[i + 1]), slice(cu_seqlens_k[i], cu_seqlens_k[i + 1])
+        outs.append(_flash_attn_func(q[None, qs], k[None, ks], v[None, ks], dropout_p, softmax_scale, causal)[0])
+    return torch.cat(outs)
+
+
+@pytest.fixture
+def flash_attn_stand_in(monkeypatch):
+    import transformers.modeling_flash_attention_utils as fa_utils
+
+    calls = []
+
+    def recorded(name, fn):  # keeps fn's signature: transformers reads it to decide which arguments to pass
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            calls.append(name)
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    package = types.ModuleType("flash_attn")
+    package.flash_attn_func = recorded("dense", _flash_attn_func)
+    package.flash_attn_varlen_func = recorded("varlen", _flash_attn_varlen_func)
+    package.flash_attn_with_kvcache = None
+    padding = types.ModuleType("flash_attn.bert_padding")
+    padding.pad_input, padding.unpad_input = fa_utils._pad_input, fa_utils._unpad_input
+    monkeypatch.setitem(sys.modules, "flash_attn", package)
+    monkeypatch.setitem(sys.modules, "flash_attn.bert_padding", padding)
+    monkeypatch.setattr(fa_utils, "is_flash_attn_2_available", lambda: True)
+    monkeypatch.setattr(fa_utils, "_loaded_implementation", None)
+    yield calls
+    fa_utils._loaded_implementation = None
+
+
+@pytest.mark.parametrize("mode", ["v1", "v2"])
+def test_flash_attention_2_call_contract(mode, flash_attn_stand_in):
+    """V1 and V2 through transformers' flash_attention_2 integration (padded and unpadded) equal eager."""
+    eager = tiny_model(mode).to(DEVICE, DTYPE)
+    flash = tiny_model(mode).to(DEVICE, DTYPE)
+    flash.config._attn_implementation = "flash_attention_2"
+    ids, mask = padded_batch(eager.config.vocab_size)
+    for use_mask, call in ((None, "dense"), (mask, "varlen")):
+        with torch.no_grad():
+            ref, out = (m(ids, attention_mask=use_mask).logits for m in (eager, flash))
+        keep = torch.ones_like(ids, dtype=torch.bool) if use_mask is None else use_mask.bool()
+        assert rel_err(out[keep], ref[keep]) < TOL
+        assert flash_attn_stand_in[-1] == call
