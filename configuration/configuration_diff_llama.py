@@ -42,11 +42,13 @@ class DiffLlamaConfig(PreTrainedConfig):
     keys_to_ignore_at_inference = ["past_key_values", "cache"]
     # Column-wise q/k/v and row-wise o shard along whole head pairs as long as the number of ranks divides
     # num_key_value_heads: V1 keeps Q1/Q2 (and K1/K2) of one head contiguous in q_proj/k_proj rows, V2 keeps
-    # the pair (2i, 2i+1) contiguous, so a pair never straddles two ranks.
+    # the pair (2i, 2i+1) contiguous, so a pair never straddles two ranks. V2's lambda_proj (one output per
+    # pair) is column-wise too, so each rank computes the weights of its own pairs.
     base_model_tp_plan = {
         "layers.*.self_attn.q_proj": "colwise",
         "layers.*.self_attn.k_proj": "colwise",
         "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.lambda_proj": "colwise",
         "layers.*.self_attn.o_proj": "rowwise",
         "layers.*.mlp.gate_proj": "colwise",
         "layers.*.mlp.up_proj": "colwise",
