@@ -1,0 +1,265 @@
+"""Attention-noise diagnostics: every measure against a case computed by hand here, the probe against
+transformers' own eager attention, the interventions against the formulas they implement."""
+
+import math
+import statistics
+
+import pytest
+import torch
+from conftest import tiny_model
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import repeat_kv
+
+from modeling_diff import diagnostics as D
+
+
+def _all(shape):
+    return torch.ones(shape, dtype=torch.bool)
+
+
+# ---------------------------------------------------------------------------------------------- measures
+
+
+def test_entropy_by_hand():
+    # Two queries of one head: the first sees keys 0-1, the second keys 0-2.
+    maps = torch.tensor([[[[0.5, 0.5, 0.7], [0.25, 0.25, 0.5]]]])  # 0.7 is masked out
+    valid = torch.tensor([[[[True, True, False], [True, True, True]]]])
+    rows = _all((1, 1, 2))
+    expected = (math.log(2) + 1.5 * math.log(2)) / 2  # H(1/2, 1/2) = ln 2; H(1/4, 1/4, 1/2) = 1.5 ln 2
+    assert D.attention_entropy(maps, valid, rows).item() == pytest.approx(expected, rel=1e-6)
+    # A signed map: |w| normalised -> (3/7, 1/7, 3/7).
+    signed = torch.tensor([[[[0.6, -0.2, 0.6]]]])
+    expected = -(2 * 3 / 7 * math.log(3 / 7) + 1 / 7 * math.log(1 / 7))
+    assert D.attention_entropy(signed, _all((1, 1, 1, 3)), _all((1, 1, 1))).item() == pytest.approx(expected, rel=1e-6)
+    # A row left out of `rows` does not count.
+    rows = torch.tensor([[[True, False]]])
+    assert D.attention_entropy(maps, valid, rows).item() == pytest.approx(math.log(2), rel=1e-6)
+
+
+def test_negative_mass_by_hand():
+    maps = torch.tensor([[[[0.6, -0.2, -0.1, -5.0], [1.0, 0.0, 0.0, 0.0]]], [[[0.5, 0.5, 0.0, 0.0], [0.3, -0.4, 0.0, 0.0]]]])
+    valid = torch.tensor([[[[True, True, True, False], [True] * 4]], [[[True] * 4, [True] * 4]]])  # -5.0 masked
+    rows = _all((2, 1, 2))
+    assert D.negative_mass(maps, valid, rows).item() == pytest.approx((0.3 + 0.0 + 0.0 + 0.4) / 4)
+
+
+def test_noise_correlation_by_hand():
+    signal = [0.7, 0.1, 0.1, 0.05, 0.05]
+    noise = [0.1, 0.3, 0.2, 0.2, 0.2]
+    differential = [s - 0.5 * n for s, n in zip(signal, noise)]  # key 0 is the salient one
+    t = lambda values: torch.tensor(values)[None, None, None]  # noqa: E731  (1, 1, 1, S)
+    # Independent reference: statistics.correlation over the keys left when key 0 is removed.
+    expected = statistics.correlation(signal[1:], noise[1:])
+    got = D.noise_correlation(t(signal), t(noise), t(differential), _all((1, 1, 1, 5)), _all((1, 1, 1)), num_salient=1)
+    assert got.item() == pytest.approx(expected, rel=1e-5)
+    expected_all = statistics.correlation(signal, noise)
+    got_all = D.noise_correlation(t(signal), t(noise), t(differential), _all((1, 1, 1, 5)), _all((1, 1, 1)), num_salient=0)
+    assert got_all.item() == pytest.approx(expected_all, rel=1e-5)
+    # Masked keys are ignored; a query with fewer than 3 keys left is skipped (NaN when it is the only one).
+    valid = torch.tensor([[[[True, True, True, True, False]]]])
+    expected_masked = statistics.correlation(signal[1:4], noise[1:4])
+    assert D.noise_correlation(t(signal), t(noise), t(differential), valid, _all((1, 1, 1))).item() == pytest.approx(
+        expected_masked, rel=1e-5)
+    short = torch.tensor([[[[True, True, True, False, False]]]])
+    assert torch.isnan(D.noise_correlation(t(signal), t(noise), t(differential), short, _all((1, 1, 1)))).all()
+    with pytest.raises(ValueError, match="num_salient"):
+        D.noise_correlation(t(signal), t(noise), t(differential), valid, _all((1, 1, 1)), num_salient=-1)
+
+
+def test_outlier_stats_by_hand():
+    values = torch.randperm(150).float()[None] + 1  # 1..150 shuffled
+    stats = D.outlier_stats(values)
+    assert stats["top1"].item() == 150 and stats["top100"].item() == 51 and stats["median"].item() == 75
+    odd = torch.tensor([[3.0, 1.0, 2.0, 9.0, 4.0]])
+    stats = D.outlier_stats(odd)
+    assert stats["top1"].item() == 9 and stats["median"].item() == 3 and torch.isnan(stats["top100"]).all()
+
+
+def test_absmax_quantize_by_hand():
+    logits = torch.tensor([[[[1.0, -0.26, 0.3, 9.0]]]])  # 9.0 is masked, so absmax = 1
+    valid = torch.tensor([[[[True, True, True, False]]]])
+    # 4 bits: 7 levels each side, step 1/7; -0.26 * 7 = -1.82 -> -2; 0.3 * 7 = 2.1 -> 2.
+    got = D.absmax_quantize(logits, 4, valid)[0, 0, 0, :3]
+    assert torch.allclose(got, torch.tensor([1.0, -2 / 7, 2 / 7]))
+    # 8 bits: step 1/127.
+    got = D.absmax_quantize(logits, 8, valid)[0, 0, 0, :3]
+    assert torch.allclose(got, torch.tensor([1.0, -33 / 127, 38 / 127]))
+    with pytest.raises(ValueError, match="bits"):
+        D.absmax_quantize(logits, 1, valid)
+
+
+def test_needle_share_by_hand():
+    maps = torch.tensor([[[0.1, 0.5, -0.2, 0.4, 0.2]], [[0.2, 0.2, 0.2, 0.2, 0.2]]])  # (B=2, H=1, S=5)
+    valid = _all((2, 1, 5))
+    expected = (0.5 / 1.4 + 0.2 / 1.0) / 2
+    assert D.needle_share(maps, valid, (1, 2)).item() == pytest.approx(expected)
+
+
+# ---------------------------------------------------------------------------------------------- the probe
+
+
+def _batch():
+    torch.manual_seed(1)
+    ids = torch.randint(3, 97, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding
+    return ids, mask
+
+
+def _llama():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+    return LlamaForCausalLM(config).eval()
+
+
+def _record(model, ids, mask, **kwargs):
+    layers = []
+    with D.AttentionProbe(model, layers.append, **kwargs):
+        model(input_ids=ids, attention_mask=mask)
+    return layers
+
+
+@pytest.mark.parametrize("mode", ["v1", "v2", "dex", "llama"])
+@torch.no_grad()
+def test_probe_matches_eager_attention(mode):
+    """The probe's maps are the ones transformers' eager attention returns with output_attentions; its pairs
+    combine to them with the model's lambda; its logits give its maps through softmax; the model is restored."""
+    model = _llama() if mode == "llama" else tiny_model(mode)
+    if mode == "v2":
+        D.decoder_layers(model)[0].self_attn.lambda_proj.weight.data.normal_(0, 1.0)  # token-dependent weights
+    ids, mask = _batch()
+    model.set_attn_implementation("eager")
+    reference = model(input_ids=ids, attention_mask=mask, output_attentions=True)
+    layers = _record(model, ids, mask)
+    assert model.config._attn_implementation == "eager"
+    assert [layer.layer_idx for layer in layers] == [0, 1]
+    for layer, eager_map in zip(layers, reference.attentions):
+        torch.testing.assert_close(layer.maps, eager_map.float(), atol=1e-6, rtol=1e-5)
+        masked = layer.logits.masked_fill(~layer.valid, -torch.inf).softmax(-1)
+        fully_masked = ~layer.valid.any(-1, keepdim=True)  # left-padded queries: eager makes them uniform
+        torch.testing.assert_close(torch.where(fully_masked, layer.probs, masked), layer.probs)
+        assert layer.paired == (mode in ("v1", "v2"))
+        if mode == "v1":
+            lam = D.decoder_layers(model)[layer.layer_idx].self_attn.differential_lambda()
+            torch.testing.assert_close(layer.signal - lam * layer.noise, layer.maps, atol=1e-6, rtol=1e-5)
+    probed_loss = D.lm_loss(model, ids, mask)
+    labels = ids.masked_fill(mask == 0, -100)
+    assert probed_loss == pytest.approx(float(model(input_ids=ids, attention_mask=mask, labels=labels).loss), rel=1e-5)
+
+
+def test_quantized_logits_sit_on_the_absmax_grid():
+    model = tiny_model("v1")
+    ids, mask = _batch()
+    for bits in (4, 6):
+        for layer in _record(model, ids, mask, logit_bits=bits):
+            step = torch.where(layer.valid, layer.logits.abs(), 0).amax(dim=(-2, -1), keepdim=True) / (2 ** (bits - 1) - 1)
+            ratio = layer.logits / step
+            assert torch.allclose(ratio[layer.valid.expand_as(ratio)], ratio[layer.valid.expand_as(ratio)].round(), atol=1e-4)
+    # Many bits change nothing measurable; 2 bits (levels -1, 0, 1) does.
+    full = D.lm_loss(model, ids, mask)
+    assert D.lm_loss(model, ids, mask, logit_bits=16) == pytest.approx(full, abs=1e-5)
+    assert D.lm_loss(model, ids, mask, logit_bits=2) != pytest.approx(full, abs=1e-6)
+
+
+def _with_negative_weights(mode):
+    """A tiny model whose differential maps have negative entries: large lambda (V1), sharp maps and
+    token-dependent weights (V2)."""
+    model = tiny_model(mode, seed=3)
+    for layer in D.decoder_layers(model):
+        attention = layer.self_attn
+        attention.q_proj.weight.data *= 30  # sharp maps, so A2 > A1 on some keys
+        if mode == "v1":
+            attention.lambda_q1.data.fill_(0.5)
+            attention.lambda_k1.data.fill_(0.5)  # exp(d / 4) - exp(~0) + lambda_init: well above 1
+        else:
+            attention.lambda_proj.weight.data.normal_(0, 1.0)
+    return model
+
+
+@pytest.mark.parametrize("mode", ["v1", "v2"])
+def test_clamping_negative_weights(mode):
+    """With clamp_negative, the layer applies max(0, A1 - w A2) to V: its returned map is the ReLU of the
+    eager differential map, and the output equals the model run with that map put in by hand (layer 0)."""
+    model = _with_negative_weights(mode)
+    ids, _ = _batch()
+    model.set_attn_implementation("eager")
+    eager = model(input_ids=ids, output_attentions=True).attentions
+    assert (eager[0] < 0).any(), "the test needs negative differential weights"
+    clamped = _record(model, ids, None, clamp_negative=True)
+    torch.testing.assert_close(clamped[0].maps, eager[0].float().clamp_min(0), atol=1e-6, rtol=1e-5)
+
+    # Layer 0's output: A1 -> relu(D) and A2 -> 0 make A1 V - w A2 V = relu(D) V; compute it with eager by
+    # swapping the maps through a one-off attention function.
+    def by_hand(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+        d_map = eager[module.layer_idx].float().clamp_min(0)  # (B, h, L, S)
+        probs = torch.stack([d_map, torch.zeros_like(d_map)], dim=2).flatten(1, 2)
+        value = repeat_kv(value, module.num_key_value_groups)
+        return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
+
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register("test_by_hand", by_hand)
+    AttentionMaskInterface.register("test_by_hand", eager_mask)
+    outputs = {}
+    hook = D.decoder_layers(model)[0].register_forward_hook(lambda m, a, o: outputs.setdefault(len(outputs), o))
+    model.set_attn_implementation("test_by_hand")
+    model(input_ids=ids)
+    with D.AttentionProbe(model, clamp_negative=True):
+        model(input_ids=ids)
+    hook.remove()
+    torch.testing.assert_close(outputs[1], outputs[0], atol=1e-5, rtol=1e-5)
+    model.set_attn_implementation("eager")
+    assert D.lm_loss(model, ids, clamp_negative=True) != pytest.approx(D.lm_loss(model, ids), abs=1e-6)
+
+
+def test_clamping_is_refused_without_differential_maps():
+    for model in (tiny_model("dex"), _llama()):
+        with pytest.raises(ValueError, match="clamp_negative"):
+            D.AttentionProbe(model, clamp_negative=True)
+    with pytest.raises(ValueError, match="logit_bits"):
+        D.AttentionProbe(tiny_model("v1"), logit_bits=1)
+
+
+# ---------------------------------------------------------------------------------------------- diagnose
+
+
+@pytest.mark.parametrize("mode", ["v1", "dex", "llama"])
+@torch.no_grad()
+def test_diagnose_report(mode):
+    model = _llama() if mode == "llama" else _with_negative_weights(mode) if mode == "v1" else tiny_model(mode)
+    ids, mask = _batch()
+    model.set_attn_implementation("eager")  # the reference: eager and sdpa differ on left-padded query rows
+    report = D.diagnose(model, ids, mask, bits=(8, 4), progress=False)
+    heads = 4
+    assert report.entropy.shape == report.negative_mass.shape == (2, heads)
+    assert all(report.logit_outliers[s].shape == (2, heads) for s in D.OUTLIER_STATS)
+    assert all(report.hidden_outliers[s].shape == (2,) for s in D.OUTLIER_STATS)
+    assert list(report.quantized_loss) == [8, 4]
+    labels = ids.masked_fill(mask == 0, -100)
+    assert report.loss == pytest.approx(float(model(input_ids=ids, attention_mask=mask, labels=labels).loss), rel=1e-5)
+    # Hidden-state outliers of layer 0, from the layer's own output on the real (unpadded) tokens.
+    outputs = []
+    hook = D.decoder_layers(model)[0].register_forward_hook(lambda m, a, o: outputs.append(o))
+    model(input_ids=ids, attention_mask=mask)
+    hook.remove()
+    real = outputs[0][mask.bool()].abs().flatten()
+    assert report.hidden_outliers["top1"][0].item() == pytest.approx(real.max().item())
+    assert report.hidden_outliers["top100"][0].item() == pytest.approx(real.sort(descending=True).values[99].item())
+    if mode == "v1":
+        assert report.noise_correlation.shape == report.signal_entropy.shape == (2, heads)
+        assert report.clamped_loss is not None and (report.negative_mass > 0).any()
+    else:  # one softmax map per head: no pairs, no negative weights
+        assert report.noise_correlation is None and report.clamped_loss is None
+        assert (report.negative_mass == 0).all()
+    assert f"loss {report.loss:.4f}" in report.summary()
+    assert set(report.to_dict()) >= {"entropy", "quantized_loss", "clamped_loss"}
+
+
+def test_diagnose_rejects_bad_inputs():
+    model = tiny_model("v2")
+    with pytest.raises(ValueError, match="input_ids"):
+        D.diagnose(model, torch.ones(5, dtype=torch.long), progress=False)
+    with pytest.raises(ValueError, match="attention_mask"):
+        D.diagnose(model, torch.ones(2, 5, dtype=torch.long), torch.ones(2, 4), progress=False)
