@@ -98,3 +98,4 @@ def test_readme_peft_snippet(tmp_path, monkeypatch):
     exec(readme_snippet("peft"), scope)
     assert (tmp_path / "diffllama-lora" / "adapter_model.safetensors").exists()
     assert isinstance(scope["merged"], DiffLlamaForCausalLM)
+    assert scope["recommended"].to_dict() == lora_config().to_dict()
