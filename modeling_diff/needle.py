@@ -5,8 +5,9 @@ asked for ("... The special magic number for <key> is") and an answer counts as 
 decoding would produce exactly its value: every value token is the argmax given the prompt and the value
 tokens before it (teacher forcing, one forward pass per query instead of a generate loop). The R queried
 needles sit together at the swept depth, the N - R others (distractors) at random depths, as in the
-multi-needle evaluation of DIFF Transformer (arXiv 2410.05258, Sec. 3.4). The grid is context length x
-depth; each cell holds the share of queries retrieved over `trials` random draws of keys and values.
+multi-needle evaluation of DIFF Transformer (arXiv 2410.05258, Sec. 3.4). Depth d puts the queried needles
+after a fraction d of the filler text. The grid is context length (tokens of context and question) x depth;
+each cell holds the share of queries retrieved over `trials` random draws of keys, values and filler offset.
 
     result = evaluate_needles(model, tokenizer, lengths=[1024, 2048], depths=[0, 0.5, 1], num_needles=4, num_queries=2)
     print(result.summary()); plot_needle_heatmap(result)
@@ -210,6 +211,9 @@ def evaluate_needles(
     if trials < 1:
         raise ValueError(f"trials must be >= 1, got {trials}")
     builder = NeedlePromptBuilder(tokenizer, load_shakespeare() if haystack is None else haystack)
+    # Refuse too-short lengths before any cell runs (the longest keys make the longest needles and questions).
+    longest = [Needle(key, "9" * VALUE_DIGITS) for key in sorted(KEYS, key=len)[-num_needles:]]
+    builder.build(min(lengths), 0.0, longest, num_queries, random.Random(seed))
 
     was_training = model.training
     model.eval()
