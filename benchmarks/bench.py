@@ -1,0 +1,238 @@
+"""Throughput of differential attention against a plain Llama of the same size, on one GPU.
+
+    python benchmarks/bench.py --seq 2048 8192 --out benchmarks/results.json
+
+Per sequence length, for transformers' LlamaForCausalLM (the reference), transformers' DiffLlamaForCausalLM
+and modeling_diff's V1, V2 and DEX (the ~1.1B presets: hidden 2048, 16 layers, MLP 8192, bf16, sdpa, which
+on CUDA routes to the project's fast paths), one process, one model at a time:
+
+- train:   forward + backward + fused AdamW step on `tokens` tokens (4 x 2048, or 1 x 8192), peak memory;
+- prefill: no-grad forward of the same tokens, logits of the last position only (as generate() does);
+- decode:  64 greedy steps after a prompt of `seq` tokens and 4 warm-up steps: batch 1 and 32 with a
+           StaticCache, batch 32 with a DynamicCache (no torch.compile: what a plain generate() runs).
+
+Each row gives tok/s, the ratio to Llama, the work per token relative to Llama (model FLOPs for train and
+prefill, bytes read for decode: weights / batch + the KV cache, counted analytically from the shapes) and
+the efficiency = (tok/s ratio) x (work ratio): the share of Llama's useful FLOP/s (or bytes/s) reached.
+"""
+
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+from tqdm import tqdm
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
+from transformers import DiffLlamaConfig as HFDiffLlamaConfig
+from transformers import DiffLlamaForCausalLM as HFDiffLlamaForCausalLM
+
+from modeling_diff import DiffLlamaForCausalLM, preset_config
+
+MODELS = ("llama", "hf-diffllama", "v1", "v2", "dex")
+SHAPE = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16)
+
+
+def build(name: str, max_positions: int):
+    """The model `name` in bf16 on the GPU; Llama and transformers' DiffLlama: 32 heads of 64, 8 kv heads."""
+    common = dict(SHAPE, max_position_embeddings=max_positions)
+    if name == "llama":
+        cls, config = LlamaForCausalLM, LlamaConfig(**common, num_attention_heads=32, num_key_value_heads=8, head_dim=64)
+    elif name == "hf-diffllama":
+        cls, config = HFDiffLlamaForCausalLM, HFDiffLlamaConfig(**common, num_attention_heads=32, num_key_value_heads=8)
+    else:
+        cls, config = DiffLlamaForCausalLM, preset_config(f"1.1b-{name}", max_position_embeddings=max_positions)
+    config._attn_implementation = "sdpa"
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = cls(config)  # fp32 modules (V1's lambdas) keep their explicit dtype
+    finally:
+        torch.set_default_dtype(torch.float32)
+    return model
+
+
+def attention_work(name: str, config) -> tuple[float, float]:
+    """(FLOPs per token per cached position, KV bytes per position), summed over layers, forward only."""
+    layers = config.num_hidden_layers
+    if name in ("v1", "hf-diffllama"):  # h differential heads (2h heads of d in transformers' config): 2 maps each
+        h = config.num_attention_heads if name == "v1" else config.num_attention_heads // 2
+        d = config.head_dim
+        flops = 2 * h * 2 * (d + 2 * d)  # per map: Q.K over d, P.V over 2d
+    elif name == "v2":
+        flops = 2 * 2 * config.num_attention_heads * (2 * config.head_dim)  # 2h query heads of d
+    else:  # llama, dex
+        flops = 2 * config.num_attention_heads * (2 * config.head_dim)
+    kv_bytes = 2 * config.num_key_value_heads * config.head_dim * 2  # K and V, bf16 (V1: h_kv heads of 2d)
+    if name == "v1":
+        kv_bytes *= 2
+    return layers * flops, layers * kv_bytes
+
+
+def linear_flops(model, name: str) -> tuple[float, float]:
+    """(FLOPs per token of the decoder's linear maps, of the lm_head), forward."""
+    body = 0.0
+    for module_name, module in model.model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            uses = model.config.num_attention_heads if module_name.endswith("dex_proj") else 1  # d x d per head
+            body += 2 * module.weight.numel() * uses
+    return body, 2 * model.lm_head.weight.numel()
+
+
+def weight_bytes(model) -> float:
+    """Bytes of every weight a decoding step reads (all but the embedding table, of which it reads a row)."""
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
+
+
+def cuda_time(fn, repeats: int) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats
+
+
+def bench_train(model, batch, seq, repeats):
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), device="cuda")
+
+    def step():
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()  # warm-up (allocates the optimizer state)
+    torch.cuda.reset_peak_memory_stats()
+    seconds = cuda_time(step, repeats)
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    del optimizer
+    model.zero_grad(set_to_none=True)
+    model.eval()
+    return batch * seq / seconds, peak
+
+
+@torch.no_grad()
+def bench_prefill(model, batch, seq, repeats):
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), device="cuda")
+    run = lambda: model(ids, use_cache=False, logits_to_keep=1)  # noqa: E731
+    run()
+    return batch * seq / cuda_time(run, repeats)
+
+
+@torch.no_grad()
+def bench_decode(model, batch, prompt_len, new_tokens, static):
+    warmup = 4
+    prompt = torch.randint(0, model.config.vocab_size, (batch, prompt_len), device="cuda")
+    if static:
+        cache = StaticCache(config=model.config, max_cache_len=prompt_len + warmup + new_tokens)
+    else:
+        cache = DynamicCache(config=model.config)
+    for chunk in prompt.split(max(1, 65536 // batch), dim=1):  # prefill in pieces of <= 64K tokens
+        logits = model(chunk, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    position = prompt_len
+
+    def step():
+        nonlocal logits, position
+        token = logits[:, -1].argmax(-1, keepdim=True)
+        ids = torch.full((batch, 1), position, device="cuda")
+        logits = model(token, position_ids=ids, past_key_values=cache, use_cache=True).logits
+        position += 1
+
+    for _ in range(warmup):
+        step()
+    seconds = cuda_time(step, new_tokens)
+    del cache
+    return batch / seconds
+
+
+def run(args):
+    results = []
+    phases = [(p, b) for p, b in [("train", None), ("prefill", None), ("decode b1 static", 1),
+                                   ("decode b32 dynamic", 32), ("decode b32 static", 32)] if p.split()[0] in args.phases]
+    for seq in args.seq:
+        batch = max(1, args.tokens // seq)
+        for name in tqdm(args.models, desc=f"seq {seq}"):
+            model = build(name, max_positions=seq + 128)
+            body, head = linear_flops(model, name)
+            attn_flops, kv_bytes = attention_work(name, model.config)
+            weights = weight_bytes(model)
+            for phase, dec_batch in phases:
+                row = dict(seq=seq, model=name, phase=phase)
+                try:
+                    if phase == "train":
+                        row["tok_s"], row["peak_gib"] = bench_train(model, batch, seq, args.repeats)
+                        row["work"] = 3 * (body + head + attn_flops * (seq + 1) / 2)
+                    elif phase == "prefill":
+                        row["tok_s"] = bench_prefill(model, batch, seq, args.repeats)
+                        row["work"] = body + head / seq + attn_flops * (seq + 1) / 2
+                    else:
+                        row["tok_s"] = bench_decode(model, dec_batch, seq, args.new_tokens, "static" in phase)
+                        row["work"] = weights / dec_batch + kv_bytes * (seq + 4 + args.new_tokens / 2)
+                except torch.OutOfMemoryError as error:
+                    row["error"] = f"out of memory: {str(error)[:80]}"
+                results.append(row)
+                tqdm.write(json.dumps(row))
+                gc.collect()
+                torch.cuda.empty_cache()
+            del model
+            gc.collect()
+            torch.cuda.empty_cache()
+    return results
+
+
+def table(results) -> str:
+    """Markdown table: ratios against the Llama row of the same sequence length and phase."""
+    base = {(r["seq"], r["phase"]): r for r in results if r["model"] == "llama" and "tok_s" in r}
+    hf = {(r["seq"], r["phase"]): r for r in results if r["model"] == "hf-diffllama" and "tok_s" in r}
+    lines = ["| seq | phase | model | tok/s | vs Llama | work vs Llama | efficiency | vs HF DiffLlama | peak GiB (vs Llama) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        key, ref = (r["seq"], r["phase"]), base.get((r["seq"], r["phase"]))
+        if "tok_s" not in r or ref is None:
+            lines.append(f"| {r['seq']} | {r['phase']} | {r['model']} | {r.get('error', 'n/a')} | | | | | |")
+            continue
+        speed, work = r["tok_s"] / ref["tok_s"], r["work"] / ref["work"]
+        vs_hf = f"{r['tok_s'] / hf[key]['tok_s']:.2f}x" if key in hf and r["model"] in ("v1",) else ""
+        peak = f"{r['peak_gib']:.1f} ({r['peak_gib'] / ref['peak_gib']:.2f}x)" if "peak_gib" in r else ""
+        tok_s = f"{r['tok_s'] / 1000:.1f}k" if r["tok_s"] >= 10000 else f"{r['tok_s']:.0f}"
+        lines.append(f"| {r['seq']} | {r['phase']} | {r['model']} | {tok_s} | {speed:.2f}x | {work:.2f} | "
+                     f"{speed * work:.2f} | {vs_hf} | {peak} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seq", type=int, nargs="+", default=[2048, 8192])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--phases", nargs="+", default=["train", "prefill", "decode"], choices=["train", "prefill", "decode"])
+    parser.add_argument("--tokens", type=int, default=8192, help="tokens per training / prefill batch")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", help="write the rows (JSON) and the table (.md beside it) here")
+    args = parser.parse_args(argv)
+    for name in ("seq", "tokens", "new_tokens", "repeats"):
+        values = getattr(args, name) if isinstance(getattr(args, name), list) else [getattr(args, name)]
+        if any(v < 1 for v in values):
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not torch.cuda.is_available():
+        sys.exit("bench.py needs a CUDA GPU")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    results = run(args)
+    text = table(results)
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}\n{text}")
+    if args.out:  # written whole, then renamed into place
+        for path, content in ((args.out, json.dumps(results, indent=1)), (os.path.splitext(args.out)[0] + ".md", text)):
+            folder = os.path.dirname(os.path.abspath(path))
+            with tempfile.NamedTemporaryFile("w", dir=folder, delete=False) as f:
+                f.write(content + "\n")
+            os.replace(f.name, path)
+
+
+if __name__ == "__main__":
+    main()
