@@ -1,16 +1,17 @@
-"""Whether triton can be used here. Nothing imports triton at package import: the model (and its Hub export)
-loads where triton is absent, and the Triton paths are simply not chosen there."""
+"""Whether triton can be used here, decided once at import (plain constants: torch.compile traces them).
 
-import functools
+Nothing here imports triton: the model (and its Hub export) loads where triton is absent, and the Triton
+paths are simply not chosen there.
+"""
+
 import importlib.util
 import os
 
+TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
+# TRITON_INTERPRET=1 (set before triton is first imported) runs the kernels on CPU tensors through Triton's
+# interpreter: how CI tests them.
+TRITON_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-@functools.cache
+
 def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-def triton_interpreting() -> bool:
-    """TRITON_INTERPRET=1 runs the kernels on CPU tensors through Triton's interpreter (the CI tests)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return TRITON_AVAILABLE

@@ -8,7 +8,7 @@ V2 (per row, D = d):   y = a_signal - w_row * a_noise
 """
 
 # In a try block because transformers' remote-code loader requires every *unguarded* import of a Hub export's
-# files to be installed; this module is imported only where triton is (see _triton.triton_available).
+# files to be installed; this module is imported only where triton is (see _triton.TRITON_AVAILABLE).
 try:
     import triton
     import triton.language as tl

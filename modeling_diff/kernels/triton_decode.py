@@ -7,13 +7,21 @@ chunks run in parallel (flash-decoding) and `_decode_reduce` merges their partia
 Imported only when triton is installed (see `kernels/decode.py` for the reference and the dispatch).
 """
 
+import functools
+
+import torch
+from torch.library import triton_op, wrap_triton
+
+from ._triton import TRITON_INTERPRETING
+
 # In a try block because transformers' remote-code loader requires every *unguarded* import of a Hub export's
-# files to be installed; this module is imported only where triton is (see _triton.triton_available).
+# files to be installed; this module is imported only where triton is (see _triton.TRITON_AVAILABLE).
 try:
     import triton
     import triton.language as tl
 except ImportError as error:
     raise ImportError("modeling_diff's Triton kernels need the triton package") from error
+
 
 @triton.jit
 def _decode_partial(
@@ -101,3 +109,53 @@ def _decode_reduce(
     ok = r < G * L
     tl.store(Out + b * sob + t[:, None] * sol + (kvh * G + g)[:, None] * soh + dv[None, :],
              out.to(Out.dtype.element_ty), mask=ok[:, None])
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def _launcher(kernel):
+    return kernel if TRITON_INTERPRETING else wrap_triton(kernel)
+
+
+# A custom op: torch.compile (fullgraph=True too) keeps it as one node of the graph and runs the kernels.
+@triton_op("modeling_diff::decode_attention", mutates_args=())
+def decode_attention_op(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    batch, q_heads, length, q_dim = query.shape
+    kv_heads, kv_length, v_dim = key.shape[1], key.shape[2], value.shape[-1]
+    groups = q_heads // kv_heads
+    block_rows = max(16, triton.next_power_of_2(groups * length))
+    block_n = 64
+    # Enough chunks for about two programs per multiprocessor; the chunk length is a power of two (a
+    # compile-time constant of the kernel), so a growing cache changes it, and recompiles, rarely.
+    target = max(1, triton.cdiv(2 * _sm_count(query.device), batch * kv_heads))
+    chunk = max(block_n, triton.next_power_of_2(triton.cdiv(kv_length, target)))
+    splits = triton.cdiv(kv_length, chunk)
+    parts = batch * kv_heads * splits * block_rows
+    out_part = torch.empty(parts, v_dim, dtype=torch.float32, device=query.device)
+    max_part = torch.empty(parts, dtype=torch.float32, device=query.device)
+    sum_part = torch.empty(parts, dtype=torch.float32, device=query.device)
+    out = torch.empty(batch, length, q_heads, v_dim, dtype=query.dtype, device=query.device)
+    if mask is None:
+        mask_arg, mask_strides = query, (0, 0, 0)  # unused
+    else:
+        mask_arg = mask.view(torch.uint8)
+        mask_strides = (mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(2), mask.stride(3))
+    _launcher(_decode_partial)[(batch * kv_heads, splits)](
+        query, key, value, mask_arg, out_part, max_part, sum_part,
+        query.stride(0), query.stride(1), query.stride(2),
+        key.stride(0), key.stride(1), key.stride(2),
+        value.stride(0), value.stride(1), value.stride(2),
+        *mask_strides,
+        kv_heads, kv_length, length, splits, scale,
+        G=groups, HAS_MASK=mask is not None, BLOCK_R=block_rows, BLOCK_N=block_n, DQ=q_dim, DV=v_dim, CHUNK=chunk,
+    )
+    _launcher(_decode_reduce)[(batch * kv_heads,)](
+        out_part, max_part, sum_part, out, out.stride(0), out.stride(1), out.stride(2),
+        kv_heads, length, splits, G=groups, BLOCK_R=block_rows, DV=v_dim, MAX_SPLITS=triton.next_power_of_2(splits),
+    )
+    return out
