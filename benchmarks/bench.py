@@ -9,7 +9,8 @@ on CUDA routes to the project's fast paths), one process, one model at a time:
 - train:   forward + backward + fused AdamW step on `tokens` tokens (4 x 2048, or 1 x 8192), peak memory;
 - prefill: no-grad forward of the same tokens, logits of the last position only (as generate() does);
 - decode:  64 greedy steps after a prompt of `seq` tokens and 4 warm-up steps: batch 1 and 32 with a
-           StaticCache, batch 32 with a DynamicCache (no torch.compile: what a plain generate() runs).
+           StaticCache (the step captured in a CUDA graph and replayed), batch 32 with a DynamicCache
+           (eager steps: at these sizes mostly Python and launch overhead).
 
 Each row gives tok/s, the ratio to Llama, the work per token relative to Llama (model FLOPs for train and
 prefill, bytes read for decode: weights / batch + the KV cache, counted analytically from the shapes) and
@@ -127,6 +128,9 @@ def bench_prefill(model, batch, seq, repeats):
 
 @torch.no_grad()
 def bench_decode(model, batch, prompt_len, new_tokens, static):
+    """Greedy steps after the prompt. A StaticCache step is captured once in a CUDA graph and replayed (what
+    generate() gets from compiling the static-cache step: no per-step Python and launch overhead); a
+    DynamicCache grows every step, so its steps run eagerly. Returns (tok/s, whether a graph was used)."""
     warmup = 4
     prompt = torch.randint(0, model.config.vocab_size, (batch, prompt_len), device="cuda")
     if static:
@@ -135,20 +139,29 @@ def bench_decode(model, batch, prompt_len, new_tokens, static):
         cache = DynamicCache(config=model.config)
     for chunk in prompt.split(max(1, 65536 // batch), dim=1):  # prefill in pieces of <= 64K tokens
         logits = model(chunk, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
-    position = prompt_len
+    token = logits[:, -1].argmax(-1, keepdim=True)
+    position = torch.full((batch, 1), prompt_len, device="cuda")
 
-    def step():
-        nonlocal logits, position
-        token = logits[:, -1].argmax(-1, keepdim=True)
-        ids = torch.full((batch, 1), position, device="cuda")
-        logits = model(token, position_ids=ids, past_key_values=cache, use_cache=True).logits
-        position += 1
+    def step():  # reads and updates only device tensors: replayable as a graph
+        logits = model(token, position_ids=position, past_key_values=cache, use_cache=True).logits
+        token.copy_(logits[:, -1].argmax(-1, keepdim=True))
+        position.add_(1)
 
-    for _ in range(warmup):
-        step()
-    seconds = cuda_time(step, new_tokens)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the default stream, as graph capture wants
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    run, graphed = step, False
+    if static:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        run, graphed = graph.replay, True
+    seconds = cuda_time(run, new_tokens)
     del cache
-    return batch / seconds
+    return batch / seconds, graphed
 
 
 def warm_up_gpu(seconds: float = 3.0):
@@ -183,10 +196,12 @@ def run(args):
                         row["tok_s"] = bench_prefill(model, batch, seq, args.repeats)
                         row["work"] = body + head / seq + attn_flops * (seq + 1) / 2
                     else:
-                        row["tok_s"] = bench_decode(model, dec_batch, seq, args.new_tokens, "static" in phase)
+                        row["tok_s"], row["cuda_graph"] = bench_decode(
+                            model, dec_batch, seq, args.new_tokens, "static" in phase
+                        )
                         row["work"] = weights / dec_batch + kv_bytes * (seq + 4 + args.new_tokens / 2)
-                except torch.OutOfMemoryError as error:
-                    row["error"] = f"out of memory: {str(error)[:80]}"
+                except (torch.OutOfMemoryError, RuntimeError) as error:  # recorded in the table, the run goes on
+                    row["error"] = f"{type(error).__name__}: {str(error)[:100]}"
                 results.append(row)
                 tqdm.write(json.dumps(row))
                 gc.collect()

@@ -230,8 +230,15 @@ class DexAttention(_DiffAttentionBase):
             self, query_states, key_states, value_states, attention_mask,
             dropout=self.dropout_p(), scaling=self.scaling, **kwargs,
         )  # (B, L, h, d)
-        head_lambda = (self.dex_lambda() * self.head_mask).to(attn_output.dtype)  # (h,)
-        attn_output = attn_output - head_lambda[:, None] * self.dex_proj(attn_output)
+        if self.config.dex_heads is None and type(self.dex_proj) is nn.Linear:
+            # Every head carries the operator: O - lam O W^T = O (I - lam W)^T, one d x d matmul and no
+            # elementwise passes over the attention output (exactly O where lam W = 0, as at conversion).
+            eye = torch.eye(self.head_dim, dtype=self.dex_proj.weight.dtype, device=attn_output.device)
+            lam = self.dex_lambda().to(self.dex_proj.weight.dtype)
+            attn_output = nn.functional.linear(attn_output, eye - lam * self.dex_proj.weight)
+        else:
+            head_lambda = (self.dex_lambda() * self.head_mask).to(attn_output.dtype)  # (h,)
+            attn_output = attn_output - head_lambda[:, None] * self.dex_proj(attn_output)
         attn_output = self.o_proj(attn_output.reshape(*input_shape, -1))
         return attn_output, attn_weights
 

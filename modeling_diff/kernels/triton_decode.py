@@ -143,8 +143,8 @@ def decode_attention_op(
     if mask is None:
         mask_arg, mask_strides = query, (0, 0, 0)  # unused
     else:
-        mask_arg = mask.view(torch.uint8)
-        mask_strides = (mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(2), mask.stride(3))
+        mask_arg = mask.to(torch.uint8)  # a few bytes per position (Inductor cannot lower a bool -> uint8 view)
+        mask_strides = (mask_arg.stride(0) if mask.shape[0] > 1 else 0, mask_arg.stride(2), mask_arg.stride(3))
     _launcher(_decode_partial)[(batch * kv_heads, splits)](
         query, key, value, mask_arg, out_part, max_part, sum_part,
         query.stride(0), query.stride(1), query.stride(2),
