@@ -2,7 +2,10 @@
 transformers' own eager attention, the interventions against the formulas they implement."""
 
 import math
+import re
+import shlex
 import statistics
+from pathlib import Path
 
 import pytest
 import torch
@@ -263,3 +266,41 @@ def test_diagnose_rejects_bad_inputs():
         D.diagnose(model, torch.ones(5, dtype=torch.long), progress=False)
     with pytest.raises(ValueError, match="attention_mask"):
         D.diagnose(model, torch.ones(2, 5, dtype=torch.long), torch.ones(2, 4), progress=False)
+
+
+# ---------------------------------------------------------------------------------------------- README
+
+
+def _readme_blocks(language: str) -> list[str]:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    section = readme.split("<!-- section:diagnostics -->")[1].split("<!-- /section:diagnostics -->")[0]
+    return re.findall(rf"```{language}\n(.*?)```", section, flags=re.S)
+
+
+def test_readme_snippets_run(tmp_path, monkeypatch, request):
+    """Every python block of the README's diagnostics section, then its command line on a saved tiny model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MODELING_DIFF_CACHE", str(request.config.cache.mkdir("modeling_diff")))  # SmolLM2 copy
+    blocks = _readme_blocks("python")
+    assert len(blocks) == 2
+    for block in blocks:
+        exec(compile(block, "README.md", "exec"), {})
+
+    from ecosystem_helpers import byte_tokenizer, tiny_config
+
+    from modeling_diff import DiffLlamaForCausalLM
+    from modeling_diff.needle import main
+
+    DiffLlamaForCausalLM(tiny_config("v1", max_position_embeddings=1024)).save_pretrained(tmp_path / "model")
+    byte_tokenizer().save_pretrained(tmp_path / "model")
+    (command,) = _readme_blocks("bash")
+    argv = shlex.split(command.split("#")[0].replace("MODEL_DIR", str(tmp_path / "model")))
+    assert argv[:3] == ["python", "-m", "modeling_diff.needle"]
+    main(argv[3:])
+    assert (tmp_path / "results" / "needle.png").is_file()
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
