@@ -27,7 +27,8 @@ except ImportError as error:
 def _decode_partial(
     Q, K, V, Mask, Opart, Mpart, Lpart,
     sqb, sqh, sql, skb, skh, sks, svb, svh, svs, smb, sml, sms,
-    H_KV, S, L, splits, scale,
+    H_KV, S, L, splits,
+    SCALE: tl.constexpr,  # a compile-time constant: a runtime float would reach Inductor's launch as fp64
     G: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     DQ: tl.constexpr, DV: tl.constexpr, CHUNK: tl.constexpr,
 ):
@@ -44,7 +45,7 @@ def _decode_partial(
     q = tl.load(
         Q + b * sqb + (kvh * G + g)[:, None] * sqh + t[:, None] * sql + dq[None, :], mask=row_ok[:, None], other=0.0
     )
-    qk_scale = scale * 1.4426950408889634  # softmax in base 2
+    qk_scale = SCALE * 1.4426950408889634  # softmax in base 2
 
     # A finite "minus infinity": a chunk whose keys are all masked stays NaN-free.
     m_i = tl.full((BLOCK_R,), -1.0e30, tl.float32)
@@ -151,8 +152,8 @@ def decode_attention_op(
         key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2),
         *mask_strides,
-        kv_heads, kv_length, length, splits, scale,
-        G=groups, HAS_MASK=mask is not None, BLOCK_R=block_rows, BLOCK_N=block_n, DQ=q_dim, DV=v_dim, CHUNK=chunk,
+        kv_heads, kv_length, length, splits,
+        SCALE=scale, G=groups, HAS_MASK=mask is not None, BLOCK_R=block_rows, BLOCK_N=block_n, DQ=q_dim, DV=v_dim, CHUNK=chunk,
     )
     _launcher(_decode_reduce)[(batch * kv_heads,)](
         out_part, max_part, sum_part, out, out.stride(0), out.stride(1), out.stride(2),
