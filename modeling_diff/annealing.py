@@ -1,0 +1,59 @@
+"""Annealing the differential term in during adaptation (DEX lambda schedule, V2 noise factor).
+
+The step t lives in every V2/DEX attention's `anneal_step` buffer, so a checkpoint saved mid-adaptation
+resumes exactly; T is `config.anneal_steps`. Keep t equal to the number of optimizer steps taken:
+
+- with `Trainer`: `Trainer(..., callbacks=[AnnealingCallback()])`;
+- in a custom loop: `set_anneal_step(model, step)` after each optimizer step (step = steps taken so far).
+
+`anneal_state(model)` reads the schedule back (for logging).
+"""
+
+import torch
+from torch import nn
+from transformers import TrainerCallback
+
+from .diff_attention import DexAttention, DiffAttentionV2, anneal_fraction
+from .modeling_diff_llama import set_anneal_step
+
+
+@torch.no_grad()
+def anneal_state(model: nn.Module) -> dict[str, float]:
+    """`anneal_step` (t), `anneal_fraction` (min(1, t/T)) and, for DEX, the mean over layers of lambda(t)."""
+    dex = [m for m in model.modules() if isinstance(m, DexAttention)]
+    annealed = dex or [m for m in model.modules() if isinstance(m, DiffAttentionV2)]
+    if not annealed:
+        return {}
+    first = annealed[0]
+    state = {
+        "anneal_step": first.anneal_step.item(),
+        "anneal_fraction": anneal_fraction(first.anneal_step, first.config.anneal_steps).clamp(max=1.0).item(),
+    }
+    if dex:
+        state["dex_lambda"] = torch.stack([m.dex_lambda() for m in dex]).mean().item()
+    return state
+
+
+class AnnealingCallback(TrainerCallback):
+    """Keeps every attention's `anneal_step` equal to `state.global_step` and logs the schedule.
+
+    Set at the start of training (so a resumed run continues from its step) and after each optimizer step
+    (before the Trainer saves a checkpoint, so a checkpoint holds the step it was saved at).
+    """
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        set_anneal_step(model, state.global_step)
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        set_anneal_step(model, state.global_step)
+
+    def on_log(self, args, state, control, model=None, logs=None, **kwargs):
+        # Trainer appends a copy of `logs` to the history before callbacks run: extend both.
+        schedule = anneal_state(model)
+        if logs is not None:
+            logs.update(schedule)
+        if state.log_history:
+            state.log_history[-1].update(schedule)
+
+
+__all__ = ["AnnealingCallback", "anneal_state", "set_anneal_step"]

@@ -1,0 +1,127 @@
+"""Annealing of a converted model: the DEX lambda schedule, the Trainer callback, exact resumption."""
+
+import pytest
+import torch
+from safetensors import safe_open
+from test_conversion import tiny_llama, token_ids
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from modeling_diff import set_anneal_step
+from modeling_diff.annealing import AnnealingCallback, anneal_state
+from modeling_diff.conversion import convert_model
+
+HEADS = [[0, 2], [1], [3]]
+
+
+def dex_model(anneal_steps=4, lambda_learn=0.5, seed=3):
+    """A converted tiny Llama with f_D = M (random, per layer) and lambda_learn != lambda_init."""
+    model = convert_model(tiny_llama(), heads=HEADS, anneal_steps=anneal_steps, progress=False)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.dex_proj.weight.copy_(torch.randn(16, 16, generator=generator) * 0.3)
+            layer.self_attn.lambda_learn.fill_(lambda_learn)
+    return model
+
+
+def expected_lambda(t, T, lambda_init, lambda_learn):
+    """DEX (arXiv 2505.16333): lambda(t) = (1 - a) (t/T) lambda_init + a lambda_learn, a = min(1, t/T)."""
+    a = min(1.0, t / T)
+    return (1 - a) * (t / T) * lambda_init + a * lambda_learn
+
+
+@pytest.mark.parametrize("step", [0, 1, 2, 4, 7])
+def test_dex_lambda_schedule_shows_in_the_logits(step):
+    """Reference: the source Llama whose o_proj columns of a selected head i become W_o_i (I - lambda M)."""
+    model, ids = dex_model(anneal_steps=4), token_ids()
+    set_anneal_step(model, step)
+    reference = tiny_llama()
+    with torch.no_grad():
+        for layer_idx, (layer, dex_layer) in enumerate(zip(reference.model.layers, model.model.layers)):
+            attention = dex_layer.self_attn
+            lam = expected_lambda(step, 4, attention.lambda_init, 0.5)
+            operator = torch.eye(16) - lam * attention.dex_proj.weight
+            for head in HEADS[layer_idx]:
+                block = layer.self_attn.o_proj.weight[:, head * 16:(head + 1) * 16]
+                block.copy_(block @ operator)
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_anneal_state_reports_the_schedule():
+    model = dex_model(anneal_steps=4)
+    set_anneal_step(model, 3)
+    lambdas = [expected_lambda(3, 4, layer.self_attn.lambda_init, 0.5) for layer in model.model.layers]
+    state = anneal_state(model)
+    assert state["anneal_step"] == 3 and state["anneal_fraction"] == 0.75
+    assert state["dex_lambda"] == pytest.approx(sum(lambdas) / len(lambdas))
+    v2 = convert_model(tiny_llama(), method="v2", anneal_steps=4, progress=False)
+    set_anneal_step(v2, 9)
+    assert anneal_state(v2) == {"anneal_step": 9.0, "anneal_fraction": 1.0}
+    assert anneal_state(tiny_llama()) == {}
+
+
+class Blocks(torch.utils.data.Dataset):
+    def __init__(self):
+        self.ids = token_ids(batch=16, length=16, seed=5)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, index):
+        return {"input_ids": self.ids[index], "labels": self.ids[index]}
+
+
+class StepProbe(TrainerCallback):
+    """Records the anneal step each optimizer step trains with."""
+
+    def __init__(self):
+        self.steps = []
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        self.steps.append(model.model.layers[0].self_attn.anneal_step.item())
+
+
+def train(model, output_dir, resume=None, callbacks=()):
+    args = TrainingArguments(output_dir=str(output_dir), max_steps=4, per_device_train_batch_size=4, learning_rate=1e-2,
+                             save_strategy="steps", save_steps=2, logging_steps=1, report_to=[], use_cpu=True,
+                             disable_tqdm=True, seed=0, dataloader_num_workers=0)
+    trainer = Trainer(model=model, args=args, train_dataset=Blocks(), callbacks=[AnnealingCallback(), *callbacks])
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+def test_trainer_callback_anneals_and_resumes_exactly(tmp_path):
+    probe = StepProbe()
+    uninterrupted = dex_model(anneal_steps=3)
+    trainer = train(uninterrupted, tmp_path / "run", callbacks=[probe])
+    assert probe.steps == [0, 1, 2, 3]
+    assert anneal_state(uninterrupted)["anneal_step"] == 4
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert [entry["anneal_step"] for entry in logged] == [1, 2, 3, 4]
+    assert logged[0]["dex_lambda"] != pytest.approx(logged[-1]["dex_lambda"])
+    assert [entry["anneal_fraction"] for entry in logged] == pytest.approx([1 / 3, 2 / 3, 1, 1])
+
+    checkpoint = tmp_path / "run" / "checkpoint-2"
+    with safe_open(checkpoint / "model.safetensors", framework="pt") as saved:
+        assert saved.get_tensor("model.layers.1.self_attn.anneal_step").item() == 2
+
+    resumed = dex_model(anneal_steps=3)
+    resumed_probe = StepProbe()
+    train(resumed, tmp_path / "resumed", resume=str(checkpoint), callbacks=[resumed_probe])
+    assert resumed_probe.steps == [2, 3]
+    expected = uninterrupted.state_dict()
+    for name, tensor in resumed.state_dict().items():
+        torch.testing.assert_close(tensor, expected[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_custom_loop_with_the_plain_function():
+    model, ids = dex_model(anneal_steps=2, lambda_learn=0.3), token_ids()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        set_anneal_step(model, step)  # t = optimizer steps taken so far
+        model(ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert anneal_state(model)["anneal_step"] == 2 and anneal_state(model)["anneal_fraction"] == 1.0
+    attention = model.model.layers[0].self_attn
+    assert attention.dex_lambda().item() == pytest.approx(attention.lambda_learn.item())
