@@ -31,11 +31,6 @@ here. V1 and V2 call the attention interface once per layer with 2h query heads,
 """
 
 from collections.abc import Callable
-
-try:
-    import fcntl
-except ImportError:  # Windows: no lock; concurrent first calls each convert, the first rename wins
-    fcntl = None
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,6 +42,11 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from transformers.models.llama.modeling_llama import repeat_kv
 
 from .diff_attention import DiffAttentionV1, DiffAttentionV2
+
+try:
+    import fcntl
+except ImportError:  # Windows: no lock; concurrent first calls of load_smollm2 each convert, the first rename wins
+    fcntl = None
 
 PROBE_ATTENTION = "modeling_diff_probe"
 OUTLIER_STATS = ("top1", "top100", "median")
@@ -285,7 +285,7 @@ class AttentionProbe:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Running the measures on a model.
+# Real text and a real model, offline; running the measures on a model.
 # ----------------------------------------------------------------------------------------------------------
 
 
