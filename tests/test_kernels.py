@@ -9,6 +9,7 @@ import functools
 import math
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -284,3 +285,13 @@ def test_flash_attention_2_call_contract(mode, flash_attn_stand_in):
         keep = torch.ones_like(ids, dtype=torch.bool) if use_mask is None else use_mask.bool()
         assert rel_err(out[keep], ref[keep]) < TOL
         assert flash_attn_stand_in[-1] == call
+
+
+def test_readme_gpu_snippet_runs():
+    """The python block of the README's GPU section (on a CPU: the kernel through the interpreter)."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    section = readme.split("<!-- section:gpu -->")[1].split("<!-- /section:gpu -->")[0]
+    blocks = section.split("```python\n")[1:]
+    assert blocks, "README's GPU section has no python block"
+    for block in blocks:
+        exec(compile(block.split("```")[0], "README.md", "exec"), {})

@@ -30,6 +30,10 @@ def _rows_per_program(width: int) -> int:
     return max(1, 4096 // width)  # about 4K elements per tile
 
 
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def _is_power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
@@ -104,10 +108,6 @@ class _V2Combine(torch.autograd.Function):
         )
         attn_shape, weight_shape = ctx.shapes
         return grad_pairs.view(attn_shape), grad_weight.view(weight_shape)
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def v1_combine_triton(attn: torch.Tensor, lam: torch.Tensor, subln: nn.Module, scale: float) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Attention for decoding steps: a PyTorch reference and the Triton split-KV kernel (`triton_decode.py`).
+"""Attention for decoding steps through the Triton split-KV kernel (`triton_decode.py`); the plain path, and
+the reference, is SDPA (`attention.py` falls back to it for everything the kernel does not cover).
 
 During decoding each step reads the whole KV cache for a handful of query tokens, so the step is bound by
 the bytes of the cache. The kernel reads every cache entry once per step for all query heads of its GQA
@@ -16,20 +17,6 @@ if TRITON_AVAILABLE:
 MAX_GROUP_ROWS = 64  # query heads per kv head x query tokens that one program holds
 
 
-def decode_attention_reference(query, key, value, mask, scale):
-    """softmax(Q K^T scale + mask) V with GQA. query (B, Hq, L, Dq), key (B, Hkv, S, Dq), value (B, Hkv, S, Dv),
-    mask: bool (B, 1, L, S), True = visible, or None = causal with the L queries at the end. -> (B, L, Hq, Dv)."""
-    groups = query.shape[1] // key.shape[1]
-    key = key.repeat_interleave(groups, dim=1).float()
-    value = value.repeat_interleave(groups, dim=1).float()
-    scores = query.float() @ key.transpose(-1, -2) * scale
-    length, kv_length = query.shape[2], key.shape[2]
-    if mask is None:
-        mask = torch.ones(length, kv_length, dtype=torch.bool, device=query.device).tril(kv_length - length)
-    scores = scores.masked_fill(~mask, float("-inf"))
-    return (scores.softmax(-1) @ value).transpose(1, 2).to(query.dtype)
-
-
 def decode_kernel_applies(query, key, value, mask, dropout: float) -> bool:
     """Shapes and options the kernel covers (forward only: no gradient); everything else goes to SDPA."""
     groups = query.shape[1] // key.shape[1]
@@ -45,6 +32,8 @@ def decode_kernel_applies(query, key, value, mask, dropout: float) -> bool:
 
 
 def decode_attention(query, key, value, mask, scale: float) -> torch.Tensor:
-    """The Triton kernel; same contract as `decode_attention_reference`. Inputs need a unit last stride."""
+    """softmax(Q K^T scale + mask) V with GQA through the kernel. query (B, Hq, L, Dq), key (B, Hkv, S, Dq),
+    value (B, Hkv, S, Dv); mask: bool (B, 1, L, S), True = visible, or None = causal with the L queries last.
+    Returns (B, L, Hq, Dv), the layout of transformers' attention functions."""
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     return decode_attention_op(query, key, value, mask, float(scale))
