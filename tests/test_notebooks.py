@@ -1,6 +1,5 @@
 """Every notebook in notebooks/ runs top to bottom (nbclient, a fresh kernel each), and is stored without outputs."""
 
-import os
 import time
 from pathlib import Path
 
