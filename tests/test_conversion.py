@@ -1,6 +1,9 @@
 """In-memory conversion of tiny random Llama-family models: identity, layouts, head selection, errors."""
 
 import math
+import re
+import shlex
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +19,7 @@ from transformers import (
 
 from modeling_diff import DiffLlamaForCausalLM, set_anneal_step
 from modeling_diff.conversion import attention_entropy, convert_model, resolve_heads, top_entropy_heads
+from modeling_diff.conversion.cli import main
 from modeling_diff.conversion.mapping import TensorMapping
 
 SHAPE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
@@ -198,3 +202,19 @@ def test_unsupported_sources_raise_value_errors():
     with pytest.raises(ValueError, match="model_type must be one of"):
         convert_model(DiffLlamaForCausalLM(convert_model(tiny_llama(), heads="all", progress=False).config),
                       heads="all", progress=False)
+
+
+def test_readme_dex_section_runs(tmp_path, monkeypatch):
+    """The python snippets of the README's DEX section run as written; its `modeling-diff` lines run via `main`."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text[text.index("<!-- section:dex -->"):text.index("<!-- /section:dex -->")]
+    python_blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    command_lines = [line for block in re.findall(r"```bash\n(.*?)```", section, flags=re.S)
+                     for line in block.splitlines() if line.startswith("modeling-diff ")]
+    assert python_blocks and len(command_lines) == 2
+    monkeypatch.chdir(tmp_path)
+    for block in python_blocks:
+        exec(compile(block, "README.md", "exec"), {})
+    for line in command_lines:
+        assert main(shlex.split(line)[1:] + ["--quiet"]) == 0
+    assert (tmp_path / "out" / "tiny-v2" / "config.json").is_file()

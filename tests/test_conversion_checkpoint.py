@@ -49,6 +49,21 @@ def test_single_file_checkpoint(tmp_path, method):
         assert (converted(ids).logits - source(ids).logits).abs().max() <= 1e-4
 
 
+def test_bfloat16_checkpoint_stays_bfloat16_with_float32_lambdas(tmp_path):
+    source, ids = tiny_llama().to(torch.bfloat16), token_ids()
+    src = save_source(source, tmp_path / "src")
+    dst = convert_checkpoint(src, tmp_path / "dst", heads="all", progress=False)
+    saved = load_file(dst / "model.safetensors")
+    assert saved["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
+    assert saved["model.layers.0.self_attn.dex_proj.weight"].dtype == torch.bfloat16
+    assert saved["model.layers.0.self_attn.lambda_learn"].dtype == torch.float32
+    converted = AutoModelForCausalLM.from_pretrained(dst).eval()
+    assert converted.dtype == torch.bfloat16
+    assert converted.model.layers[0].self_attn.lambda_learn.dtype == torch.float32
+    with torch.no_grad():
+        torch.testing.assert_close(converted(ids).logits, source(ids).logits, rtol=0, atol=1e-2)
+
+
 @pytest.mark.parametrize("method", ["dex", "v2"])
 def test_sharded_checkpoint_is_converted_shard_by_shard(tmp_path, sharded_source, method):
     source, src = sharded_source
