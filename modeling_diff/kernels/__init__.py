@@ -6,7 +6,8 @@
 - `attention.py`: the attention implementation `"diff_triton"` that uses them, chosen automatically for
   `sdpa` on CUDA.
 
-triton is optional: nothing here imports it until a kernel runs, so the model loads without it.
+triton is optional: it is imported only where it is installed (`_triton.TRITON_AVAILABLE`), and without it
+every path is plain PyTorch, so the model (and its Hub export) loads anywhere.
 """
 
 from ._triton import triton_available
