@@ -100,9 +100,15 @@ def _choose_heads(method, heads, head_fraction, calibration, mapping, get_tensor
     return top_entropy_heads(attention_entropy(get_tensor, mapping, calibration, progress), head_fraction)
 
 
-def _plan(source_config, method, heads, head_fraction, calibration, anneal_steps, noise_init, get_tensor, progress):
-    """The TensorMapping of the converted model, with its heads chosen."""
+def _plan(source_config, method, heads, head_fraction, calibration, anneal_steps, noise_init, get_tensor, progress,
+          source_tensors, source_name: str) -> TensorMapping:
+    """Check every source tensor, then choose the heads: the TensorMapping of the converted model.
+
+    `source_tensors` yields (name, shape, dtype, where) for every tensor of the source.
+    """
     unselected = TensorMapping.for_source(source_config, method, None, anneal_steps, noise_init)
+    kept = [name for name, shape, dtype, where in source_tensors if unselected.check(name, shape, dtype, where)]
+    unselected.check_complete(kept, source_name)
     dex_heads = _choose_heads(method, heads, head_fraction, calibration, unselected, get_tensor, progress)
     return TensorMapping.for_source(source_config, method, dex_heads, anneal_steps, noise_init)
 
@@ -134,12 +140,12 @@ def convert_model(
     if calibration is not None:
         calibration = calibration_ids_from(calibration, tokenizer)
     mapping = _plan(model.config, method, heads, head_fraction, calibration, anneal_steps, noise_init,
-                    state.__getitem__, progress)
+                    state.__getitem__, progress, ((n, t.shape, t.dtype, "the source model") for n, t in state.items()),
+                    "the source model")
     converted = {}
     for name, tensor in state.items():
         if mapping.check(name, tensor.shape, tensor.dtype, "the source model"):
             converted.update(mapping.convert(name, tensor.detach().clone()))
-    mapping.check_complete(converted, "the source model")
     dtype = state["model.layers.0.self_attn.q_proj.weight"].dtype
     for layer_idx in range(mapping.config.num_hidden_layers):
         converted.update(mapping.layer_extras(layer_idx, dtype))
@@ -214,13 +220,10 @@ def convert_checkpoint(
     source_config = AutoConfig.from_pretrained(src, local_files_only=True)
     if isinstance(calibration, str):
         calibration = calibration_ids_from(calibration, AutoTokenizer.from_pretrained(src, local_files_only=True))
-    # Plan and check everything (headers only) before the destination is touched.
+    # Check every tensor (headers only) and choose the heads before the destination is touched.
+    headers = ((name, shape, dtype, file) for file in source.files for name, (shape, dtype) in source.headers(file).items())
     mapping = _plan(source_config, method, heads, head_fraction, calibration, anneal_steps, noise_init,
-                    source.get, progress)
-    for file in source.files:
-        for name, (shape, dtype) in source.headers(file).items():
-            mapping.check(name, shape, dtype, file)
-    mapping.check_complete(source.weight_map, str(src))
+                    source.get, progress, headers, str(src))
 
     with atomic_output_dir(dst, overwrite, protect=(src,)) as tmp:
         _convert_directory(source, tmp, mapping, progress)
