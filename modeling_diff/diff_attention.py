@@ -86,10 +86,10 @@ class DiffAttentionV1(_DiffAttentionBase):
         self.lambda_init = layer_lambda_init(config, layer_idx)
         # fp32 vectors ~ N(0, lambda_std_dev); DiffLlamaPreTrainedModel._init_weights draws them again when a
         # model is built on the meta device.
-        self.lambda_q1 = nn.Parameter(torch.normal(0.0, config.lambda_std_dev, size=(d,)))
-        self.lambda_k1 = nn.Parameter(torch.normal(0.0, config.lambda_std_dev, size=(d,)))
-        self.lambda_q2 = nn.Parameter(torch.normal(0.0, config.lambda_std_dev, size=(d,)))
-        self.lambda_k2 = nn.Parameter(torch.normal(0.0, config.lambda_std_dev, size=(d,)))
+        self.lambda_q1 = nn.Parameter(torch.empty(d, dtype=torch.float32).normal_(0.0, config.lambda_std_dev))
+        self.lambda_k1 = nn.Parameter(torch.empty(d, dtype=torch.float32).normal_(0.0, config.lambda_std_dev))
+        self.lambda_q2 = nn.Parameter(torch.empty(d, dtype=torch.float32).normal_(0.0, config.lambda_std_dev))
+        self.lambda_k2 = nn.Parameter(torch.empty(d, dtype=torch.float32).normal_(0.0, config.lambda_std_dev))
         self.subln = LlamaRMSNorm(2 * d, eps=config.rms_norm_eps)  # one norm shared by all heads
 
     def differential_lambda(self) -> torch.Tensor:

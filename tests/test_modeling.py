@@ -240,3 +240,11 @@ def test_auto_classes_resolve_ours_and_leave_transformers_diffllama_alone():
     )
     assert type(builtin_config) is BuiltinConfig
     assert type(AutoModelForCausalLM.from_config(builtin_config)) is BuiltinModel
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_parameter_and_buffer_follows_the_device_context(mode):
+    """from_pretrained and accelerate build models under `torch.device("meta")`: nothing may stay on the CPU."""
+    with torch.device("meta"):
+        model = DiffLlamaForCausalLM(tiny_config(mode))
+    assert {t.device.type for t in (*model.parameters(), *model.buffers())} == {"meta"}
