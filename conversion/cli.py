@@ -33,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--method", choices=("dex", "v2"), default="dex",
                          help="dex: DEX operator on selected heads (default); v2: every head -> a signal/noise pair")
     convert.add_argument("--heads", type=_heads, default=None,
-                         help="dex only: 'entropy' (default; needs --calibration-file), 'all', '0,3,5' or '[[0,1],[2],...]'")
+                         help="dex only: 'entropy' (default; needs --calibration-file), 'all', '0,3,5' "
+                         "or '[[0,1],[2],...]'")
     convert.add_argument("--head-fraction", type=float, default=0.5,
                          help="fraction of heads per layer selected by entropy (default 0.5, rounded up)")
     convert.add_argument("--calibration-file", type=Path,
@@ -51,13 +52,15 @@ def _summary(dst: Path) -> str:
     config = json.loads((dst / "config.json").read_text())
     size = sum(p.stat().st_size for p in dst.glob("*.safetensors"))
     lines = [f"output     {dst}", f"method     {config['diff_mode']}",
-             f"layers     {config['num_hidden_layers']} x {config['num_attention_heads']} heads of {config['head_dim']}",
+             f"layers     {config['num_hidden_layers']} x {config['num_attention_heads']} heads "
+             f"of {config['head_dim']}",
              f"anneal     T = {config['anneal_steps']} steps",
              f"weights    {len(list(dst.glob('*.safetensors')))} file(s), {size / 2**20:.1f} MiB"]
     if config.get("dex_heads") is not None:
         selected = sum(len(layer) for layer in config["dex_heads"])
         total = config["num_hidden_layers"] * config["num_attention_heads"]
-        lines.append(f"DEX heads  {selected} of {total}: " + " ".join(",".join(map(str, h)) for h in config["dex_heads"]))
+        per_layer = " ".join(",".join(map(str, heads)) for heads in config["dex_heads"])
+        lines.append(f"DEX heads  {selected} of {total}: {per_layer}")
     return "\n".join(lines)
 
 

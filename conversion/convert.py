@@ -91,7 +91,8 @@ def _choose_heads(method, heads, head_fraction, calibration, mapping, get_tensor
         if heads is not None:
             raise ValueError(f"heads applies to method='dex' only; method={method!r} converts every head")
         return None
-    resolved = resolve_heads("entropy" if heads is None else heads, config.num_hidden_layers, config.num_attention_heads)
+    heads = "entropy" if heads is None else heads
+    resolved = resolve_heads(heads, config.num_hidden_layers, config.num_attention_heads)
     if resolved is not None:
         return resolved
     if calibration is None:
@@ -221,7 +222,8 @@ def convert_checkpoint(
     if isinstance(calibration, str):
         calibration = calibration_ids_from(calibration, AutoTokenizer.from_pretrained(src, local_files_only=True))
     # Check every tensor (headers only) and choose the heads before the destination is touched.
-    headers = ((name, shape, dtype, file) for file in source.files for name, (shape, dtype) in source.headers(file).items())
+    headers = ((name, shape, dtype, file)
+               for file in source.files for name, (shape, dtype) in source.headers(file).items())
     mapping = _plan(source_config, method, heads, head_fraction, calibration, anneal_steps, noise_init,
                     source.get, progress, headers, str(src))
 

@@ -83,7 +83,8 @@ def adapt(model, train_ids: torch.Tensor, args, callbacks=()) -> float:
     with tempfile.TemporaryDirectory() as output_dir:
         training_args = TrainingArguments(
             output_dir=output_dir, max_steps=args.steps, per_device_train_batch_size=args.batch_size,
-            learning_rate=args.lr, lr_scheduler_type="constant", weight_decay=0.0, logging_steps=max(1, args.steps // 5),
+            learning_rate=args.lr, lr_scheduler_type="constant", weight_decay=0.0,
+            logging_steps=max(1, args.steps // 4),
             save_strategy="no", report_to=[], use_cpu=True, seed=0, dataloader_num_workers=0,
         )
         trainer = Trainer(model=model, args=training_args, train_dataset=CausalLMBlocks(train_ids),
@@ -103,8 +104,8 @@ def greedy(model, tokenizer, max_new_tokens: int) -> torch.Tensor:
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=10, help="optimizer steps of each adaptation")
-    parser.add_argument("--anneal-steps", type=int, default=5, help="T: lambda reaches lambda_learn at step T")
+    parser.add_argument("--steps", type=int, default=8, help="optimizer steps of each adaptation")
+    parser.add_argument("--anneal-steps", type=int, default=4, help="T: lambda reaches lambda_learn at step T")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--lr", type=float, default=2e-4)
@@ -156,8 +157,9 @@ def main(argv=None) -> dict:
           f"lambda annealed over {args.anneal_steps} steps, lr {args.lr}, training {args.train}")
     timings["train DEX"] = adapt(dex, train_ids, args, callbacks=[AnnealingCallback()])
     state = anneal_state(dex)
+    f_d = torch.stack([layer.self_attn.dex_proj.weight.abs().mean() for layer in dex.model.layers]).mean()
     print(f"after adaptation: t = {state['anneal_step']:.0f}, mean lambda = {state['dex_lambda']:.3f}, "
-          f"mean |f_D| = {torch.stack([l.self_attn.dex_proj.weight.abs().mean() for l in dex.model.layers]).mean():.2e}")
+          f"mean |f_D| = {f_d:.2e}")
     ppl["DEX, adapted"] = perplexity(dex, eval_ids, args.batch_size)
     lap("adapt DEX")
 

@@ -37,16 +37,23 @@ def resolve_heads(heads, num_layers: int, num_heads: int) -> list[list[int]] | N
     if all(isinstance(h, int) for h in heads):
         heads = [heads] * num_layers
     if len(heads) != num_layers or not all(isinstance(layer, (list, tuple)) for layer in heads):
-        raise ValueError(f"heads must be a list of head indices or one such list per layer ({num_layers}), got {heads!r}")
+        raise ValueError(
+            f"heads must be a list of head indices or one such list per layer ({num_layers}), got {heads!r}"
+        )
     for layer_idx, layer in enumerate(heads):
         if len(set(layer)) != len(layer) or any(not isinstance(h, int) or not 0 <= h < num_heads for h in layer):
-            raise ValueError(f"heads[{layer_idx}] must hold distinct head indices in [0, {num_heads}), got {list(layer)}")
+            raise ValueError(
+                f"heads[{layer_idx}] must hold distinct head indices in [0, {num_heads}), got {list(layer)}"
+            )
     return [sorted(layer) for layer in heads]
 
 
 @torch.no_grad()
 def attention_entropy(
-    get_tensor: Callable[[str], torch.Tensor], mapping: TensorMapping, calibration_ids: torch.Tensor, progress: bool = True,
+    get_tensor: Callable[[str], torch.Tensor],
+    mapping: TensorMapping,
+    calibration_ids: torch.Tensor,
+    progress: bool = True,
 ) -> torch.Tensor:
     """Mean attention entropy of every head of the source model on `calibration_ids` (B, L): (num_layers, h).
 

@@ -64,7 +64,8 @@ def diff_config_from_source(
     if model_type == "qwen2" and source_config.use_sliding_window:
         raise ValueError("use_sliding_window must be False to convert a Qwen2 model (DiffLlama has no sliding window)")
     fields = {name: getattr(source_config, name) for name in _SHARED_FIELDS}
-    head_dim = getattr(source_config, "head_dim", None) or source_config.hidden_size // source_config.num_attention_heads
+    head_dim = getattr(source_config, "head_dim", None)
+    head_dim = head_dim or source_config.hidden_size // source_config.num_attention_heads
     # Qwen2's q/k/v biases need attention_bias=True; its missing o_proj bias then becomes a zero bias.
     attention_bias = bool(getattr(source_config, "attention_bias", False)) or model_type == "qwen2"
     config = DiffLlamaConfig(
@@ -122,8 +123,8 @@ class TensorMapping:
         if _IGNORED.fullmatch(name) or (name == "lm_head.weight" and self.config.tie_word_embeddings):
             return False  # recomputed from the config / tied to the embedding
         if name not in self.source_shapes:
-            raise ValueError(f"unexpected tensor {name!r} in {where}: not part of a {self.config.num_hidden_layers}-layer "
-                             f"Llama with this config.json")
+            raise ValueError(f"unexpected tensor {name!r} in {where}: not part of a "
+                             f"{self.config.num_hidden_layers}-layer Llama with this config.json")
         if tuple(shape) != self.source_shapes[name]:
             raise ValueError(f"tensor {name!r} in {where} has shape {tuple(shape)}, expected "
                              f"{self.source_shapes[name]} from config.json")
@@ -134,7 +135,8 @@ class TensorMapping:
     def check_complete(self, names, where: str) -> None:
         missing = sorted(set(self.source_shapes) - set(names))
         if missing:
-            shown = ", ".join(repr(n) for n in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            shown = ", ".join(repr(n) for n in missing[:5])
+            shown += f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             raise ValueError(f"tensor {shown} missing from {where}")
 
     def convert(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -157,7 +159,8 @@ class TensorMapping:
         if self.config.diff_mode == "dex":
             d = self.config.head_dim
             extras[prefix + "dex_proj.weight"] = torch.zeros(d, d, dtype=dtype)
-            extras[prefix + "lambda_learn"] = torch.tensor(layer_lambda_init(self.config, layer_idx), dtype=torch.float32)
+            lambda_init = layer_lambda_init(self.config, layer_idx)
+            extras[prefix + "lambda_learn"] = torch.tensor(lambda_init, dtype=torch.float32)
         else:
             extras[prefix + "lambda_proj.weight"] = torch.zeros(
                 self.config.num_attention_heads, self.config.hidden_size, dtype=dtype

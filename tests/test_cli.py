@@ -103,5 +103,6 @@ def test_existing_destination_needs_overwrite(source_dir, tmp_path, capsys):
 
 
 def test_console_script_points_at_main():
-    (entry_point,) = [ep for ep in importlib.metadata.entry_points(group="console_scripts") if ep.name == "modeling-diff"]
+    scripts = importlib.metadata.entry_points(group="console_scripts")
+    (entry_point,) = [ep for ep in scripts if ep.name == "modeling-diff"]
     assert entry_point.load() is main
