@@ -39,7 +39,7 @@ def anneal_fraction(anneal_step: torch.Tensor, anneal_steps: int) -> torch.Tenso
 
 
 class _DiffAttentionBase(nn.Module):
-    """What the three variants share: sizes, the attention interface, the cache-position bookkeeping."""
+    """What the three variants share: sizes, scaling, dropout and the choice of attention implementation."""
 
     def __init__(self, config: DiffLlamaConfig, layer_idx: int):
         super().__init__()
@@ -130,7 +130,40 @@ class DiffAttentionV1(_DiffAttentionBase):
         return attn_output, attn_weights
 
 
-class DiffAttentionV2(_DiffAttentionBase):
+class _LlamaLayoutAttention(_DiffAttentionBase):
+    """Llama's projections with `query_heads` query heads of d, h_kv kv heads and h output heads (V2 and DEX),
+    RoPE, the cache update and one attention call."""
+
+    def __init__(self, config: DiffLlamaConfig, layer_idx: int, query_heads: int):
+        super().__init__(config, layer_idx)
+        d = self.head_dim
+        # Query head j reads kv head j // (query_heads / h_kv).
+        self.num_key_value_groups = query_heads // self.num_key_value_heads
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, query_heads * d, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * d, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * d, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * d, config.hidden_size, bias=bias)
+
+    def attend(self, hidden_states, position_embeddings, attention_mask, cache, **kwargs):
+        """-> per-head outputs (B, L, query_heads, d) and, with eager, maps (B, query_heads, L, S)."""
+        hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, query_heads, L, d)
+        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, h_kv, L, d)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+
+        cos, sin = position_embeddings
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        if cache is not None:
+            key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
+
+        return self.attention_interface(query_states)(
+            self, query_states, key_states, value_states, attention_mask,
+            dropout=self.dropout_p(), scaling=self.scaling, **kwargs,
+        )
+
+
+class DiffAttentionV2(_LlamaLayoutAttention):
     """DIFF Transformer V2 (unilm `Diff-Transformer-V2/multihead_flashdiffv2.py`).
 
     2h query heads; heads 2i (signal) and 2i+1 (noise) form pair i and share a GQA group.
@@ -138,15 +171,8 @@ class DiffAttentionV2(_DiffAttentionBase):
     """
 
     def __init__(self, config: DiffLlamaConfig, layer_idx: int):
-        super().__init__(config, layer_idx)
-        d = self.head_dim
-        # Query head j reads kv head j // (2h / h_kv); 2h/h_kv is even, so a pair never straddles two groups.
-        self.num_key_value_groups = 2 * self.num_heads // self.num_key_value_heads
-        bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, 2 * self.num_heads * d, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * d, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * d, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * d, config.hidden_size, bias=bias)
+        # 2h query heads; 2h / h_kv is even, so the pair (2i, 2i+1) never straddles two GQA groups.
+        super().__init__(config, layer_idx, query_heads=2 * config.num_attention_heads)
         self.lambda_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False)
         self.anneal_step = nn.Buffer(torch.zeros((), dtype=torch.float32))
 
@@ -157,19 +183,8 @@ class DiffAttentionV2(_DiffAttentionBase):
 
     def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
         input_shape = hidden_states.shape[:-1]
-        hidden_shape = (*input_shape, -1, self.head_dim)
-        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, 2h, L, d)
-        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, h_kv, L, d)
-        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-
-        cos, sin = position_embeddings
-        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
-        if cache is not None:
-            key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
-
-        attn_output, attn_weights = self.attention_interface(query_states)(
-            self, query_states, key_states, value_states, attention_mask,
-            dropout=self.dropout_p(), scaling=self.scaling, **kwargs,
+        attn_output, attn_weights = self.attend(
+            hidden_states, position_embeddings, attention_mask, cache, **kwargs
         )  # (B, L, 2h, d)
         weight = self.noise_weight(hidden_states)  # (B, L, h)
         attn_output = v2_combine(attn_output, weight)  # (B, L, h, d)
@@ -179,21 +194,15 @@ class DiffAttentionV2(_DiffAttentionBase):
         return attn_output, attn_weights
 
 
-class DexAttention(_DiffAttentionBase):
+class DexAttention(_LlamaLayoutAttention):
     """DEX (Kong, Jang, Kwak, arXiv 2505.16333): Llama attention; on the selected heads the output O of a head
     becomes O - lambda(t) * f_D(O), f_D a d x d map shared by the layer's heads (zero at conversion), and
     lambda(t) = (1 - a) (t/T) lambda_init + a lambda_learn, a = min(1, t/T) (lambda_learn alone when T = 0).
     """
 
     def __init__(self, config: DiffLlamaConfig, layer_idx: int):
-        super().__init__(config, layer_idx)
+        super().__init__(config, layer_idx, query_heads=config.num_attention_heads)
         d = self.head_dim
-        self.num_key_value_groups = self.num_heads // self.num_key_value_heads
-        bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * d, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * d, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * d, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * d, config.hidden_size, bias=bias)
         self.lambda_init = layer_lambda_init(config, layer_idx)
         self.dex_proj = nn.Linear(d, d, bias=False)  # f_D, zero: a fresh DEX layer computes Llama attention
         nn.init.zeros_(self.dex_proj.weight)
@@ -216,19 +225,8 @@ class DexAttention(_DiffAttentionBase):
 
     def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
         input_shape = hidden_states.shape[:-1]
-        hidden_shape = (*input_shape, -1, self.head_dim)
-        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, h, L, d)
-        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, h_kv, L, d)
-        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-
-        cos, sin = position_embeddings
-        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
-        if cache is not None:
-            key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
-
-        attn_output, attn_weights = self.attention_interface(query_states)(
-            self, query_states, key_states, value_states, attention_mask,
-            dropout=self.dropout_p(), scaling=self.scaling, **kwargs,
+        attn_output, attn_weights = self.attend(
+            hidden_states, position_embeddings, attention_mask, cache, **kwargs
         )  # (B, L, h, d)
         if self.config.dex_heads is None and type(self.dex_proj) is nn.Linear:
             # Every head carries the operator: O - lam O W^T = O (I - lam W)^T, one d x d matmul and no
