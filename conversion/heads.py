@@ -1,7 +1,7 @@
 """Which heads of each layer carry the DEX operator.
 
-DEX (arXiv 2505.16333) adapts the heads whose attention is diffuse: high-entropy heads, which the paper finds
-to matter least to the pretrained model. The paper gives no exact recipe, so ours is:
+DEX (arXiv 2505.16333) adapts the heads whose attention is diffuse (high entropy, low importance). The paper
+gives no exact recipe, so ours is:
 - score of head (l, i) = mean over calibration sequences and query positions of the entropy (nats) of its
   softmax attention row, -sum_s p_s log p_s, computed on the source model itself;
 - per layer, the ceil(fraction * h) heads of highest score (default fraction 0.5).
