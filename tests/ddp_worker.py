@@ -11,16 +11,17 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from ecosystem_helpers import byte_tokenizer, shakespeare, text_blocks, tiny_config
+from ecosystem_helpers import byte_tokenizer, tiny_config
 from safetensors.torch import save_file
 from transformers import Trainer, TrainingArguments, default_data_collator
 
 import modeling_diff  # noqa: F401  (registers the Auto classes)
 from modeling_diff import DiffLlamaForCausalLM
+from modeling_diff.data import shakespeare, text_blocks
 
 
 def main(out: Path, mode: str) -> None:
-    blocks = text_blocks(shakespeare(), byte_tokenizer(), block=32, count=64)
+    blocks = text_blocks(byte_tokenizer(), shakespeare("hamlet"), length=32, count=64)
     dataset = [{"input_ids": x, "labels": x, "example": i} for i, x in enumerate(blocks)]
     seen = []
 

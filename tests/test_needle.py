@@ -11,19 +11,19 @@ from ecosystem_helpers import byte_tokenizer, tiny_config
 from torch import nn
 
 from modeling_diff import DiffLlamaForCausalLM
+from modeling_diff.data import shakespeare
 from modeling_diff.diagnostics import needle_attention_share
 from modeling_diff.needle import (
     KEYS,
     NeedlePromptBuilder,
     default_lengths,
     evaluate_needles,
-    load_shakespeare,
     main,
     make_needles,
     plot_needle_heatmap,
 )
 
-HAYSTACK = load_shakespeare("macbeth")[:4000]
+HAYSTACK = shakespeare("macbeth")[:4000]
 
 
 class CopyingLM(nn.Module):
@@ -135,14 +135,12 @@ def test_evaluate_rejects_bad_grids(tokenizer):
             evaluate_needles(model, tokenizer, **{"lengths": [200], "haystack": HAYSTACK, **kwargs})
 
 
-def test_default_lengths_and_shakespeare():
+def test_default_lengths_and_haystack():
     model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=4096))
     assert default_lengths(model) == [1024, 2048, 4096]
     with pytest.raises(ValueError, match="start"):
         default_lengths(model, start=8192)
     assert "Macbeth" in HAYSTACK and "**" not in HAYSTACK and "#" not in HAYSTACK
-    with pytest.raises(ValueError, match="play must be one of"):
-        load_shakespeare("hamlet-2")
 
 
 def test_needle_attention_share_of_uniform_attention(tokenizer):

@@ -3,10 +3,11 @@ saved and loaded with the adapter; merge_and_unload keeps the logits."""
 
 import pytest
 import torch
-from ecosystem_helpers import byte_tokenizer, readme_snippet, shakespeare, text_blocks, tiny_config
+from ecosystem_helpers import byte_tokenizer, readme_snippet, tiny_config
 from peft import PeftModel
 
 from modeling_diff import DiffLlamaForCausalLM
+from modeling_diff.data import shakespeare, text_blocks
 from modeling_diff.lora import LORA_TARGET_MODULES, get_lora_model, lora_config, save_lora
 
 MODES = ("v1", "v2", "dex")
@@ -35,7 +36,7 @@ def active_value(model, layer: int, suffix: str) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def batches():
-    return text_blocks(shakespeare(), byte_tokenizer(), block=64, count=32).split(8)
+    return text_blocks(byte_tokenizer(), shakespeare("hamlet"), length=64, count=32).split(8)
 
 
 @pytest.mark.parametrize("mode", MODES)

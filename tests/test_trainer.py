@@ -5,10 +5,11 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from ecosystem_helpers import byte_tokenizer, readme_snippet, shakespeare, text_blocks, tiny_config
+from ecosystem_helpers import byte_tokenizer, readme_snippet, tiny_config
 from transformers import Trainer, TrainingArguments
 
 from modeling_diff import DiffLlamaForCausalLM
+from modeling_diff.data import shakespeare, text_blocks
 
 MODES = ("v1", "v2", "dex")
 
@@ -26,9 +27,9 @@ def as_dataset(blocks: torch.Tensor, labels: torch.Tensor | None = None) -> list
 
 @pytest.mark.parametrize("mode", MODES)
 def test_trainer_lowers_heldout_loss_on_shakespeare(mode, tmp_path):
-    tokenizer, text = byte_tokenizer(), shakespeare()
-    train = as_dataset(text_blocks(text, tokenizer, block=64, count=96))
-    held_out = as_dataset(text_blocks(text, tokenizer, block=64, count=16, offset=1000))  # a later scene
+    tokenizer, text = byte_tokenizer(), shakespeare("hamlet")
+    train = as_dataset(text_blocks(tokenizer, text, length=64, count=96))
+    held_out = as_dataset(text_blocks(tokenizer, text, length=64, count=16, offset=1000))  # a later scene
     torch.manual_seed(0)
     model = DiffLlamaForCausalLM(tiny_config(mode))
     args = arguments(tmp_path, max_steps=40, per_device_train_batch_size=8, per_device_eval_batch_size=16,

