@@ -11,7 +11,6 @@ convert_checkpoint("llama-dir", "dex-dir", heads="all")            # safetensors
 
 from .convert import (
     DEFAULT_ANNEAL_STEPS,
-    atomic_output_dir,
     calibration_ids_from,
     convert_checkpoint,
     convert_model,
@@ -26,7 +25,6 @@ __all__ = [
     "NOISE_INITS",
     "SUPPORTED_MODEL_TYPES",
     "TensorMapping",
-    "atomic_output_dir",
     "attention_entropy",
     "calibration_ids_from",
     "convert_checkpoint",

@@ -5,13 +5,10 @@ local safetensors directory, single-file or sharded (`convert_checkpoint`, strea
 GGUF file (`convert_checkpoint`, dequantised by transformers, then converted in memory).
 """
 
-import contextlib
 import copy
 import json
 import shutil
-import tempfile
 import time
-import uuid
 from pathlib import Path
 
 import torch
@@ -20,6 +17,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.initialization import no_init_weights
 
+from modeling_diff.atomic import atomic_directory
 from modeling_diff.modeling_diff_llama import DiffLlamaForCausalLM
 
 from .heads import attention_entropy, resolve_heads, top_entropy_heads
@@ -32,41 +30,9 @@ _REWRITTEN = ("config.json", INDEX_FILE)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
 
 
-@contextlib.contextmanager
-def atomic_output_dir(dst: str | Path, overwrite: bool = False, protect: tuple[Path, ...] = ()):
-    """Yield an empty temporary directory next to `dst`, renamed to `dst` only if the block succeeds.
-
-    An existing `dst` is replaced only with `overwrite=True` (and only after success); `dst` may not be, contain
-    or lie inside any path of `protect` (the source).
-    """
-    dst = Path(dst).resolve()
-    for path in protect:
-        path = Path(path).resolve()
-        if dst == path or path in dst.parents or dst in path.parents:
-            raise ValueError(f"destination {str(dst)!r} must not be, contain or lie inside the source {str(path)!r}")
-    if dst.exists() and not dst.is_dir():
-        raise ValueError(f"destination {str(dst)!r} exists and is not a directory")
-    if dst.exists() and not overwrite:
-        raise ValueError(f"destination {str(dst)!r} already exists; pass overwrite=True (--overwrite) to replace it")
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent))
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if dst.exists():
-        old = dst.with_name(f".{dst.name}.{uuid.uuid4().hex}.old")
-        dst.rename(old)
-        tmp.rename(dst)
-        shutil.rmtree(old)
-    else:
-        tmp.rename(dst)
-
-
 def save_model(model: PreTrainedModel, dst: str | Path, tokenizer=None, overwrite: bool = False) -> Path:
     """`model.save_pretrained(dst)` (and the tokenizer's), written to a temporary directory and renamed."""
-    with atomic_output_dir(dst, overwrite) as tmp:
+    with atomic_directory(dst, overwrite) as tmp:
         model.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
@@ -208,7 +174,7 @@ def convert_checkpoint(
     src = Path(src)
     started = time.perf_counter()
     if src.is_file() and src.suffix == ".gguf":
-        with atomic_output_dir(dst, overwrite, protect=(src,)) as tmp:
+        with atomic_directory(dst, overwrite, protect=(src,)) as tmp:
             model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
             tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
             converted = convert_model(model, method, heads, head_fraction, calibration, tokenizer, anneal_steps,
@@ -227,7 +193,7 @@ def convert_checkpoint(
     mapping = _plan(source_config, method, heads, head_fraction, calibration, anneal_steps, noise_init,
                     source.get, progress, headers, str(src))
 
-    with atomic_output_dir(dst, overwrite, protect=(src,)) as tmp:
+    with atomic_directory(dst, overwrite, protect=(src,)) as tmp:
         _convert_directory(source, tmp, mapping, progress)
         mapping.config.save_pretrained(tmp)
         for path in src.iterdir():  # tokenizer, generation config, chat template, ...
@@ -238,5 +204,5 @@ def convert_checkpoint(
     return Path(dst)
 
 
-__all__ = ["atomic_output_dir", "calibration_ids_from", "convert_checkpoint", "convert_model",
+__all__ = ["calibration_ids_from", "convert_checkpoint", "convert_model",
            "save_model"]

@@ -13,15 +13,15 @@ Neither package is imported: `package_dir` finds its folder and the data files a
 import importlib.util
 import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
+from .atomic import atomic_directory
+
 try:
     import fcntl
-except ImportError:  # Windows: no lock; concurrent first calls of load_smollm2 each convert, the first rename wins
+except ImportError:  # Windows: no lock; concurrent first calls of load_smollm2 each convert, the last rename wins
     fcntl = None
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -92,14 +92,9 @@ def _save_smollm2_copy(cache_dir: Path, target: Path) -> None:
     config.pop("quantization_config", None)
     model = LlamaForCausalLM(LlamaConfig.from_dict(config))
     model.load_state_dict(quantized.state_dict())
-    staging = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=cache_dir))
-    model.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    staging.chmod(0o755)  # mkdtemp makes it private
-    try:
-        staging.rename(target)  # atomic: an interrupted run never leaves half a copy
-    except OSError:  # another process (without a lock) finished first
-        shutil.rmtree(staging)
+    with atomic_directory(target, overwrite=True, name="SmolLM2 cache") as staging:  # never half a copy
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
 
 
 __all__ = ["SMOLLM2_GGUF", "load_smollm2", "package_dir", "shakespeare", "text_blocks"]

@@ -19,16 +19,16 @@ implementation) is carried itself, under the package's name.
 """
 
 import ast
-import contextlib
 import importlib.util
 import json
 import os
-import shutil
 import tempfile
 from pathlib import Path
 
 from huggingface_hub import HfApi, ModelCard, ModelCardData
 from transformers.models.auto import modeling_auto
+
+from .atomic import atomic_directory
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Flattening the import graph
@@ -250,43 +250,17 @@ package's classes instead of the code in this repository.
     return ModelCard(content)
 
 
-@contextlib.contextmanager
-def staged_directory(save_directory: str | os.PathLike, overwrite: bool = False):
-    """Yields a temporary sibling of `save_directory` to write into; on success it replaces `save_directory`
-    (renames), on error it is removed, so the directory is never half-written. An existing non-empty
-    `save_directory` is replaced only with `overwrite=True`."""
-    target = Path(save_directory).resolve()
-    if target.exists() and not target.is_dir():
-        raise ValueError(f"save_directory must be a directory, got the file {target}")
-    if target.exists() and any(target.iterdir()) and not overwrite:
-        raise ValueError(f"save_directory {target} exists and is not empty; pass overwrite=True to replace it")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        yield staging
-        if target.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", dir=target.parent))
-            target.rename(old / target.name)
-            staging.rename(target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            staging.rename(target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-
-
 def save_for_hub(model, save_directory: str | os.PathLike, tokenizer=None, repo_id: str | None = None,
                  overwrite: bool = False, **save_pretrained_kwargs) -> Path:
     """Write `model` (and `tokenizer`, if given) to `save_directory` as a self-contained remote-code folder,
-    through `staged_directory` (never half-written; an existing non-empty folder needs `overwrite=True`)."""
+    through `atomic_directory` (never half-written; an existing non-empty folder needs `overwrite=True`)."""
     classes = registered_classes(type(model.config))
     if type(model) not in classes.values():
         registered = sorted(cls.__name__ for cls in classes.values())
         raise ValueError(f"model must be of a class registered with an Auto class {registered}, got {type(model).__name__}")
     sources = flatten_modules(sorted({cls.__module__ for cls in classes.values()}))
 
-    with staged_directory(save_directory, overwrite) as staging:
+    with atomic_directory(save_directory, overwrite, name="save_directory") as staging:
         model.save_pretrained(staging, **save_pretrained_kwargs)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
@@ -325,4 +299,4 @@ def push_to_hub(model, repo_id: str, tokenizer=None, *, private: bool | None = N
         )
 
 
-__all__ = ["auto_map", "flatten_modules", "model_card", "push_to_hub", "registered_classes", "save_for_hub", "staged_directory"]
+__all__ = ["auto_map", "flatten_modules", "model_card", "push_to_hub", "registered_classes", "save_for_hub"]

@@ -17,7 +17,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .hub import staged_directory
+from .atomic import atomic_directory
 
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DIFFERENTIAL_MODULES = ("subln", "lambda_proj", "dex_proj")
@@ -53,7 +53,7 @@ def save_lora(peft_model: PeftModel, save_directory: str | os.PathLike, overwrit
     existing non-empty folder is replaced only with `overwrite=True`."""
     trained = {name: p.detach().cpu().contiguous() for name, p in differential_parameters(peft_model).items()
                if p.requires_grad}
-    with staged_directory(save_directory, overwrite) as staging:
+    with atomic_directory(save_directory, overwrite, name="save_directory") as staging:
         peft_model.save_pretrained(staging, **kwargs)
         adapter_files = sorted(staging.rglob(ADAPTER_FILE))  # one per saved adapter (sub-folders for non-default)
         if trained and not adapter_files:

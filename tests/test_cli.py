@@ -95,9 +95,10 @@ def test_existing_destination_needs_overwrite(source_dir, tmp_path, capsys):
     _, _, src = source_dir
     dst = tmp_path / "out"
     dst.mkdir()
+    (dst / "keep.txt").write_text("precious")
     with pytest.raises(SystemExit):
         main(["convert", str(src), str(dst), "--heads", "all", "--quiet"])
-    assert "already exists; pass overwrite=True (--overwrite)" in capsys.readouterr().err
+    assert "exists and is not empty; pass overwrite=True" in capsys.readouterr().err
     assert main(["convert", str(src), str(dst), "--heads", "all", "--quiet", "--overwrite"]) == 0
     assert (dst / "config.json").is_file()
 

@@ -106,7 +106,7 @@ def test_existing_destination_needs_overwrite(tmp_path):
     dst = tmp_path / "dst"
     dst.mkdir()
     (dst / "keep.txt").write_text("precious")
-    with pytest.raises(ValueError, match="already exists; pass overwrite=True"):
+    with pytest.raises(ValueError, match="exists and is not empty; pass overwrite=True"):
         convert_checkpoint(src, dst, heads="all", progress=False)
     assert (dst / "keep.txt").read_text() == "precious"
     convert_checkpoint(src, dst, heads="all", overwrite=True, progress=False)
