@@ -226,7 +226,7 @@ def test_save_load_round_trip_through_auto(mode, tmp_path):
     assert type(AutoModel.from_pretrained(tmp_path)) is DiffLlamaModel
 
 
-def test_auto_classes_resolve_ours_and_leave_transformers_diffllama_alone():
+def test_auto_classes_resolve_ours_and_leave_transformers_diffllama_alone(tmp_path):
     assert type(AutoConfig.for_model("diff_llama")) is modeling_diff.DiffLlamaConfig
     ours = AutoModelForCausalLM.from_config(tiny_config("v2"))
     assert type(ours) is DiffLlamaForCausalLM
@@ -239,7 +239,10 @@ def test_auto_classes_resolve_ours_and_leave_transformers_diffllama_alone():
         num_attention_heads=4, num_key_value_heads=2,
     )
     assert type(builtin_config) is BuiltinConfig
-    assert type(AutoModelForCausalLM.from_config(builtin_config)) is BuiltinModel
+    builtin = AutoModelForCausalLM.from_config(builtin_config)
+    assert type(builtin) is BuiltinModel
+    builtin.save_pretrained(tmp_path / "builtin")  # a "diffllama" checkpoint loads transformers' classes
+    assert type(AutoModelForCausalLM.from_pretrained(tmp_path / "builtin")) is BuiltinModel
 
 
 @pytest.mark.parametrize("mode", MODES)
