@@ -101,6 +101,11 @@ class DiffLlamaConfig(PreTrainedConfig):
         # Validate here too: `@strict` wraps errors of its validators in its own exception type, and users
         # (and DESIGN.md) expect a plain ValueError naming the field.
         self.validate_architecture()
+        if self.diff_mode == "dex" and self.dex_heads is not None:
+            # A DEX selection is one mask over all heads of a layer, which a column-wise split would cut: keep
+            # attention replicated on every rank and shard the MLP only. (With every head selected DEX needs no
+            # mask and shards like Llama.)
+            self.base_model_tp_plan = {k: v for k, v in type(self).base_model_tp_plan.items() if ".mlp." in k}
         super().__post_init__(**kwargs)
 
     def validate_architecture(self):

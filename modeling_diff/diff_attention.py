@@ -228,8 +228,6 @@ class DexAttention(_LlamaLayoutAttention):
         attn_output, attn_weights = self.attend(
             hidden_states, position_embeddings, attention_mask, cache, **kwargs
         )  # (B, L, h, d)
-        if attn_output.shape[2] != self.num_heads:  # tensor parallelism left this rank a slice of the heads
-            raise NotImplementedError("diff_mode='dex' is not tensor-parallel: head_mask covers all heads of a layer")
         if self.config.dex_heads is None and type(self.dex_proj) is nn.Linear:
             # Every head carries the operator: O - lam O W^T = O (I - lam W)^T, one d x d matmul and no
             # elementwise passes over the attention output (exactly O where lam W = 0, as at conversion).

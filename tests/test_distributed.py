@@ -14,7 +14,7 @@ from ecosystem_helpers import PYTHON, REPO, offline_env, tiny_config
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from modeling_diff import DiffLlamaForCausalLM
+from modeling_diff import DiffLlamaConfig, DiffLlamaForCausalLM
 
 
 def test_data_parallel_training_two_processes_end_identical(tmp_path):
@@ -67,7 +67,7 @@ def tensor_parallel_outputs(module: torch.nn.Module, prefix: str, plan: dict, wo
     return outputs
 
 
-@pytest.mark.parametrize("mode", ["v1", "v2"])
+@pytest.mark.parametrize("mode", ["v1", "v2", "dex"])
 def test_tensor_parallel_plan_keeps_head_pairs_together(mode):
     """Shard every planned Linear over 2 ranks: each rank computes attention on its own heads only, and the
     row-wise o_proj partial outputs sum to the unsharded output. A V1 Q1/Q2 or V2 (2i, 2i+1) pair split across
@@ -124,3 +124,24 @@ def test_fsdp_config_wraps_the_no_split_layer():
     assert config.fsdp_config["fsdp_transformer_layer_cls_to_wrap"] in DiffLlamaForCausalLM._no_split_modules
     assert DiffLlamaForCausalLM._no_split_modules == ["DiffLlamaDecoderLayer"]
     assert "accelerate launch --config_file configuration/fsdp.yaml" in (REPO / "configuration" / "fsdp.yaml").read_text()
+
+def test_tensor_parallel_plan_keeps_a_dex_head_selection_whole():
+    """With an explicit dex_heads selection the attention is replicated (every rank computes the whole layer's
+    attention) and only the MLP is sharded; the partial MLP outputs sum to the unsharded one."""
+    torch.manual_seed(0)
+    model = DiffLlamaForCausalLM(tiny_config("dex", dex_heads=[[0, 2], [1]])).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.dex_proj.weight.normal_(0.0, 0.3)  # a live operator on the selected heads
+    plan = model.config.base_model_tp_plan
+    assert not any(".self_attn." in pattern for pattern in plan)
+    hidden = torch.randn(2, 7, model.config.hidden_size)
+    position_embeddings = model.model.rotary_emb(hidden, torch.arange(7)[None])
+    layer = model.model.layers[0]
+    with torch.no_grad():
+        expected = layer.self_attn(hidden, position_embeddings)[0]
+        for part in tensor_parallel_outputs(layer.self_attn, "layers.0.self_attn", plan, 2, hidden, position_embeddings):
+            torch.testing.assert_close(part, expected)
+        parts = tensor_parallel_outputs(layer.mlp, "layers.0.mlp", plan, 2, hidden)
+        torch.testing.assert_close(sum(parts), layer.mlp(hidden), rtol=1e-5, atol=1e-6)
+    assert DiffLlamaConfig.base_model_tp_plan["layers.*.self_attn.q_proj"] == "colwise"  # the class plan is untouched
