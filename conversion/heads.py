@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from transformers.initialization import no_init_weights
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from modeling_diff import diagnostics
 from modeling_diff.modeling_diff_llama import DiffLlamaDecoderLayer
 
 from .mapping import TensorMapping
@@ -68,6 +69,8 @@ def attention_entropy(
     length = calibration_ids.shape[1]
     position_embeddings = LlamaRotaryEmbedding(config=config)(hidden, torch.arange(length)[None])
     causal_mask = torch.full((length, length), float("-inf")).triu(1)[None, None]  # added to the scores by eager
+    causal_keys = causal_mask == 0  # (1, 1, L, L)
+    every_query = torch.ones(1, 1, length, dtype=torch.bool)
 
     entropies = []
     for layer_idx in tqdm(range(config.num_hidden_layers), desc="calibrating heads", disable=not progress):
@@ -82,8 +85,7 @@ def attention_entropy(
         hidden = layer(hidden, attention_mask=causal_mask, position_embeddings=position_embeddings)
         hook.remove()
         maps = captured["maps"]  # (B, h, L, L), rows sum to 1, zeros above the diagonal
-        entropy = -(maps * maps.clamp_min(1e-30).log()).sum(-1)  # (B, h, L)
-        entropies.append(entropy.mean(dim=(0, 2)))
+        entropies.append(diagnostics.attention_entropy(maps, causal_keys, every_query))  # (h,)
     return torch.stack(entropies)
 
 
