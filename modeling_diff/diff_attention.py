@@ -19,7 +19,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb, eager_attention_forward
 
 from .configuration import DiffLlamaConfig
-from .kernels import resolve, v1_combine, v2_combine
+from .kernels import DIFF_TRITON, flash_diff_applies, flash_diff_attention, resolve, v1_combine, v2_combine
 
 
 def depth_lambda_init(layer_idx: int) -> float:
@@ -58,6 +58,15 @@ class _DiffAttentionBase(nn.Module):
 
     def dropout_p(self) -> float:
         return self.attention_dropout if self.training else 0.0
+
+    def flash_diff_applies(self, query, key, value, attention_mask, kwargs) -> bool:
+        """Whether both maps and the combine go to the fused flash-diff kernel (`kernels/flash_diff.py`):
+        `diff_triton` (what `sdpa` is on CUDA), no extra attention options, shapes the kernel covers."""
+        return (
+            resolve(self.config._attn_implementation, query) == DIFF_TRITON
+            and all(kwargs.get(name) is None for name in ("softcap", "sliding_window", "position_bias", "s_aux"))
+            and flash_diff_applies(query, key, value, attention_mask, self.dropout_p())
+        )
 
 
 class DiffAttentionV1(_DiffAttentionBase):
@@ -114,6 +123,15 @@ class DiffAttentionV1(_DiffAttentionBase):
         if cache is not None:
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
 
+        if self.flash_diff_applies(query_states, key_states, value_states, attention_mask, kwargs) and (
+            type(self.subln.weight) is nn.Parameter  # not a PEFT- or TP-wrapped norm
+        ):
+            attn_output = flash_diff_attention(
+                query_states, key_states, value_states, attention_mask, self.differential_lambda(), self.scaling,
+                self.subln, 1 - self.lambda_init,
+            )  # (B, L, h, 2d), combined
+            return self.o_proj(attn_output.reshape(*input_shape, -1)), None
+
         # (B, L, h, 2, d) -> (B, L, h, 2, 2d): [Q1, 0] and [0, Q2] -> (B, 2h, L, 2d)
         halves = torch.eye(2, dtype=query_states.dtype, device=query_states.device)[:, :, None]  # (2, 2, 1)
         query_states = (query_states.unsqueeze(-2) * halves).flatten(-2).flatten(2, 3).transpose(1, 2)
@@ -145,8 +163,8 @@ class _LlamaLayoutAttention(_DiffAttentionBase):
         self.v_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * d, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * d, config.hidden_size, bias=bias)
 
-    def attend(self, hidden_states, position_embeddings, attention_mask, cache, **kwargs):
-        """-> per-head outputs (B, L, query_heads, d) and, with eager, maps (B, query_heads, L, S)."""
+    def project(self, hidden_states, position_embeddings, cache):
+        """-> query (B, query_heads, L, d), key and value (B, h_kv, S, d), RoPE applied and the cache updated."""
         hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
         query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, query_heads, L, d)
         key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, h_kv, L, d)
@@ -156,7 +174,10 @@ class _LlamaLayoutAttention(_DiffAttentionBase):
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
         if cache is not None:
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
+        return query_states, key_states, value_states
 
+    def attend(self, query_states, key_states, value_states, attention_mask, **kwargs):
+        """-> per-head outputs (B, L, query_heads, d) and, with eager, maps (B, query_heads, L, S)."""
         return self.attention_interface(query_states)(
             self, query_states, key_states, value_states, attention_mask,
             dropout=self.dropout_p(), scaling=self.scaling, **kwargs,
@@ -183,10 +204,17 @@ class DiffAttentionV2(_LlamaLayoutAttention):
 
     def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
         input_shape = hidden_states.shape[:-1]
-        attn_output, attn_weights = self.attend(
-            hidden_states, position_embeddings, attention_mask, cache, **kwargs
-        )  # (B, L, 2h, d)
+        query_states, key_states, value_states = self.project(hidden_states, position_embeddings, cache)
         weight = self.noise_weight(hidden_states)  # (B, L, h)
+        # (B, 2h, L, d) -> (B, L, h, 2, d): the pair (signal, noise) of each differential head
+        pairs = query_states.unflatten(1, (-1, 2)).permute(0, 3, 1, 2, 4)
+        if self.flash_diff_applies(pairs, key_states, value_states, attention_mask, kwargs):
+            attn_output = flash_diff_attention(pairs, key_states, value_states, attention_mask, weight, self.scaling)
+            return self.o_proj(attn_output.reshape(*input_shape, -1)), None
+
+        attn_output, attn_weights = self.attend(
+            query_states, key_states, value_states, attention_mask, **kwargs
+        )  # (B, L, 2h, d)
         attn_output = v2_combine(attn_output, weight)  # (B, L, h, d)
         attn_output = self.o_proj(attn_output.reshape(*input_shape, -1))
         if attn_weights is not None:  # (B, 2h, L, S) -> differential maps (B, h, L, S)
@@ -226,7 +254,7 @@ class DexAttention(_LlamaLayoutAttention):
     def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
         input_shape = hidden_states.shape[:-1]
         attn_output, attn_weights = self.attend(
-            hidden_states, position_embeddings, attention_mask, cache, **kwargs
+            *self.project(hidden_states, position_embeddings, cache), attention_mask, **kwargs
         )  # (B, L, h, d)
         if self.config.dex_heads is None and type(self.dex_proj) is nn.Linear:
             # Every head carries the operator: O - lam O W^T = O (I - lam W)^T, one d x d matmul and no

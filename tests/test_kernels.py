@@ -19,6 +19,7 @@ from transformers import DynamicCache, StaticCache
 from modeling_diff import preset_config
 from modeling_diff.kernels.combine import v1_combine_triton, v2_combine_triton
 from modeling_diff.kernels.decode import decode_attention
+from modeling_diff.kernels.flash_diff import flash_diff_attention
 
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
@@ -144,6 +145,79 @@ def test_decode_attention_reads_strided_cache_views():
     assert rel_err(decode_attention(q, k, v, None, 0.2), attention_formula(q, k, v, visible, 0.2)) < TOL
 
 
+# ---- flash-diff: both maps of a differential head and the combine in one kernel ------------------------------
+
+
+def flash_diff_formula(q, k, v, visible, mu, scale, norm_weight=None, eps=1e-5, norm_scale=1.0):
+    """DIFF Transformer attention per differential head i (kv head i // G), float64, from the definitions:
+    O_m = softmax(Q_m K_m^T scale, masked) V for the maps m = 1, 2, with K1|K2 the halves of the key (V1) or
+    K1 = K2 the key (V2); V1: norm_scale * RMSNorm_w(O1 - lambda O2); V2: O1 - w O2 with a per-token w.
+    q (B, L, h, 2, Dqk), k (B, h_kv, S, 2 Dqk or Dqk), v (B, h_kv, S, Dv), visible (B, L, S) -> (B, L, h, Dv).
+    A query that sees no key gets 0 from each map."""
+    dqk = q.shape[-1]
+    k1, k2 = (k[..., :dqk], k[..., dqk:]) if k.shape[-1] == 2 * dqk else (k, k)
+    groups = q.shape[2] // k.shape[1]
+    heads = []
+    for i in range(q.shape[2]):
+        maps = []
+        for m, key in ((0, k1), (1, k2)):
+            scores = q[:, :, i, m].double() @ key[:, i // groups].double().transpose(-1, -2) * scale
+            probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
+            maps.append(probs @ v[:, i // groups].double())  # (B, L, Dv)
+        if norm_weight is None:
+            heads.append(maps[0] - mu[:, :, i, None].double() * maps[1])
+        else:
+            x = maps[0] - mu.double() * maps[1]
+            heads.append(norm_scale * norm_weight.double() * x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps))
+    return torch.stack(heads, dim=2)
+
+
+# (mode, heads, kv heads, query tokens, keys, q/k width): V1 (h differential heads of 2 x Dqk), V2 (2h query
+# heads of Dqk); training (L = S) and a chunked prefill after a cache (L < S)
+FLASH_CASES = (
+    [("v1", 16, 4, 1024, 1024, 64), ("v2", 32, 8, 1024, 1024, 64), ("v1", 16, 4, 300, 1324, 64),
+     ("v2", 32, 8, 300, 1324, 64)]
+    if GPU
+    else [("v1", 4, 2, 20, 20, 16), ("v2", 4, 2, 20, 20, 16), ("v1", 2, 1, 5, 23, 16), ("v2", 2, 2, 5, 23, 16)]
+)
+
+
+@pytest.mark.parametrize("mode,heads,kv_heads,length,kv_length,dqk", FLASH_CASES)
+@pytest.mark.parametrize("masked", [False, True])
+def test_flash_diff_forward_and_gradients_match_the_formula(mode, heads, kv_heads, length, kv_length, dqk, masked):
+    torch.manual_seed(4)
+    batch, dv = 2, 2 * dqk if mode == "v1" else dqk
+    q = rand(batch, length, heads, 2, dqk, grad=True)
+    k = rand(batch, kv_heads, kv_length, 2 * dqk if mode == "v1" else dqk, grad=True)
+    v = rand(batch, kv_heads, kv_length, dv, grad=True)
+    positions = torch.arange(kv_length, device=DEVICE)
+    visible = positions[None, :] <= (kv_length - length + torch.arange(length, device=DEVICE))[:, None]
+    visible = visible.expand(batch, length, kv_length).clone()
+    mask = None
+    if masked:  # left padding of the second row: its first queries see no key at all
+        visible[1, :, : kv_length - length + 3] = False
+        mask = visible[:, None]
+    if mode == "v1":
+        norm = Norm(dv)
+        mu = torch.tensor(0.37, device=DEVICE, requires_grad=True)
+        out = flash_diff_attention(q, k, v, mask, mu, 0.3, norm, 0.56)
+        ref = flash_diff_formula(q, k, v, visible, mu, 0.3, norm.weight, norm.variance_epsilon, 0.56)
+        inputs = (q, k, v, mu, norm.weight)
+    else:
+        mu = torch.sigmoid(rand(batch, length, heads)).detach().requires_grad_()
+        out = flash_diff_attention(q, k, v, mask, mu, 0.3)
+        ref = flash_diff_formula(q, k, v, visible, mu, 0.3)
+        inputs = (q, k, v, mu)
+    grad_out = rand(*out.shape)
+
+    assert out.shape == (batch, length, heads, dv) and out.dtype == DTYPE
+    assert rel_err(out, ref) < TOL
+    grads = torch.autograd.grad(out, inputs, grad_out)
+    ref_grads = torch.autograd.grad(ref, inputs, grad_out.double())
+    for got, want in zip(grads, ref_grads):
+        assert rel_err(got, want) < TOL
+
+
 # ---- the model on the fast paths --------------------------------------------------------------------------
 
 
@@ -152,8 +226,8 @@ def model_pair(mode, fast_implementation):
     if GPU:  # two layers of the ~1.1B shape
         overrides = dict(preset_config(f"1.1b-{mode}").to_diff_dict(), num_hidden_layers=2, vocab_size=1000)
         overrides = {k: v for k, v in overrides.items() if k not in ("model_type", "transformers_version")}
-    else:
-        overrides = {}
+    else:  # heads of 16, the kernels' smallest tile
+        overrides = dict(head_dim=16)
     eager = tiny_model(mode, **overrides).to(DEVICE, DTYPE)
     fast = tiny_model(mode, attn_implementation=fast_implementation, **overrides).to(DEVICE, DTYPE)
     fast.load_state_dict(eager.state_dict())
@@ -169,8 +243,13 @@ def padded_batch(vocab, batch=2, length=12, pad=4):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_fast_path_forward_and_gradients_equal_eager(mode):
-    """`sdpa` on CUDA takes the fast path (the fused combine; the split-KV kernel for decoding)."""
+def test_fast_path_forward_and_gradients_equal_eager(mode, monkeypatch):
+    """`sdpa` on CUDA takes the fast path: V1 and V2 through the flash-diff kernel, DEX through SDPA."""
+    import modeling_diff.diff_attention as attention
+
+    kernel_calls = []
+    kernel = attention.flash_diff_attention
+    monkeypatch.setattr(attention, "flash_diff_attention", lambda *a: kernel_calls.append(1) or kernel(*a))
     eager, fast = model_pair(mode, "sdpa" if GPU else "diff_triton")
     eager.train(), fast.train()
     ids, mask = padded_batch(eager.config.vocab_size, length=256 if GPU else 12)
@@ -185,6 +264,7 @@ def test_fast_path_forward_and_gradients_equal_eager(mode):
         for (name, p_eager), p_fast in zip(eager.named_parameters(), fast.parameters()):
             if p_eager.grad is not None and p_eager.grad.norm() > 0:
                 assert rel_err(p_fast.grad, p_eager.grad) < GRAD_TOL, name
+    assert len(kernel_calls) == (0 if mode == "dex" else 2 * eager.config.num_hidden_layers)
 
 
 @torch.no_grad()  # as in generate(); the kernel has no backward

@@ -2,6 +2,8 @@
 
 - `combine.py`: the differential combine after the attention call (V1 lambda + subln, V2 noise weight),
   fused into one Triton pass forward and backward (`triton_combine.py`).
+- `flash_diff.py`: both softmax maps of a differential head and the combine in one flash-attention kernel
+  (`triton_flash_diff.py`), forward and backward, for V1 and V2 prefill and training.
 - `decode.py`: split-KV attention for decoding steps, one read of the KV cache per step (`triton_decode.py`).
 - `attention.py`: the attention implementation `"diff_triton"` that uses them, chosen automatically for
   `sdpa` on CUDA.
@@ -13,7 +15,11 @@ every path is plain PyTorch, so the model (and its Hub export) loads anywhere.
 from ._triton import triton_available
 from .attention import NAME as DIFF_TRITON, diff_triton_attention_forward, register, resolve
 from .combine import v1_combine, v2_combine
+from .flash_diff import flash_diff_applies, flash_diff_attention
 
 register()
 
-__all__ = ["DIFF_TRITON", "diff_triton_attention_forward", "resolve", "triton_available", "v1_combine", "v2_combine"]
+__all__ = [
+    "DIFF_TRITON", "diff_triton_attention_forward", "flash_diff_applies", "flash_diff_attention", "resolve",
+    "triton_available", "v1_combine", "v2_combine",
+]

@@ -38,6 +38,45 @@ def _is_power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+def v1_combine_backward(pairs, lam, weight, rstd, grad_out, scale: float, for_flash: bool = False):
+    """Backward of the fused V1 combine. pairs (R, 2, D) = (A1 V, A2 V) per row, rstd (R,), grad_out (..., D).
+    Returns (grad of the pairs (R, 2, D), grad of lam, grad of the norm weight, None); with `for_flash`, the first
+    is the grad of A1 V alone (R, D) (that of A2 V is -lam times it) and the last the D terms (R, 2) of the flash
+    backward, rowsum(dO_m * O_m) for the two maps m."""
+    from .triton_combine import _v1_combine_bwd
+
+    rows, _, width = pairs.shape
+    block = _rows_per_program(width)
+    programs = triton_cdiv(rows, block)
+    grad_pairs = torch.empty(rows, *(() if for_flash else (2,)), width, dtype=pairs.dtype, device=pairs.device)
+    delta = torch.empty(rows, 2, dtype=torch.float32, device=pairs.device) if for_flash else None
+    grad_weight = torch.empty(programs, width, dtype=torch.float32, device=pairs.device)
+    grad_lam = torch.empty(programs, dtype=torch.float32, device=pairs.device)
+    _v1_combine_bwd[(programs,)](
+        pairs, lam, weight, rstd, grad_out.contiguous(), grad_pairs, grad_weight, grad_lam,
+        delta if for_flash else grad_lam, rows, scale, width, block, for_flash,
+    )
+    return grad_pairs, grad_lam.sum().to(lam.dtype).reshape(lam.shape), grad_weight.sum(0).to(weight.dtype), delta
+
+
+def v2_combine_backward(pairs, row_weight, grad_out, for_flash: bool = False):
+    """Backward of the fused V2 combine. pairs (R, 2, D), row_weight (R,), grad_out (R, D). Returns (grad of the
+    pairs (R, 2, D), grad of row_weight (R,), None); with `for_flash` the first is None (the grad of the signal
+    head is grad_out itself) and the last the D terms (R, 2), as in `v1_combine_backward`."""
+    from .triton_combine import _v2_combine_bwd
+
+    rows, _, width = pairs.shape
+    block = _rows_per_program(width)
+    grad_pairs = None if for_flash else torch.empty_like(pairs)
+    delta = torch.empty(rows, 2, dtype=torch.float32, device=pairs.device) if for_flash else None
+    grad_weight = torch.empty_like(row_weight)
+    _v2_combine_bwd[(triton_cdiv(rows, block),)](
+        pairs, row_weight, grad_out.contiguous(), pairs if for_flash else grad_pairs, grad_weight,
+        delta if for_flash else grad_weight, rows, width, block, for_flash,
+    )
+    return grad_pairs, grad_weight, delta
+
+
 class _V1Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, attn, lam, weight, eps, scale):
@@ -56,26 +95,9 @@ class _V1Combine(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        from .triton_combine import _v1_combine_bwd
-
         pairs, lam, weight, rstd = ctx.saved_tensors
-        rows, _, width = pairs.shape
-        block = _rows_per_program(width)
-        programs = triton_cdiv(rows, block)
-        grad_pairs = torch.empty_like(pairs)
-        grad_weight = torch.empty(programs, width, dtype=torch.float32, device=pairs.device)
-        grad_lam = torch.empty(programs, dtype=torch.float32, device=pairs.device)
-        _v1_combine_bwd[(programs,)](
-            pairs, lam, weight, rstd, grad_out.contiguous(), grad_pairs, grad_weight, grad_lam,
-            rows, ctx.scale, width, block,
-        )
-        return (
-            grad_pairs.view(ctx.shape),
-            grad_lam.sum().to(lam.dtype).reshape(lam.shape),
-            grad_weight.sum(0).to(weight.dtype),
-            None,
-            None,
-        )
+        grad_pairs, grad_lam, grad_weight, _ = v1_combine_backward(pairs, lam, weight, rstd, grad_out, ctx.scale)
+        return grad_pairs.view(ctx.shape), grad_lam, grad_weight, None, None
 
 
 class _V2Combine(torch.autograd.Function):
@@ -96,16 +118,8 @@ class _V2Combine(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        from .triton_combine import _v2_combine_bwd
-
         pairs, row_weight = ctx.saved_tensors
-        rows, _, width = pairs.shape
-        block = _rows_per_program(width)
-        grad_pairs = torch.empty_like(pairs)
-        grad_weight = torch.empty_like(row_weight)
-        _v2_combine_bwd[(triton_cdiv(rows, block),)](
-            pairs, row_weight, grad_out.contiguous(), grad_pairs, grad_weight, rows, width, block
-        )
+        grad_pairs, grad_weight, _ = v2_combine_backward(pairs, row_weight, grad_out)
         attn_shape, weight_shape = ctx.shapes
         return grad_pairs.view(attn_shape), grad_weight.view(weight_shape)
 

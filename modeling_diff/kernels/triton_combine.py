@@ -17,6 +17,14 @@ except ImportError as error:
 
 
 @triton.jit
+def v1_combine_rows(a1, a2, lam, w, eps, scale, D: tl.constexpr):
+    """(rows, D) fp32 pair -> (y, rstd): the V1 combine of each row (also the flash-diff kernel's epilogue)."""
+    x = a1 - lam * a2
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
+    return x * rstd[:, None] * w[None, :] * scale, rstd
+
+
+@triton.jit
 def _v1_combine_fwd(A, Lam, W, Y, Rstd, R, eps, scale, D: tl.constexpr, BLOCK_R: tl.constexpr):
     # A: (R, 2, D) contiguous (pair of maps per row); Y: (R, D); Rstd: (R,) fp32, saved for backward.
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -26,17 +34,20 @@ def _v1_combine_fwd(A, Lam, W, Y, Rstd, R, eps, scale, D: tl.constexpr, BLOCK_R:
     a2 = tl.load(A + rows[:, None] * (2 * D) + D + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     lam = tl.load(Lam).to(tl.float32)
     w = tl.load(W + cols).to(tl.float32)
-    x = a1 - lam * a2
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
-    y = x * rstd[:, None] * w[None, :] * scale
+    y, rstd = v1_combine_rows(a1, a2, lam, w, eps, scale, D)
     tl.store(Y + rows[:, None] * D + cols[None, :], y.to(Y.dtype.element_ty), mask=ok)
     tl.store(Rstd + rows, rstd, mask=rows < R)
 
 
 @triton.jit
-def _v1_combine_bwd(A, Lam, W, Rstd, DY, DA, DWpart, DLampart, R, scale, D: tl.constexpr, BLOCK_R: tl.constexpr):
+def _v1_combine_bwd(
+    A, Lam, W, Rstd, DY, DA, DWpart, DLampart, Delta, R, scale,
+    D: tl.constexpr, BLOCK_R: tl.constexpr, FOR_FLASH: tl.constexpr,
+):
     # RMSNorm backward: dx = rstd * (dn - n * mean(dn * n)), dn = dy * scale * w; da1 = dx, da2 = -lam dx.
     # Per-program partial sums of dw (D,) and dlam go to DWpart / DLampart; the caller sums them.
+    # FOR_FLASH (the flash-diff kernel's backward): DA is (R, D) and holds dx only (da2 = -lam dx is implied),
+    # and Delta (R, 2) gets rowsum(da1 * a1), rowsum(da2 * a2), the D terms of the two maps' softmax backward.
     pid = tl.program_id(0)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, D)
@@ -50,8 +61,13 @@ def _v1_combine_bwd(A, Lam, W, Rstd, DY, DA, DWpart, DLampart, R, scale, D: tl.c
     n = (a1 - lam * a2) * rstd[:, None]
     dn = dy * scale * w[None, :]
     dx = rstd[:, None] * (dn - n * (tl.sum(dn * n, axis=1) / D)[:, None])
-    tl.store(DA + rows[:, None] * (2 * D) + cols[None, :], dx.to(DA.dtype.element_ty), mask=ok)
-    tl.store(DA + rows[:, None] * (2 * D) + D + cols[None, :], (-lam * dx).to(DA.dtype.element_ty), mask=ok)
+    if FOR_FLASH:
+        tl.store(DA + rows[:, None] * D + cols[None, :], dx.to(DA.dtype.element_ty), mask=ok)
+        tl.store(Delta + rows * 2, tl.sum(dx * a1, axis=1), mask=rows < R)
+        tl.store(Delta + rows * 2 + 1, -lam * tl.sum(dx * a2, axis=1), mask=rows < R)
+    else:
+        tl.store(DA + rows[:, None] * (2 * D) + cols[None, :], dx.to(DA.dtype.element_ty), mask=ok)
+        tl.store(DA + rows[:, None] * (2 * D) + D + cols[None, :], (-lam * dx).to(DA.dtype.element_ty), mask=ok)
     tl.store(DWpart + pid * D + cols, tl.sum(dy * scale * n, axis=0))
     tl.store(DLampart + pid, -tl.sum(tl.sum(dx * a2, axis=1), axis=0))
 
@@ -69,14 +85,20 @@ def _v2_combine_fwd(A, Wt, Y, R, D: tl.constexpr, BLOCK_R: tl.constexpr):
 
 
 @triton.jit
-def _v2_combine_bwd(A, Wt, DY, DA, DWt, R, D: tl.constexpr, BLOCK_R: tl.constexpr):
-    # d signal = dy, d noise = -w dy, d w = -sum(dy * noise) per row.
+def _v2_combine_bwd(A, Wt, DY, DA, DWt, Delta, R, D: tl.constexpr, BLOCK_R: tl.constexpr, FOR_FLASH: tl.constexpr):
+    # d signal = dy, d noise = -w dy, d w = -sum(dy * noise) per row. FOR_FLASH: as in _v1_combine_bwd (DA is
+    # not written: d signal is dy itself).
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, D)
     ok = rows[:, None] < R
     noise = tl.load(A + rows[:, None] * (2 * D) + D + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     dy = tl.load(DY + rows[:, None] * D + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     w = tl.load(Wt + rows, mask=rows < R, other=0.0).to(tl.float32)
-    tl.store(DA + rows[:, None] * (2 * D) + cols[None, :], dy.to(DA.dtype.element_ty), mask=ok)
-    tl.store(DA + rows[:, None] * (2 * D) + D + cols[None, :], (-w[:, None] * dy).to(DA.dtype.element_ty), mask=ok)
+    if FOR_FLASH:
+        signal = tl.load(A + rows[:, None] * (2 * D) + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        tl.store(Delta + rows * 2, tl.sum(dy * signal, axis=1), mask=rows < R)
+        tl.store(Delta + rows * 2 + 1, -w * tl.sum(dy * noise, axis=1), mask=rows < R)
+    else:
+        tl.store(DA + rows[:, None] * (2 * D) + cols[None, :], dy.to(DA.dtype.element_ty), mask=ok)
+        tl.store(DA + rows[:, None] * (2 * D) + D + cols[None, :], (-w[:, None] * dy).to(DA.dtype.element_ty), mask=ok)
     tl.store(DWt + rows, (-tl.sum(dy * noise, axis=1)).to(DWt.dtype.element_ty), mask=rows < R)

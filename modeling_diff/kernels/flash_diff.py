@@ -1,0 +1,140 @@
+"""Flash-diff attention: a differential head's two softmax maps and their combine in one Triton kernel.
+
+    flash_diff_attention(query, key, value, mask, mu, scale, norm=None, norm_scale=1.0) -> (B, L, h, DV)
+
+- query (B, L, h, 2, DQK): Q1 and Q2 of every differential head (any strides, the last dim contiguous);
+- key (B, h_kv, S, 2*DQK) = K1|K2 (V1) or (B, h_kv, S, DQK), one key head for both maps (V2);
+- value (B, h_kv, S, DV); head i reads kv head i // (h / h_kv);
+- V1: mu = lambda (a float32 scalar tensor), norm = the subln RMSNorm, norm_scale = 1 - lambda_init;
+  V2: mu = the per-token noise weight (B, L, h), norm = None.
+
+It computes what the modules' plain path computes (one attention call, then `combine.v1_combine` or
+`v2_combine`), causal with the L queries the last L of S positions, a bool mask (B or 1, 1, L, S) applied on
+top, forward and backward. Against that path it reads each K/V tile once for both maps, spends DQK (not 2*DQK)
+on V1's Q.K, and writes and saves no zero-padded queries; in training it saves the pair (O1, O2) per head
+for the backward. The reference is the plain path itself (`tests/test_kernels.py` checks both against the
+formula).
+"""
+
+import torch
+from torch import nn
+
+from ._triton import TRITON_AVAILABLE, TRITON_INTERPRETING
+from .combine import triton_cdiv, v1_combine_backward, v2_combine_backward
+
+MIN_QUERY_TOKENS = 16  # fewer new tokens without gradients: a decoding step, for the split-KV decode kernel
+
+
+def flash_diff_applies(query, key, value, mask, dropout: float) -> bool:
+    """Shapes and options the kernel covers; the modules take their plain path for everything else."""
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    dims = (query.shape[-1], value.shape[-1])
+    return (
+        TRITON_AVAILABLE
+        and ((query.is_cuda and query.dtype in (torch.bfloat16, torch.float16)) or TRITON_INTERPRETING)
+        and not torch.compiler.is_compiling()
+        and dropout == 0.0
+        and (needs_grad or query.shape[1] >= MIN_QUERY_TOKENS)
+        and all(n >= 16 and n & (n - 1) == 0 for n in dims)
+        and key.shape[-1] in (query.shape[-1], 2 * query.shape[-1])
+        and (mask is None or (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == 1))
+    )
+
+
+def _mask_arguments(mask, reference):
+    if mask is None:
+        return reference, (0, 0, 0)  # unused
+    mask = mask.view(torch.uint8)
+    return mask, (mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(2), mask.stride(3))
+
+
+def _static_bounds(length: int, kv_length: int) -> dict:
+    """The interpreter needs compile-time loop bounds (the kernels mask what lies beyond the causal ones)."""
+    return dict(S_STATIC=kv_length, L_STATIC=length) if TRITON_INTERPRETING else {}
+
+
+def _strides(t: torch.Tensor, dims: int = 3):
+    return tuple(t.stride(i) for i in range(dims))
+
+
+def _forward(query, key, value, mask, mu, norm_weight, eps, norm_scale, scale, save):
+    from .triton_flash_diff import FWD_FIXED, flash_diff_fwd
+
+    batch, length, heads, _, dqk = query.shape
+    kv_heads, kv_length, dv = key.shape[1], key.shape[2], value.shape[-1]
+    rows = batch * length * heads
+    device = query.device
+    y = torch.empty(batch, length, heads, dv, dtype=query.dtype, device=device)
+    pairs = torch.empty(rows, 2, dv, dtype=query.dtype, device=device) if save else y
+    lse = torch.empty(rows, 2, dtype=torch.float32, device=device) if save else y
+    rstd = torch.empty(rows, dtype=torch.float32, device=device) if save and norm_weight is not None else y
+    mask_arg, mask_strides = _mask_arguments(mask, query)
+    grid = lambda meta: (triton_cdiv(length, meta["BLOCK_M"]), batch * heads)  # noqa: E731
+    flash_diff_fwd[grid](
+        query, key, value, mask_arg, mu, query if norm_weight is None else norm_weight, y, pairs, lse, rstd,
+        *_strides(query, 4), *_strides(key), *_strides(value), *mask_strides,
+        heads, length, kv_length, eps, norm_scale,
+        SCALE=scale, GROUP=heads // kv_heads, DQK=dqk, DV=dv, SPLIT_K=key.shape[-1] == 2 * dqk, V1=norm_weight is not None,
+        HAS_MASK=mask is not None, SAVE=save, **FWD_FIXED, **_static_bounds(length, kv_length),
+    )
+    return y, pairs, lse, rstd
+
+
+class _FlashDiff(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, key, value, mask, mu, norm_weight, eps, norm_scale, scale):
+        y, pairs, lse, rstd = _forward(query, key, value, mask, mu, norm_weight, eps, norm_scale, scale, save=True)
+        ctx.save_for_backward(query, key, value, mask, mu, norm_weight, pairs, lse, rstd)
+        ctx.norm_scale, ctx.scale = norm_scale, scale
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        from .triton_flash_diff import DKDV_FIXED, DQ_FIXED, flash_diff_bwd_dkdv, flash_diff_bwd_dq
+
+        query, key, value, mask, mu, norm_weight, pairs, lse, rstd = ctx.saved_tensors
+        batch, length, heads, _, dqk = query.shape
+        kv_heads, kv_length, dv = key.shape[1], key.shape[2], value.shape[-1]
+        grad_rows = grad_y.reshape(-1, dv)
+        if norm_weight is not None:  # V1: through subln and lambda to g = dO1 (dO2 = -lambda g)
+            grad_o1, grad_mu, grad_norm, delta = v1_combine_backward(
+                pairs, mu, norm_weight, rstd, grad_rows, ctx.norm_scale, for_flash=True
+            )
+        else:  # V2: dO1 = grad y, dO2 = -weight grad y
+            grad_norm = None
+            grad_o1 = grad_rows.contiguous()
+            _, grad_weight, delta = v2_combine_backward(pairs, mu.reshape(-1), grad_o1, for_flash=True)
+            grad_mu = grad_weight.view(mu.shape)
+        grad_q, grad_k, grad_v = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+        mask_arg, mask_strides = _mask_arguments(mask, query)
+        row_mu = mu if norm_weight is not None else mu.reshape(-1)
+        common = dict(
+            SCALE=ctx.scale, GROUP=heads // kv_heads, DQK=dqk, DV=dv, SPLIT_K=key.shape[-1] == 2 * dqk, V1=norm_weight is not None,
+            HAS_MASK=mask is not None, **_static_bounds(length, kv_length),
+        )
+        q_strides = _strides(query, 4)
+        flash_diff_bwd_dkdv[lambda meta: (triton_cdiv(kv_length, meta["BLOCK_N"]), batch * kv_heads)](
+            query, key, value, mask_arg, row_mu, grad_o1, lse, delta, grad_k, grad_v,
+            *q_strides, *_strides(key), *_strides(value), *mask_strides, *_strides(grad_k), *_strides(grad_v),
+            heads, length, kv_length, **common, **DKDV_FIXED,
+        )
+        flash_diff_bwd_dq[lambda meta: (triton_cdiv(length, meta["BLOCK_M"]), batch * heads)](
+            query, key, value, mask_arg, row_mu, grad_o1, lse, delta, grad_q,
+            *q_strides, *_strides(key), *_strides(value), *mask_strides,
+            *_strides(grad_q, 4),
+            heads, length, kv_length, **common, **DQ_FIXED,
+        )
+        return grad_q, grad_k, grad_v, None, grad_mu, grad_norm, None, None, None
+
+
+def flash_diff_attention(query, key, value, mask, mu, scale: float, norm: nn.Module | None = None,
+                         norm_scale: float = 1.0) -> torch.Tensor:
+    """See the module docstring. Returns the combined head outputs (B, L, h, DV)."""
+    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    norm_weight = None if norm is None else norm.weight
+    eps = 0.0 if norm is None else norm.variance_epsilon
+    mu = mu.float() if norm is not None else mu.contiguous()
+    inputs = (query, key, value, mu, norm_weight)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
+        return _FlashDiff.apply(query, key, value, mask, mu, norm_weight, eps, norm_scale, scale)
+    return _forward(query, key, value, mask, mu, norm_weight, eps, norm_scale, scale, save=False)[0]
