@@ -42,12 +42,54 @@ def _visible(Mask, b, m, n, m_ok, n_ok, offset, smb, sml, sms, HAS_MASK: tl.cons
 
 
 @triton.jit
+def _softmax_step(s, running_max, running_sum, acc, v):
+    """One key tile of an online softmax (base 2): the running max, sum and P V accumulator, rescaled."""
+    new_max = tl.maximum(running_max, tl.max(s, axis=1))
+    p = tl.exp2(s - new_max[:, None])
+    alpha = tl.exp2(running_max - new_max)
+    return new_max, running_sum * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+
+
+@triton.jit
+def _fwd_tile(
+    q1, q2, k_ptr, v_ptr, n0, m, m_ok, offset, S, Mask, b, smb, sml, sms, sks, svs, qk_scale,
+    max1, sum1, acc1, max2, sum2, acc2,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+    MASKED: tl.constexpr, HAS_MASK: tl.constexpr,
+):
+    """Both maps over the keys n0 .. n0 + BLOCK_N. Not MASKED: every query sees every key of the tile."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    dqk = tl.arange(0, DQK)
+    dv = tl.arange(0, DV)
+    n_ok = n < S
+    k_tile = k_ptr + n[None, :] * sks + dqk[:, None]  # (DQK, BLOCK_N)
+    v_tile = v_ptr + n[:, None] * svs + dv[None, :]  # (BLOCK_N, DV)
+    if MASKED:
+        k1 = tl.load(k_tile, mask=n_ok[None, :], other=0.0)
+        k2 = tl.load(k_tile + DQK, mask=n_ok[None, :], other=0.0) if SPLIT_K else k1
+        v = tl.load(v_tile, mask=n_ok[:, None], other=0.0)
+    else:
+        k1 = tl.load(k_tile)
+        k2 = tl.load(k_tile + DQK) if SPLIT_K else k1
+        v = tl.load(v_tile)
+    s1 = tl.dot(q1, k1) * qk_scale
+    s2 = tl.dot(q2, k2) * qk_scale
+    if MASKED:
+        allowed = _visible(Mask, b, m, n, m_ok, n_ok, offset, smb, sml, sms, HAS_MASK)
+        s1 = tl.where(allowed, s1, float("-inf"))
+        s2 = tl.where(allowed, s2, float("-inf"))
+    max1, sum1, acc1 = _softmax_step(s1, max1, sum1, acc1, v)
+    max2, sum2, acc2 = _softmax_step(s2, max2, sum2, acc2, v)
+    return max1, sum1, acc1, max2, sum2, acc2
+
+
+@triton.jit
 def _flash_diff_fwd(
     Q, K, V, Mask, Mu, NormW, Y, Pairs, Lse, Rstd,
     sqb, sql, sqh, sqp, skb, skh, sks, svb, svh, svs, smb, sml, sms,
     H, L, S, eps, norm_scale,
-    SCALE: tl.constexpr, GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, SPLIT_K: tl.constexpr, V1: tl.constexpr,
-    HAS_MASK: tl.constexpr, SAVE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SCALE: tl.constexpr, GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, SPLIT_K: tl.constexpr,
+    V1: tl.constexpr, HAS_MASK: tl.constexpr, SAVE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     S_STATIC: tl.constexpr = 0, L_STATIC: tl.constexpr = 0,
 ):
     # Q (B, L, H, 2, DQK) by strides; K (B, H_kv, S, 2*DQK or DQK); V (B, H_kv, S, DV); Y (B*L*H, DV);
@@ -77,33 +119,26 @@ def _flash_diff_fwd(
     acc1 = tl.zeros((BLOCK_M, DV), tl.float32)
     acc2 = tl.zeros((BLOCK_M, DV), tl.float32)
     hi = tl.minimum(S, (pid_m + 1) * BLOCK_M + offset)  # causal: no key beyond the block's last query
-    # S_STATIC: the interpreter, whose loop bounds must be compile-time (its program ids are arrays)
-    for n0 in range(0, S_STATIC if S_STATIC > 0 else hi, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = n < S
-        k1 = tl.load(k_ptr + n[None, :] * sks + dqk[:, None], mask=n_ok[None, :], other=0.0)  # (DQK, BLOCK_N)
-        if SPLIT_K:
-            k2 = tl.load(k_ptr + n[None, :] * sks + DQK + dqk[:, None], mask=n_ok[None, :], other=0.0)
-        else:
-            k2 = k1
-        v = tl.load(v_ptr + n[:, None] * svs + dv[None, :], mask=n_ok[:, None], other=0.0)  # (BLOCK_N, DV)
-        allowed = _visible(Mask, b, m, n, m_ok, n_ok, offset, smb, sml, sms, HAS_MASK)
-
-        s1 = tl.where(allowed, tl.dot(q1, k1) * qk_scale, float("-inf"))
-        new1 = tl.maximum(max1, tl.max(s1, axis=1))
-        p1 = tl.exp2(s1 - new1[:, None])
-        alpha1 = tl.exp2(max1 - new1)
-        sum1 = sum1 * alpha1 + tl.sum(p1, axis=1)
-        acc1 = acc1 * alpha1[:, None] + tl.dot(p1.to(v.dtype), v)
-        max1 = new1
-
-        s2 = tl.where(allowed, tl.dot(q2, k2) * qk_scale, float("-inf"))
-        new2 = tl.maximum(max2, tl.max(s2, axis=1))
-        p2 = tl.exp2(s2 - new2[:, None])
-        alpha2 = tl.exp2(max2 - new2)
-        sum2 = sum2 * alpha2 + tl.sum(p2, axis=1)
-        acc2 = acc2 * alpha2[:, None] + tl.dot(p2.to(v.dtype), v)
-        max2 = new2
+    if S_STATIC > 0 or HAS_MASK:
+        # Every tile masked. S_STATIC: the interpreter, whose loop bounds must be compile-time (its program
+        # ids are arrays).
+        for n0 in range(0, S_STATIC if S_STATIC > 0 else hi, BLOCK_N):
+            max1, sum1, acc1, max2, sum2, acc2 = _fwd_tile(
+                q1, q2, k_ptr, v_ptr, n0, m, m_ok, offset, S, Mask, b, smb, sml, sms, sks, svs, qk_scale,
+                max1, sum1, acc1, max2, sum2, acc2, DQK, DV, BLOCK_N, SPLIT_K, True, HAS_MASK,
+            )
+    else:
+        full = (pid_m * BLOCK_M + offset + 1) // BLOCK_N * BLOCK_N  # keys [0, full): seen by every query
+        for n0 in range(0, full, BLOCK_N):
+            max1, sum1, acc1, max2, sum2, acc2 = _fwd_tile(
+                q1, q2, k_ptr, v_ptr, n0, m, m_ok, offset, S, Mask, b, smb, sml, sms, sks, svs, qk_scale,
+                max1, sum1, acc1, max2, sum2, acc2, DQK, DV, BLOCK_N, SPLIT_K, False, HAS_MASK,
+            )
+        for n0 in range(full, hi, BLOCK_N):  # the diagonal
+            max1, sum1, acc1, max2, sum2, acc2 = _fwd_tile(
+                q1, q2, k_ptr, v_ptr, n0, m, m_ok, offset, S, Mask, b, smb, sml, sms, sks, svs, qk_scale,
+                max1, sum1, acc1, max2, sum2, acc2, DQK, DV, BLOCK_N, SPLIT_K, True, HAS_MASK,
+            )
 
     o1 = acc1 / tl.where(sum1 > 0, sum1, 1.0)[:, None]
     o2 = acc2 / tl.where(sum2 > 0, sum2, 1.0)[:, None]
@@ -116,12 +151,69 @@ def _flash_diff_fwd(
         y = o1 - weight[:, None] * o2
     tl.store(Y + rows[:, None] * DV + dv[None, :], y.to(Y.dtype.element_ty), mask=m_ok[:, None])
     if SAVE:
-        tl.store(Pairs + rows[:, None] * (2 * DV) + dv[None, :], o1.to(Pairs.dtype.element_ty), mask=m_ok[:, None])
-        tl.store(Pairs + rows[:, None] * (2 * DV) + DV + dv[None, :], o2.to(Pairs.dtype.element_ty), mask=m_ok[:, None])
+        pair_ptr = Pairs + rows[:, None] * (2 * DV) + dv[None, :]
+        tl.store(pair_ptr, o1.to(Pairs.dtype.element_ty), mask=m_ok[:, None])
+        tl.store(pair_ptr + DV, o2.to(Pairs.dtype.element_ty), mask=m_ok[:, None])
         tl.store(Lse + rows * 2, tl.where(sum1 > 0, max1 + tl.log2(tl.where(sum1 > 0, sum1, 1.0)), 1.0e30), mask=m_ok)
-        tl.store(Lse + rows * 2 + 1, tl.where(sum2 > 0, max2 + tl.log2(tl.where(sum2 > 0, sum2, 1.0)), 1.0e30), mask=m_ok)
+        tl.store(Lse + rows * 2 + 1, tl.where(sum2 > 0, max2 + tl.log2(tl.where(sum2 > 0, sum2, 1.0)), 1.0e30),
+                 mask=m_ok)
         if V1:
             tl.store(Rstd + rows, rstd, mask=m_ok)
+
+
+@triton.jit
+def _query_rows(Q, G, Lse, Delta, Mu, b, head, m, m_ok, H, L, sqb, sql, sqh, sqp, lam,
+                DQK: tl.constexpr, DV: tl.constexpr, V1: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """What the backward reads per query row: Q1, Q2 ((DQK, rows) if TRANSPOSED), g = dO1, the logsumexp and
+    D term of each map, and mu. Rows beyond L get logsumexp +1e30, so their probabilities recompute as 0."""
+    dqk = tl.arange(0, DQK)
+    rows = (b * L + m) * H + head
+    if TRANSPOSED:
+        q_ptr = Q + b * sqb + head * sqh + m[None, :] * sql + dqk[:, None]
+        q1 = tl.load(q_ptr, mask=m_ok[None, :], other=0.0)
+        q2 = tl.load(q_ptr + sqp, mask=m_ok[None, :], other=0.0)
+    else:
+        q_ptr = Q + b * sqb + head * sqh + m[:, None] * sql + dqk[None, :]
+        q1 = tl.load(q_ptr, mask=m_ok[:, None], other=0.0)
+        q2 = tl.load(q_ptr + sqp, mask=m_ok[:, None], other=0.0)
+    go = tl.load(G + rows[:, None] * DV + tl.arange(0, DV)[None, :], mask=m_ok[:, None], other=0.0)
+    lse1 = tl.load(Lse + rows * 2, mask=m_ok, other=1.0e30)
+    lse2 = tl.load(Lse + rows * 2 + 1, mask=m_ok, other=1.0e30)
+    delta1 = tl.load(Delta + rows * 2, mask=m_ok, other=0.0)
+    delta2 = tl.load(Delta + rows * 2 + 1, mask=m_ok, other=0.0)
+    if V1:
+        mu = tl.zeros_like(lse1) + lam
+    else:
+        mu = tl.load(Mu + rows, mask=m_ok, other=0.0).to(tl.float32)
+    return q1, q2, go, lse1, lse2, delta1, delta2, mu
+
+
+@triton.jit
+def _dkdv_tile(
+    Q, G, Lse, Delta, Mu, Mask, k1, k2, v, n, n_ok, m0, b, head, H, L, offset, qk_scale, lam,
+    sqb, sql, sqh, sqp, smb, sml, sms, dk1, dk2, dv_acc,
+    DQK: tl.constexpr, DV: tl.constexpr, V1: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+):
+    """The queries m0 .. m0 + BLOCK_M of one head against the program's keys: their share of dK and dV."""
+    m = m0 + tl.arange(0, BLOCK_M)
+    m_ok = m < L
+    q1t, q2t, go, lse1, lse2, delta1, delta2, mu = _query_rows(
+        Q, G, Lse, Delta, Mu, b, head, m, m_ok, H, L, sqb, sql, sqh, sqp, lam, DQK, DV, V1, True
+    )
+    p1t = tl.exp2(tl.dot(k1, q1t) * qk_scale - lse1[None, :])  # (BLOCK_N, BLOCK_M)
+    p2t = tl.exp2(tl.dot(k2, q2t) * qk_scale - lse2[None, :])
+    if MASKED:
+        allowed_t = tl.trans(_visible(Mask, b, m, n, m_ok, n_ok, offset, smb, sml, sms, HAS_MASK))
+        p1t = tl.where(allowed_t, p1t, 0.0)
+        p2t = tl.where(allowed_t, p2t, 0.0)
+    dv_acc += tl.dot((p1t - p2t * mu[None, :]).to(go.dtype), go)  # (P1 - mu P2)^T g
+    dpt = tl.dot(v, tl.trans(go))  # (g V^T)^T = dP1^T; dP2 = -mu dP1
+    ds1t = p1t * (dpt - delta1[None, :])
+    ds2t = p2t * (-mu[None, :] * dpt - delta2[None, :])
+    dk1 += tl.dot(ds1t.to(q1t.dtype), tl.trans(q1t))
+    dk2 += tl.dot(ds2t.to(q2t.dtype), tl.trans(q2t))
+    return dk1, dk2, dv_acc
 
 
 @triton.jit
@@ -129,64 +221,55 @@ def _flash_diff_bwd_dkdv(
     Q, K, V, Mask, Mu, G, Lse, Delta, DK, DVout,
     sqb, sql, sqh, sqp, skb, skh, sks, svb, svh, svs, smb, sml, sms, sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
     H, L, S,
-    SCALE: tl.constexpr, GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, SPLIT_K: tl.constexpr, V1: tl.constexpr,
-    HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SCALE: tl.constexpr, GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, SPLIT_K: tl.constexpr,
+    V1: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     S_STATIC: tl.constexpr = 0, L_STATIC: tl.constexpr = 0,
 ):
-    # G (B*L*H, DV) = dO1; Lse, Delta (B*L*H, 2). A program: BLOCK_N keys of one (batch, kv head).
+    # G (B*L*H, DV) = dO1; Lse, Delta (B*L*H, 2). A program: BLOCK_N keys of one (batch, kv head), and the
+    # queries of every head of its GQA group.
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     kv_heads = H // GROUP
     b = pid_bh // kv_heads
     kvh = pid_bh % kv_heads
     offset = S - L
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_start = pid_n * BLOCK_N
+    n = n_start + tl.arange(0, BLOCK_N)
     n_ok = n < S
     dqk = tl.arange(0, DQK)
     dv = tl.arange(0, DV)
     k_ptr = K + b * skb + kvh * skh + n[:, None] * sks + dqk[None, :]
     k1 = tl.load(k_ptr, mask=n_ok[:, None], other=0.0)  # (BLOCK_N, DQK)
-    if SPLIT_K:
-        k2 = tl.load(k_ptr + DQK, mask=n_ok[:, None], other=0.0)
-    else:
-        k2 = k1
+    k2 = tl.load(k_ptr + DQK, mask=n_ok[:, None], other=0.0) if SPLIT_K else k1
     v = tl.load(V + b * svb + kvh * svh + n[:, None] * svs + dv[None, :], mask=n_ok[:, None], other=0.0)
     qk_scale = SCALE * 1.4426950408889634
-    if V1:
-        lam = tl.load(Mu).to(tl.float32)
+    lam = tl.load(Mu).to(tl.float32) if V1 else 0.0
 
     dk1 = tl.zeros((BLOCK_N, DQK), tl.float32)
     dk2 = tl.zeros((BLOCK_N, DQK), tl.float32)
     dv_acc = tl.zeros((BLOCK_N, DV), tl.float32)
-    lo = tl.maximum(pid_n * BLOCK_N - offset, 0) // BLOCK_M * BLOCK_M  # causal: earlier queries see none of it
+    lo = tl.maximum(n_start - offset, 0) // BLOCK_M * BLOCK_M  # causal: earlier queries see none of these keys
+    # queries from `full` on see every key of the tile (a tile reaching past S has none such)
+    full = tl.minimum(tl.maximum((n_start + BLOCK_N - 1 - offset + BLOCK_M - 1) // BLOCK_M * BLOCK_M, lo), L)
     for g in range(0, GROUP):
         head = kvh * GROUP + g
-        for m0 in range(0 if L_STATIC > 0 else lo, L_STATIC if L_STATIC > 0 else L, BLOCK_M):
-            m = m0 + tl.arange(0, BLOCK_M)
-            m_ok = m < L
-            rows = (b * L + m) * H + head
-            q_ptr = Q + b * sqb + head * sqh + m[None, :] * sql + dqk[:, None]
-            q1t = tl.load(q_ptr, mask=m_ok[None, :], other=0.0)  # (DQK, BLOCK_M)
-            q2t = tl.load(q_ptr + sqp, mask=m_ok[None, :], other=0.0)
-            go = tl.load(G + rows[:, None] * DV + dv[None, :], mask=m_ok[:, None], other=0.0)  # (BLOCK_M, DV)
-            lse1 = tl.load(Lse + rows * 2, mask=m_ok, other=1.0e30)
-            lse2 = tl.load(Lse + rows * 2 + 1, mask=m_ok, other=1.0e30)
-            delta1 = tl.load(Delta + rows * 2, mask=m_ok, other=0.0)
-            delta2 = tl.load(Delta + rows * 2 + 1, mask=m_ok, other=0.0)
-            if V1:
-                mu = tl.full((BLOCK_M,), 1.0, tl.float32) * lam
-            else:
-                mu = tl.load(Mu + rows, mask=m_ok, other=0.0).to(tl.float32)
-            allowed_t = tl.trans(_visible(Mask, b, m, n, m_ok, n_ok, offset, smb, sml, sms, HAS_MASK))
-
-            p1t = tl.where(allowed_t, tl.exp2(tl.dot(k1, q1t) * qk_scale - lse1[None, :]), 0.0)  # (BLOCK_N, BLOCK_M)
-            p2t = tl.where(allowed_t, tl.exp2(tl.dot(k2, q2t) * qk_scale - lse2[None, :]), 0.0)
-            dv_acc += tl.dot((p1t - p2t * mu[None, :]).to(go.dtype), go)  # (P1 - mu P2)^T g
-            dpt = tl.dot(v, tl.trans(go))  # (g V^T)^T = dP1^T; dP2 = -mu dP1
-            ds1t = p1t * (dpt - delta1[None, :])
-            ds2t = p2t * (-mu[None, :] * dpt - delta2[None, :])
-            dk1 += tl.dot(ds1t.to(q1t.dtype), tl.trans(q1t))
-            dk2 += tl.dot(ds2t.to(q2t.dtype), tl.trans(q2t))
+        if L_STATIC > 0 or HAS_MASK:  # every tile masked (L_STATIC: the interpreter, see _flash_diff_fwd)
+            for m0 in range(0 if L_STATIC > 0 else lo, L_STATIC if L_STATIC > 0 else L, BLOCK_M):
+                dk1, dk2, dv_acc = _dkdv_tile(
+                    Q, G, Lse, Delta, Mu, Mask, k1, k2, v, n, n_ok, m0, b, head, H, L, offset, qk_scale, lam,
+                    sqb, sql, sqh, sqp, smb, sml, sms, dk1, dk2, dv_acc, DQK, DV, V1, BLOCK_M, True, HAS_MASK,
+                )
+        else:
+            for m0 in range(lo, full, BLOCK_M):  # the diagonal
+                dk1, dk2, dv_acc = _dkdv_tile(
+                    Q, G, Lse, Delta, Mu, Mask, k1, k2, v, n, n_ok, m0, b, head, H, L, offset, qk_scale, lam,
+                    sqb, sql, sqh, sqp, smb, sml, sms, dk1, dk2, dv_acc, DQK, DV, V1, BLOCK_M, True, HAS_MASK,
+                )
+            for m0 in range(full, L, BLOCK_M):
+                dk1, dk2, dv_acc = _dkdv_tile(
+                    Q, G, Lse, Delta, Mu, Mask, k1, k2, v, n, n_ok, m0, b, head, H, L, offset, qk_scale, lam,
+                    sqb, sql, sqh, sqp, smb, sml, sms, dk1, dk2, dv_acc, DQK, DV, V1, BLOCK_M, False, HAS_MASK,
+                )
 
     dk_ptr = DK + b * sdkb + kvh * sdkh + n[:, None] * sdks + dqk[None, :]
     if SPLIT_K:
@@ -199,12 +282,48 @@ def _flash_diff_bwd_dkdv(
 
 
 @triton.jit
+def _dq_tile(
+    q1, q2, go, lse1, lse2, delta1, delta2, mu, k_ptr, v_ptr, n0, m, m_ok, offset, S, Mask, b,
+    smb, sml, sms, sks, svs, qk_scale, dq1, dq2,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, MASKED: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+):
+    """The program's queries against the keys n0 .. n0 + BLOCK_N: their share of dQ1, dQ2."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = n < S
+    dqk = tl.arange(0, DQK)
+    dv = tl.arange(0, DV)
+    k_tile = k_ptr + n[:, None] * sks + dqk[None, :]  # (BLOCK_N, DQK)
+    v_tile = v_ptr + n[None, :] * svs + dv[:, None]  # (DV, BLOCK_N)
+    if MASKED:
+        k1 = tl.load(k_tile, mask=n_ok[:, None], other=0.0)
+        k2 = tl.load(k_tile + DQK, mask=n_ok[:, None], other=0.0) if SPLIT_K else k1
+        vt = tl.load(v_tile, mask=n_ok[None, :], other=0.0)
+    else:
+        k1 = tl.load(k_tile)
+        k2 = tl.load(k_tile + DQK) if SPLIT_K else k1
+        vt = tl.load(v_tile)
+    p1 = tl.exp2(tl.dot(q1, tl.trans(k1)) * qk_scale - lse1[:, None])
+    p2 = tl.exp2(tl.dot(q2, tl.trans(k2)) * qk_scale - lse2[:, None])
+    if MASKED:
+        allowed = _visible(Mask, b, m, n, m_ok, n_ok, offset, smb, sml, sms, HAS_MASK)
+        p1 = tl.where(allowed, p1, 0.0)
+        p2 = tl.where(allowed, p2, 0.0)
+    dp = tl.dot(go, vt)  # dP1 = g V^T; dP2 = -mu dP1
+    ds1 = p1 * (dp - delta1[:, None])
+    ds2 = p2 * (-mu[:, None] * dp - delta2[:, None])
+    dq1 += tl.dot(ds1.to(k1.dtype), k1)
+    dq2 += tl.dot(ds2.to(k2.dtype), k2)
+    return dq1, dq2
+
+
+@triton.jit
 def _flash_diff_bwd_dq(
     Q, K, V, Mask, Mu, G, Lse, Delta, DQ,
     sqb, sql, sqh, sqp, skb, skh, sks, svb, svh, svs, smb, sml, sms, sdqb, sdql, sdqh, sdqp,
     H, L, S,
-    SCALE: tl.constexpr, GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, SPLIT_K: tl.constexpr, V1: tl.constexpr,
-    HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SCALE: tl.constexpr, GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, SPLIT_K: tl.constexpr,
+    V1: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     S_STATIC: tl.constexpr = 0, L_STATIC: tl.constexpr = 0,
 ):
     # A program: BLOCK_M queries of one (batch, head); walks the keys they see.
@@ -217,20 +336,10 @@ def _flash_diff_bwd_dq(
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = m < L
     dqk = tl.arange(0, DQK)
-    dv = tl.arange(0, DV)
-    rows = (b * L + m) * H + head
-    q_ptr = Q + b * sqb + head * sqh + m[:, None] * sql + dqk[None, :]
-    q1 = tl.load(q_ptr, mask=m_ok[:, None], other=0.0)
-    q2 = tl.load(q_ptr + sqp, mask=m_ok[:, None], other=0.0)
-    go = tl.load(G + rows[:, None] * DV + dv[None, :], mask=m_ok[:, None], other=0.0)
-    lse1 = tl.load(Lse + rows * 2, mask=m_ok, other=1.0e30)
-    lse2 = tl.load(Lse + rows * 2 + 1, mask=m_ok, other=1.0e30)
-    delta1 = tl.load(Delta + rows * 2, mask=m_ok, other=0.0)
-    delta2 = tl.load(Delta + rows * 2 + 1, mask=m_ok, other=0.0)
-    if V1:
-        mu = tl.full((BLOCK_M,), 1.0, tl.float32) * tl.load(Mu).to(tl.float32)
-    else:
-        mu = tl.load(Mu + rows, mask=m_ok, other=0.0).to(tl.float32)
+    lam = tl.load(Mu).to(tl.float32) if V1 else 0.0
+    q1, q2, go, lse1, lse2, delta1, delta2, mu = _query_rows(
+        Q, G, Lse, Delta, Mu, b, head, m, m_ok, H, L, sqb, sql, sqh, sqp, lam, DQK, DV, V1, False
+    )
     k_ptr = K + b * skb + kvh * skh
     v_ptr = V + b * svb + kvh * svh
     qk_scale = SCALE * 1.4426950408889634
@@ -238,23 +347,24 @@ def _flash_diff_bwd_dq(
     dq1 = tl.zeros((BLOCK_M, DQK), tl.float32)
     dq2 = tl.zeros((BLOCK_M, DQK), tl.float32)
     hi = tl.minimum(S, (pid_m + 1) * BLOCK_M + offset)
-    for n0 in range(0, S_STATIC if S_STATIC > 0 else hi, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = n < S
-        k1 = tl.load(k_ptr + n[:, None] * sks + dqk[None, :], mask=n_ok[:, None], other=0.0)  # (BLOCK_N, DQK)
-        if SPLIT_K:
-            k2 = tl.load(k_ptr + n[:, None] * sks + DQK + dqk[None, :], mask=n_ok[:, None], other=0.0)
-        else:
-            k2 = k1
-        vt = tl.load(v_ptr + n[None, :] * svs + dv[:, None], mask=n_ok[None, :], other=0.0)  # (DV, BLOCK_N)
-        allowed = _visible(Mask, b, m, n, m_ok, n_ok, offset, smb, sml, sms, HAS_MASK)
-        p1 = tl.where(allowed, tl.exp2(tl.dot(q1, tl.trans(k1)) * qk_scale - lse1[:, None]), 0.0)
-        p2 = tl.where(allowed, tl.exp2(tl.dot(q2, tl.trans(k2)) * qk_scale - lse2[:, None]), 0.0)
-        dp = tl.dot(go, vt)  # dP1 = g V^T; dP2 = -mu dP1
-        ds1 = p1 * (dp - delta1[:, None])
-        ds2 = p2 * (-mu[:, None] * dp - delta2[:, None])
-        dq1 += tl.dot(ds1.to(k1.dtype), k1)
-        dq2 += tl.dot(ds2.to(k2.dtype), k2)
+    if S_STATIC > 0 or HAS_MASK:  # every tile masked (S_STATIC: the interpreter, see _flash_diff_fwd)
+        for n0 in range(0, S_STATIC if S_STATIC > 0 else hi, BLOCK_N):
+            dq1, dq2 = _dq_tile(
+                q1, q2, go, lse1, lse2, delta1, delta2, mu, k_ptr, v_ptr, n0, m, m_ok, offset, S, Mask, b,
+                smb, sml, sms, sks, svs, qk_scale, dq1, dq2, DQK, DV, BLOCK_N, SPLIT_K, True, HAS_MASK,
+            )
+    else:
+        full = (pid_m * BLOCK_M + offset + 1) // BLOCK_N * BLOCK_N
+        for n0 in range(0, full, BLOCK_N):
+            dq1, dq2 = _dq_tile(
+                q1, q2, go, lse1, lse2, delta1, delta2, mu, k_ptr, v_ptr, n0, m, m_ok, offset, S, Mask, b,
+                smb, sml, sms, sks, svs, qk_scale, dq1, dq2, DQK, DV, BLOCK_N, SPLIT_K, False, HAS_MASK,
+            )
+        for n0 in range(full, hi, BLOCK_N):  # the diagonal
+            dq1, dq2 = _dq_tile(
+                q1, q2, go, lse1, lse2, delta1, delta2, mu, k_ptr, v_ptr, n0, m, m_ok, offset, S, Mask, b,
+                smb, sml, sms, sks, svs, qk_scale, dq1, dq2, DQK, DV, BLOCK_N, SPLIT_K, True, HAS_MASK,
+            )
 
     dq_ptr = DQ + b * sdqb + head * sdqh + m[:, None] * sdql + dqk[None, :]
     tl.store(dq_ptr, (dq1 * SCALE).to(DQ.dtype.element_ty), mask=m_ok[:, None])
@@ -282,6 +392,8 @@ else:  # H100/H200-class GPUs; two fp32 accumulators of DV per row bound the til
         dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
         dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=3),
         dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=3),
+        dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=4),
+        dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
     ]
     _DKDV = [
         dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3),
