@@ -19,7 +19,9 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb, eager_attention_forward
 
 from .configuration import DiffLlamaConfig
-from .kernels import DIFF_TRITON, flash_diff_applies, flash_diff_attention, resolve, v1_combine, v2_combine
+from .kernels import (
+    DIFF_TRITON, FUSED_DIFF, flash_diff_applies, flash_diff_attention, resolve, v1_combine, v2_combine,
+)
 
 
 def depth_lambda_init(layer_idx: int) -> float:
@@ -41,6 +43,10 @@ def anneal_fraction(anneal_step: torch.Tensor, anneal_steps: int) -> torch.Tenso
 class _DiffAttentionBase(nn.Module):
     """What the three variants share: sizes, scaling, dropout and the choice of attention implementation."""
 
+    # Whether `diff_triton` (what `sdpa` is on CUDA) takes the flash-diff kernel: where it measured faster than
+    # the one SDPA call plus the fused combine on the H200 (benchmarks/RESULTS.md). `fused_diff` always does.
+    flash_diff_by_default = False
+
     def __init__(self, config: DiffLlamaConfig, layer_idx: int):
         super().__init__()
         self.config = config
@@ -61,9 +67,10 @@ class _DiffAttentionBase(nn.Module):
 
     def flash_diff_applies(self, query, key, value, attention_mask, kwargs) -> bool:
         """Whether both maps and the combine go to the fused flash-diff kernel (`kernels/flash_diff.py`):
-        `diff_triton` (what `sdpa` is on CUDA), no extra attention options, shapes the kernel covers."""
+        `fused_diff`, or `diff_triton` where the mode prefers it; no extra attention options; shapes it covers."""
+        implementation = resolve(self.config._attn_implementation, query)
         return (
-            resolve(self.config._attn_implementation, query) == DIFF_TRITON
+            (implementation == FUSED_DIFF or (implementation == DIFF_TRITON and self.flash_diff_by_default))
             and all(kwargs.get(name) is None for name in ("softcap", "sliding_window", "position_bias", "s_aux"))
             and flash_diff_applies(query, key, value, attention_mask, self.dropout_p())
         )
@@ -78,8 +85,11 @@ class DiffAttentionV1(_DiffAttentionBase):
     Both maps come from ONE attention call of 2h query heads of width 2d against the cached K = K1|K2:
     query head 2i is [Q1_i, 0] and 2i+1 is [0, Q2_i], so [Q1, 0] . [K1, K2] = Q1 . K1 and [0, Q2] . [K1, K2] =
     Q2 . K2. Every backend then sees equal query, key and value widths (FlashAttention accepts it), reads
-    K and V once for both maps, and the pair shares a GQA group like V2's.
+    K and V once for both maps, and the pair shares a GQA group like V2's. On CUDA the flash-diff kernel
+    replaces that call and the combine: both maps per tile at d-wide Q.K, the combine in its epilogue.
     """
+
+    flash_diff_by_default = True
 
     def __init__(self, config: DiffLlamaConfig, layer_idx: int):
         super().__init__(config, layer_idx)

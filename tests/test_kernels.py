@@ -242,15 +242,21 @@ def padded_batch(vocab, batch=2, length=12, pad=4):
     return ids, mask
 
 
+FAST = "sdpa" if GPU else "diff_triton"  # what a model on CUDA gets by default
+
+
 @pytest.mark.parametrize("mode", MODES)
-def test_fast_path_forward_and_gradients_equal_eager(mode, monkeypatch):
-    """`sdpa` on CUDA takes the fast path: V1 and V2 through the flash-diff kernel, DEX through SDPA."""
+@pytest.mark.parametrize("implementation", [FAST, "fused_diff"])
+def test_fast_path_forward_and_gradients_equal_eager(mode, implementation, monkeypatch):
+    """The fast paths equal eager: by default V1 through the flash-diff kernel, V2 through one SDPA call and the
+    fused combine, DEX through SDPA; `fused_diff` puts V2 on the kernel too."""
     import modeling_diff.diff_attention as attention
 
     kernel_calls = []
     kernel = attention.flash_diff_attention
     monkeypatch.setattr(attention, "flash_diff_attention", lambda *a: kernel_calls.append(1) or kernel(*a))
-    eager, fast = model_pair(mode, "sdpa" if GPU else "diff_triton")
+    eager, fast = model_pair(mode, implementation)
+    on_kernel = mode == "v1" or (mode == "v2" and implementation == "fused_diff")
     eager.train(), fast.train()
     ids, mask = padded_batch(eager.config.vocab_size, length=256 if GPU else 12)
     for use_mask in (None, mask):
@@ -264,7 +270,7 @@ def test_fast_path_forward_and_gradients_equal_eager(mode, monkeypatch):
         for (name, p_eager), p_fast in zip(eager.named_parameters(), fast.parameters()):
             if p_eager.grad is not None and p_eager.grad.norm() > 0:
                 assert rel_err(p_fast.grad, p_eager.grad) < GRAD_TOL, name
-    assert len(kernel_calls) == (0 if mode == "dex" else 2 * eager.config.num_hidden_layers)
+    assert len(kernel_calls) == (2 * eager.config.num_hidden_layers if on_kernel else 0)
 
 
 @torch.no_grad()  # as in generate(); the kernel has no backward
@@ -290,7 +296,7 @@ def test_decoding_steps_on_the_kernel_equal_eager(mode, cache_class, monkeypatch
     kernel_calls = []
     kernel = fast_attention.decode_attention
     monkeypatch.setattr(fast_attention, "decode_attention", lambda *a: kernel_calls.append(1) or kernel(*a))
-    eager, fast = model_pair(mode, "sdpa" if GPU else "diff_triton")
+    eager, fast = model_pair(mode, FAST)
     ids, mask = padded_batch(eager.config.vocab_size, length=40)  # prefill: SDPA (more rows than the kernel's)
     steps = torch.randint(3, eager.config.vocab_size, (ids.shape[0], 2), device=DEVICE)
     logits = [decode(model, cache_class, ids, mask, steps) for model in (eager, fast)]

@@ -5,21 +5,21 @@
 - `flash_diff.py`: both softmax maps of a differential head and the combine in one flash-attention kernel
   (`triton_flash_diff.py`), forward and backward, for V1 and V2 prefill and training.
 - `decode.py`: split-KV attention for decoding steps, one read of the KV cache per step (`triton_decode.py`).
-- `attention.py`: the attention implementation `"diff_triton"` that uses them, chosen automatically for
-  `sdpa` on CUDA.
+- `attention.py`: the attention implementations `"diff_triton"` (chosen automatically for `sdpa` on CUDA) and
+  `"fused_diff"` that use them.
 
 triton is optional: it is imported only where it is installed (`_triton.TRITON_AVAILABLE`), and without it
 every path is plain PyTorch, so the model (and its Hub export) loads anywhere.
 """
 
 from ._triton import triton_available
-from .attention import NAME as DIFF_TRITON, diff_triton_attention_forward, register, resolve
+from .attention import FUSED_DIFF, NAME as DIFF_TRITON, diff_triton_attention_forward, register, resolve
 from .combine import v1_combine, v2_combine
 from .flash_diff import flash_diff_applies, flash_diff_attention
 
 register()
 
 __all__ = [
-    "DIFF_TRITON", "diff_triton_attention_forward", "flash_diff_applies", "flash_diff_attention", "resolve",
-    "triton_available", "v1_combine", "v2_combine",
+    "DIFF_TRITON", "FUSED_DIFF", "diff_triton_attention_forward", "flash_diff_applies", "flash_diff_attention",
+    "resolve", "triton_available", "v1_combine", "v2_combine",
 ]

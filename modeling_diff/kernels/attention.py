@@ -1,9 +1,13 @@
-"""The project's attention implementation, `"diff_triton"`: Triton where it beats SDPA, SDPA elsewhere.
+"""The project's attention implementations, `"diff_triton"` and `"fused_diff"`: Triton where it beats SDPA.
 
-It has the signature of transformers' attention functions, so every attention module of modeling_diff calls
-it like `sdpa`. Decoding steps (a few query tokens against the cache) go to the split-KV Triton kernel, which
-reads each cache entry once; longer queries (prefill, training) go to transformers' SDPA call, which uses
-FlashAttention or cuDNN with GQA. On CUDA, `sdpa` is routed here automatically (see `resolve`).
+`diff_triton_attention_forward` has the signature of transformers' attention functions, so every attention
+module of modeling_diff calls it like `sdpa`. Decoding steps (a few query tokens against the cache) go to the
+split-KV Triton kernel, which reads each cache entry once; longer queries (prefill, training) go to
+transformers' SDPA call, which uses FlashAttention or cuDNN with GQA. On CUDA, `sdpa` is routed here
+automatically (see `resolve`).
+
+The modules themselves decide whether to bypass the call for the flash-diff kernel (`flash_diff.py`):
+under `diff_triton` where it measured faster than SDPA (V1), under `fused_diff` for every differential mode.
 """
 
 import torch
@@ -13,6 +17,7 @@ from ._triton import triton_available
 from .decode import decode_attention, decode_kernel_applies
 
 NAME = "diff_triton"
+FUSED_DIFF = "fused_diff"
 
 
 def diff_triton_attention_forward(
@@ -40,9 +45,11 @@ def resolve(implementation: str, query: torch.Tensor) -> str:
 
 
 def register() -> None:
-    """Make `attn_implementation="diff_triton"` a valid choice for transformers (attention and mask)."""
+    """Make `attn_implementation="diff_triton"` and `"fused_diff"` valid choices for transformers (attention and
+    mask); `fused_diff` calls the same function for what the kernel does not cover (DEX, decoding steps)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-    AttentionInterface.register(NAME, diff_triton_attention_forward)
-    AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    for name in (NAME, FUSED_DIFF):
+        AttentionInterface.register(name, diff_triton_attention_forward)
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])

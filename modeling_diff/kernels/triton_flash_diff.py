@@ -94,7 +94,7 @@ def _flash_diff_fwd(
 ):
     # Q (B, L, H, 2, DQK) by strides; K (B, H_kv, S, 2*DQK or DQK); V (B, H_kv, S, DV); Y (B*L*H, DV);
     # SAVE (training): Pairs (B*L*H, 2, DV) = (O1, O2), Lse (B*L*H, 2), Rstd (B*L*H,) for the backward.
-    pid_m = tl.program_id(0)
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # causal: the longest rows of keys start first
     pid_bh = tl.program_id(1)
     b = pid_bh // H
     head = pid_bh % H
@@ -327,7 +327,7 @@ def _flash_diff_bwd_dq(
     S_STATIC: tl.constexpr = 0, L_STATIC: tl.constexpr = 0,
 ):
     # A program: BLOCK_M queries of one (batch, head); walks the keys they see.
-    pid_m = tl.program_id(0)
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # causal: the longest rows of keys start first
     pid_bh = tl.program_id(1)
     b = pid_bh // H
     head = pid_bh % H
