@@ -3,8 +3,8 @@
     python benchmarks/attention_bench.py --seq 2048 8192
 
 Rows: transformers' LlamaAttention (32 heads of 64, 8 kv heads; SDPA) as the reference; modeling_diff V1 and
-V2 through the flash-diff kernel (`kernels/flash_diff.py`, what `sdpa` gives on CUDA) and through the plain
-path (one SDPA call of the pairs, then the fused Triton combine). Projections, RoPE and the output
+V2 through the flash-diff kernel (`kernels/flash_diff.py`, attn_implementation "fused_diff") and through the
+plain path (one SDPA call of the pairs, then the fused Triton combine). Projections, RoPE and the output
 projection are included, as in the model. Tokens per batch: 8192 (4 x 2048, or 1 x 8192).
 """
 
@@ -29,7 +29,7 @@ def layer(name: str):
     else:
         mode = name.split("-")[0]
         config = preset_config(f"1.1b-{mode}")
-        config._attn_implementation = "sdpa"
+        config._attn_implementation = "fused_diff"
         module = ATTENTION_CLASSES[mode](config, layer_idx=0)
         if name.endswith("plain"):
             module.flash_diff_applies = lambda *args: False

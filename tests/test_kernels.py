@@ -184,7 +184,14 @@ FLASH_CASES = (
 
 @pytest.mark.parametrize("mode,heads,kv_heads,length,kv_length,dqk", FLASH_CASES)
 @pytest.mark.parametrize("masked", [False, True])
-def test_flash_diff_forward_and_gradients_match_the_formula(mode, heads, kv_heads, length, kv_length, dqk, masked):
+@pytest.mark.parametrize("long_keys", [False, True])  # the dK/dV kernel with one query head per program
+def test_flash_diff_forward_and_gradients_match_the_formula(
+    mode, heads, kv_heads, length, kv_length, dqk, masked, long_keys, monkeypatch
+):
+    import modeling_diff.kernels.flash_diff as flash_diff
+
+    if long_keys:
+        monkeypatch.setattr(flash_diff, "LONG_KEYS", 0)
     torch.manual_seed(4)
     batch, dv = 2, 2 * dqk if mode == "v1" else dqk
     q = rand(batch, length, heads, 2, dqk, grad=True)

@@ -22,6 +22,7 @@ from torch import nn
 from ._triton import TRITON_AVAILABLE, TRITON_INTERPRETING
 from .combine import triton_cdiv, v1_combine_backward, v2_combine_backward
 
+LONG_KEYS = 4096  # above this many keys the dK/dV kernel gives each query head its own programs
 MIN_QUERY_TOKENS = 16  # fewer new tokens without gradients: a decoding step, for the split-KV decode kernel
 
 
@@ -46,6 +47,13 @@ def _mask_arguments(mask, reference):
         return reference, (0, 0, 0)  # unused
     mask = mask.view(torch.uint8)
     return mask, (mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(2), mask.stride(3))
+
+
+def dkdv_heads_per_program(group: int, kv_length: int) -> int:
+    """Query heads per program of the dK/dV kernel. The whole GQA group writes dK and dV directly; one head per
+    program writes float32 shares that are summed after, which costs a pass but splits the causal work more
+    evenly: on the H200 it measured faster at 8K keys and slower at 2K (benchmarks/attention_bench.py)."""
+    return 1 if kv_length > LONG_KEYS else group
 
 
 def _static_bounds(length: int, kv_length: int) -> dict:
@@ -105,19 +113,30 @@ class _FlashDiff(torch.autograd.Function):
             grad_o1 = grad_rows.contiguous()
             _, grad_weight, delta = v2_combine_backward(pairs, mu.reshape(-1), grad_o1, for_flash=True)
             grad_mu = grad_weight.view(mu.shape)
-        grad_q, grad_k, grad_v = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+        grad_q = torch.empty_like(query)
+        heads_per_program = dkdv_heads_per_program(heads // kv_heads, kv_length)
+        if heads_per_program == heads // kv_heads:
+            grad_k, grad_v = torch.empty_like(key), torch.empty_like(value)
+            dk_out, dv_out = grad_k, grad_v
+        else:
+            slots = heads // heads_per_program
+            dk_out = torch.empty(batch, slots, kv_length, key.shape[-1], dtype=torch.float32, device=key.device)
+            dv_out = torch.empty(batch, slots, kv_length, dv, dtype=torch.float32, device=key.device)
         mask_arg, mask_strides = _mask_arguments(mask, query)
         row_mu = mu if norm_weight is not None else mu.reshape(-1)
         common = dict(
-            SCALE=ctx.scale, GROUP=heads // kv_heads, DQK=dqk, DV=dv, SPLIT_K=key.shape[-1] == 2 * dqk, V1=norm_weight is not None,
-            HAS_MASK=mask is not None, **_static_bounds(length, kv_length),
+            SCALE=ctx.scale, GROUP=heads // kv_heads, DQK=dqk, DV=dv, SPLIT_K=key.shape[-1] == 2 * dqk,
+            V1=norm_weight is not None, HAS_MASK=mask is not None, **_static_bounds(length, kv_length),
         )
         q_strides = _strides(query, 4)
-        flash_diff_bwd_dkdv[lambda meta: (triton_cdiv(kv_length, meta["BLOCK_N"]), batch * kv_heads)](
-            query, key, value, mask_arg, row_mu, grad_o1, lse, delta, grad_k, grad_v,
-            *q_strides, *_strides(key), *_strides(value), *mask_strides, *_strides(grad_k), *_strides(grad_v),
-            heads, length, kv_length, **common, **DKDV_FIXED,
+        flash_diff_bwd_dkdv[lambda meta: (triton_cdiv(kv_length, meta["BLOCK_N"]), batch * heads // heads_per_program)](
+            query, key, value, mask_arg, row_mu, grad_o1, lse, delta, dk_out, dv_out,
+            *q_strides, *_strides(key), *_strides(value), *mask_strides, *_strides(dk_out), *_strides(dv_out),
+            heads, length, kv_length, HEADS=heads_per_program, **common, **DKDV_FIXED,
         )
+        if heads_per_program != heads // kv_heads:
+            grad_k = dk_out.unflatten(1, (kv_heads, -1)).sum(2).to(key.dtype)
+            grad_v = dv_out.unflatten(1, (kv_heads, -1)).sum(2).to(value.dtype)
         flash_diff_bwd_dq[lambda meta: (triton_cdiv(length, meta["BLOCK_M"]), batch * heads)](
             query, key, value, mask_arg, row_mu, grad_o1, lse, delta, grad_q,
             *q_strides, *_strides(key), *_strides(value), *mask_strides,

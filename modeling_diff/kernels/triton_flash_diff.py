@@ -222,16 +222,18 @@ def _flash_diff_bwd_dkdv(
     sqb, sql, sqh, sqp, skb, skh, sks, svb, svh, svs, smb, sml, sms, sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
     H, L, S,
     SCALE: tl.constexpr, GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, SPLIT_K: tl.constexpr,
-    V1: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    V1: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS: tl.constexpr,
     S_STATIC: tl.constexpr = 0, L_STATIC: tl.constexpr = 0,
 ):
-    # G (B*L*H, DV) = dO1; Lse, Delta (B*L*H, 2). A program: BLOCK_N keys of one (batch, kv head), and the
-    # queries of every head of its GQA group.
+    # G (B*L*H, DV) = dO1; Lse, Delta (B*L*H, 2). A program: BLOCK_N keys of one (batch, kv head) and the
+    # queries of HEADS heads of its GQA group (HEADS divides GROUP); it writes their share of dK and dV at index
+    # `slot` = (first head) / HEADS of DK's and DVout's second dim: the kv head itself when HEADS = GROUP.
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    kv_heads = H // GROUP
-    b = pid_bh // kv_heads
-    kvh = pid_bh % kv_heads
+    slots = H // HEADS
+    b = pid_bh // slots
+    slot = pid_bh % slots
+    kvh = slot * HEADS // GROUP
     offset = S - L
     n_start = pid_n * BLOCK_N
     n = n_start + tl.arange(0, BLOCK_N)
@@ -251,8 +253,8 @@ def _flash_diff_bwd_dkdv(
     lo = tl.maximum(n_start - offset, 0) // BLOCK_M * BLOCK_M  # causal: earlier queries see none of these keys
     # queries from `full` on see every key of the tile (a tile reaching past S has none such)
     full = tl.minimum(tl.maximum((n_start + BLOCK_N - 1 - offset + BLOCK_M - 1) // BLOCK_M * BLOCK_M, lo), L)
-    for g in range(0, GROUP):
-        head = kvh * GROUP + g
+    for g in range(0, HEADS):
+        head = slot * HEADS + g
         if L_STATIC > 0 or HAS_MASK:  # every tile masked (L_STATIC: the interpreter, see _flash_diff_fwd)
             for m0 in range(0 if L_STATIC > 0 else lo, L_STATIC if L_STATIC > 0 else L, BLOCK_M):
                 dk1, dk2, dv_acc = _dkdv_tile(
@@ -271,13 +273,13 @@ def _flash_diff_bwd_dkdv(
                     sqb, sql, sqh, sqp, smb, sml, sms, dk1, dk2, dv_acc, DQK, DV, V1, BLOCK_M, False, HAS_MASK,
                 )
 
-    dk_ptr = DK + b * sdkb + kvh * sdkh + n[:, None] * sdks + dqk[None, :]
+    dk_ptr = DK + b * sdkb + slot * sdkh + n[:, None] * sdks + dqk[None, :]
     if SPLIT_K:
         tl.store(dk_ptr, (dk1 * SCALE).to(DK.dtype.element_ty), mask=n_ok[:, None])
         tl.store(dk_ptr + DQK, (dk2 * SCALE).to(DK.dtype.element_ty), mask=n_ok[:, None])
     else:
         tl.store(dk_ptr, ((dk1 + dk2) * SCALE).to(DK.dtype.element_ty), mask=n_ok[:, None])
-    tl.store(DVout + b * sdvb + kvh * sdvh + n[:, None] * sdvs + dv[None, :], dv_acc.to(DVout.dtype.element_ty),
+    tl.store(DVout + b * sdvb + slot * sdvh + n[:, None] * sdvs + dv[None, :], dv_acc.to(DVout.dtype.element_ty),
              mask=n_ok[:, None])
 
 
@@ -410,5 +412,5 @@ else:  # H100/H200-class GPUs; two fp32 accumulators of DV per row bound the til
 
 
 flash_diff_fwd, FWD_FIXED = _tuned(_flash_diff_fwd, _FWD, _KEY + ["SAVE"])
-flash_diff_bwd_dkdv, DKDV_FIXED = _tuned(_flash_diff_bwd_dkdv, _DKDV, _KEY)
+flash_diff_bwd_dkdv, DKDV_FIXED = _tuned(_flash_diff_bwd_dkdv, _DKDV, _KEY + ["HEADS"])
 flash_diff_bwd_dq, DQ_FIXED = _tuned(_flash_diff_bwd_dq, _DQ, _KEY)
