@@ -87,6 +87,17 @@ def test_v2_combine_forward_and_gradients_match_the_formula():
         assert rel_err(got, want) < TOL
 
 
+def causally_visible(length, kv_length, masked):
+    """(L, S) bool: the keys each query sees before any padding. Without a mask, transformers calls SDPA with
+    is_causal = L > 1, which torch aligns top-left (query i sees keys 0..i: a StaticCache prefill from empty,
+    whose buffer is longer than the prompt); a mask transformers builds is causal with the queries last."""
+    keys = torch.arange(kv_length, device=DEVICE)[None, :]
+    queries = torch.arange(length, device=DEVICE)[:, None]
+    if masked or length == 1:
+        return keys <= kv_length - length + queries
+    return keys <= queries
+
+
 def attention_formula(q, k, v, visible, scale):
     """Per query head j: softmax(q_j k_{j // G}^T scale, masked where not visible) v_{j // G}; float64.
     q (B, Hq, L, Dq), k (B, Hkv, S, Dq), v (B, Hkv, S, Dv), visible (B, L, S) -> (B, L, Hq, Dv)."""
@@ -115,11 +126,9 @@ def test_decode_attention_matches_the_formula(q_heads, kv_heads, length, kv_leng
     batch = 3
     q = rand(batch, q_heads, length, q_dim)
     k, v = rand(batch, kv_heads, kv_length, q_dim), rand(batch, kv_heads, kv_length, v_dim)
-    # Unmasked: causal with the queries last. Masked: each row also left-padded and with a few random holes
+    # Unmasked: causal as transformers' SDPA call. Masked: each row also left-padded and with a few random holes
     # (a static cache's empty tail looks the same); the first row hides whole chunks of the sequence.
-    positions = torch.arange(kv_length, device=DEVICE)
-    visible = positions[None, None, :] <= (kv_length - length + torch.arange(length, device=DEVICE))[None, :, None]
-    visible = visible.expand(batch, length, kv_length).clone()
+    visible = causally_visible(length, kv_length, masked).expand(batch, length, kv_length).clone()
     mask = None
     if masked:
         visible &= torch.rand(batch, length, kv_length, device=DEVICE) > 0.2
@@ -197,9 +206,7 @@ def test_flash_diff_forward_and_gradients_match_the_formula(
     q = rand(batch, length, heads, 2, dqk, grad=True)
     k = rand(batch, kv_heads, kv_length, 2 * dqk if mode == "v1" else dqk, grad=True)
     v = rand(batch, kv_heads, kv_length, dv, grad=True)
-    positions = torch.arange(kv_length, device=DEVICE)
-    visible = positions[None, :] <= (kv_length - length + torch.arange(length, device=DEVICE))[:, None]
-    visible = visible.expand(batch, length, kv_length).clone()
+    visible = causally_visible(length, kv_length, masked).expand(batch, length, kv_length).clone()
     mask = None
     if masked:  # left padding of the second row: its first queries see no key at all
         visible[1, :, : kv_length - length + 3] = False
@@ -309,6 +316,20 @@ def test_decoding_steps_on_the_kernel_equal_eager(mode, cache_class, monkeypatch
     logits = [decode(model, cache_class, ids, mask, steps) for model in (eager, fast)]
     assert rel_err(logits[1], logits[0]) < TOL
     assert len(kernel_calls) == steps.shape[1] * eager.config.num_hidden_layers  # every decoding step
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("length", [5, 40])  # the decode kernel; the flash-diff kernel (V1) or SDPA
+def test_static_cache_prefill_without_mask_equals_eager(mode, length):
+    """A StaticCache prefill gets no mask from transformers although the keys are the whole (longer) buffer."""
+    eager, fast = model_pair(mode, FAST)
+    ids = torch.randint(3, eager.config.vocab_size, (2, length), device=DEVICE)
+    with torch.no_grad():
+        logits = [
+            model(ids, past_key_values=StaticCache(config=model.config, max_cache_len=length + 24), use_cache=True).logits
+            for model in (eager, fast)
+        ]
+    assert rel_err(logits[1], logits[0]) < TOL
 
 
 # ---- flash_attention_2, through a stand-in with flash_attn's call signature ---------------------------------

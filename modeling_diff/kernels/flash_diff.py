@@ -9,8 +9,8 @@
   V2: mu = the per-token noise weight (B, L, h), norm = None.
 
 It computes what the modules' plain path computes (one attention call, then `combine.v1_combine` or
-`v2_combine`), causal with the L queries the last L of S positions, a bool mask (B or 1, 1, L, S) applied on
-top, forward and backward. Against that path it reads each K/V tile once for both maps, spends DQK (not 2*DQK)
+`v2_combine`), causal as transformers' SDPA call means it without a mask (`causal.py`), a bool mask
+(B or 1, 1, L, S) deciding where there is one, forward and backward. Against that path it reads each K/V tile once for both maps, spends DQK (not 2*DQK)
 on V1's Q.K, and writes and saves no zero-padded queries; in training it saves the pair (O1, O2) per head
 for the backward. The reference is the plain path itself (`tests/test_kernels.py` checks both against the
 formula).
@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ._triton import TRITON_AVAILABLE, TRITON_INTERPRETING
+from .causal import causal_offset
 from .combine import triton_cdiv, v1_combine_backward, v2_combine_backward
 
 LONG_KEYS = 4096  # above this many keys the dK/dV kernel gives each query head its own programs
@@ -81,7 +82,7 @@ def _forward(query, key, value, mask, mu, norm_weight, eps, norm_scale, scale, s
     flash_diff_fwd[grid](
         query, key, value, mask_arg, mu, query if norm_weight is None else norm_weight, y, pairs, lse, rstd,
         *_strides(query, 4), *_strides(key), *_strides(value), *mask_strides,
-        heads, length, kv_length, eps, norm_scale,
+        heads, length, kv_length, causal_offset(length, kv_length, mask is not None), eps, norm_scale,
         SCALE=scale, GROUP=heads // kv_heads, DQK=dqk, DV=dv, SPLIT_K=key.shape[-1] == 2 * dqk, V1=norm_weight is not None,
         HAS_MASK=mask is not None, SAVE=save, **FWD_FIXED, **_static_bounds(length, kv_length),
     )
@@ -129,10 +130,11 @@ class _FlashDiff(torch.autograd.Function):
             V1=norm_weight is not None, HAS_MASK=mask is not None, **_static_bounds(length, kv_length),
         )
         q_strides = _strides(query, 4)
+        offset = causal_offset(length, kv_length, mask is not None)
         flash_diff_bwd_dkdv[lambda meta: (triton_cdiv(kv_length, meta["BLOCK_N"]), batch * heads // heads_per_program)](
             query, key, value, mask_arg, row_mu, grad_o1, lse, delta, dk_out, dv_out,
             *q_strides, *_strides(key), *_strides(value), *mask_strides, *_strides(dk_out), *_strides(dv_out),
-            heads, length, kv_length, HEADS=heads_per_program, **common, **DKDV_FIXED,
+            heads, length, kv_length, offset, HEADS=heads_per_program, **common, **DKDV_FIXED,
         )
         if heads_per_program != heads // kv_heads:
             grad_k = dk_out.unflatten(1, (kv_heads, -1)).sum(2).to(key.dtype)
@@ -141,7 +143,7 @@ class _FlashDiff(torch.autograd.Function):
             query, key, value, mask_arg, row_mu, grad_o1, lse, delta, grad_q,
             *q_strides, *_strides(key), *_strides(value), *mask_strides,
             *_strides(grad_q, 4),
-            heads, length, kv_length, **common, **DQ_FIXED,
+            heads, length, kv_length, offset, **common, **DQ_FIXED,
         )
         return grad_q, grad_k, grad_v, None, grad_mu, grad_norm, None, None, None
 

@@ -13,6 +13,7 @@ import torch
 from torch.library import triton_op, wrap_triton
 
 from ._triton import TRITON_INTERPRETING
+from .causal import causal_offset
 
 # In a try block because transformers' remote-code loader requires every *unguarded* import of a Hub export's
 # files to be installed; this module is imported only where triton is (see _triton.TRITON_AVAILABLE).
@@ -27,7 +28,7 @@ except ImportError as error:
 def _decode_partial(
     Q, K, V, Mask, Opart, Mpart, Lpart,
     sqb, sqh, sql, skb, skh, sks, svb, svh, svs, smb, sml, sms,
-    H_KV, S, L, splits,
+    H_KV, S, L, offset, splits,
     SCALE: tl.constexpr,  # a compile-time constant: a runtime float would reach Inductor's launch as fp64
     G: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     DQ: tl.constexpr, DV: tl.constexpr, CHUNK: tl.constexpr,
@@ -61,8 +62,8 @@ def _decode_partial(
             allowed = tl.load(
                 Mask + b * smb + t[:, None] * sml + n[None, :] * sms, mask=row_ok[:, None] & n_ok[None, :], other=0
             ) != 0
-        else:  # causal, the L queries being the last L positions
-            allowed = n[None, :] <= (S - L + t)[:, None]
+        else:  # causal (kernels/causal.py)
+            allowed = n[None, :] <= (offset + t)[:, None]
         allowed = allowed & n_ok[None, :]
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -152,7 +153,7 @@ def decode_attention_op(
         key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2),
         *mask_strides,
-        kv_heads, kv_length, length, splits,
+        kv_heads, kv_length, length, causal_offset(length, kv_length, mask is not None), splits,
         SCALE=scale, G=groups, HAS_MASK=mask is not None, BLOCK_R=block_rows, BLOCK_N=block_n, DQ=q_dim, DV=v_dim, CHUNK=chunk,
     )
     _launcher(_decode_reduce)[(batch * kv_heads,)](

@@ -13,8 +13,9 @@ dV = (P1 - mu P2)^T g is one product. `_flash_diff_bwd_dkdv` owns a K/V tile and
 head of its GQA group; `_flash_diff_bwd_dq` owns a query tile and walks the keys.
 
 Softmax in base 2 (scores times log2 e); a query with no visible key gets output 0 and logsumexp +1e30 (so its
-probabilities recompute as 0 in the backward). Causal with the L queries the last L of S positions; a bool
-mask (B or 1, 1, L, S), True = visible, is applied on top (padding).
+probabilities recompute as 0 in the backward). Query i sees keys n <= i + offset (`causal.py`: 0 without a
+mask, transformers' top-left causal; S - L with one); a bool mask (B or 1, 1, L, S), True = visible, is
+applied on top (padding).
 
 Imported only when triton is installed (see `kernels/flash_diff.py` for the reference, autograd and dispatch).
 """
@@ -87,7 +88,7 @@ def _fwd_tile(
 def _flash_diff_fwd(
     Q, K, V, Mask, Mu, NormW, Y, Pairs, Lse, Rstd,
     sqb, sql, sqh, sqp, skb, skh, sks, svb, svh, svs, smb, sml, sms,
-    H, L, S, eps, norm_scale,
+    H, L, S, offset, eps, norm_scale,
     SCALE: tl.constexpr, GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, SPLIT_K: tl.constexpr,
     V1: tl.constexpr, HAS_MASK: tl.constexpr, SAVE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     S_STATIC: tl.constexpr = 0, L_STATIC: tl.constexpr = 0,
@@ -99,7 +100,6 @@ def _flash_diff_fwd(
     b = pid_bh // H
     head = pid_bh % H
     kvh = head // GROUP
-    offset = S - L
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = m < L
     dqk = tl.arange(0, DQK)
@@ -220,7 +220,7 @@ def _dkdv_tile(
 def _flash_diff_bwd_dkdv(
     Q, K, V, Mask, Mu, G, Lse, Delta, DK, DVout,
     sqb, sql, sqh, sqp, skb, skh, sks, svb, svh, svs, smb, sml, sms, sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
-    H, L, S,
+    H, L, S, offset,
     SCALE: tl.constexpr, GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, SPLIT_K: tl.constexpr,
     V1: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS: tl.constexpr,
     S_STATIC: tl.constexpr = 0, L_STATIC: tl.constexpr = 0,
@@ -234,7 +234,6 @@ def _flash_diff_bwd_dkdv(
     b = pid_bh // slots
     slot = pid_bh % slots
     kvh = slot * HEADS // GROUP
-    offset = S - L
     n_start = pid_n * BLOCK_N
     n = n_start + tl.arange(0, BLOCK_N)
     n_ok = n < S
@@ -323,7 +322,7 @@ def _dq_tile(
 def _flash_diff_bwd_dq(
     Q, K, V, Mask, Mu, G, Lse, Delta, DQ,
     sqb, sql, sqh, sqp, skb, skh, sks, svb, svh, svs, smb, sml, sms, sdqb, sdql, sdqh, sdqp,
-    H, L, S,
+    H, L, S, offset,
     SCALE: tl.constexpr, GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, SPLIT_K: tl.constexpr,
     V1: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     S_STATIC: tl.constexpr = 0, L_STATIC: tl.constexpr = 0,
@@ -334,7 +333,6 @@ def _flash_diff_bwd_dq(
     b = pid_bh // H
     head = pid_bh % H
     kvh = head // GROUP
-    offset = S - L
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = m < L
     dqk = tl.arange(0, DQK)
