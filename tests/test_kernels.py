@@ -318,6 +318,31 @@ def test_decoding_steps_on_the_kernel_equal_eager(mode, cache_class, monkeypatch
     assert len(kernel_calls) == steps.shape[1] * eager.config.num_hidden_layers  # every decoding step
 
 
+def test_lora_model_on_the_flash_diff_kernel_equals_eager(monkeypatch):
+    """Under PEFT, V1's subln is a ModulesToSaveWrapper: the kernel must read the trained copy's weight."""
+    import modeling_diff.diff_attention as attention
+    from modeling_diff.lora import get_lora_model
+
+    kernel_calls = []
+    kernel = attention.flash_diff_attention
+    monkeypatch.setattr(attention, "flash_diff_attention", lambda *a: kernel_calls.append(1) or kernel(*a))
+    eager, _ = model_pair("v1", FAST)
+    model = get_lora_model(eager).train()
+    ids = torch.randint(3, eager.config.vocab_size, (2, 24), device=DEVICE)
+    grads = []
+    for implementation in ("eager", FAST):
+        model.base_model.model.set_attn_implementation(implementation)
+        model.zero_grad()
+        torch.manual_seed(5)  # the same LoRA dropout masks
+        model(input_ids=ids, labels=ids).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert len(kernel_calls) == eager.config.num_hidden_layers
+    assert any("subln.modules_to_save" in n for n in grads[0])
+    for name, grad in grads[0].items():
+        if grad.norm() > 0:
+            assert rel_err(grads[1][name], grad) < GRAD_TOL, name
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("length", [5, 40])  # the decode kernel; the flash-diff kernel (V1) or SDPA
 def test_static_cache_prefill_without_mask_equals_eager(mode, length):
