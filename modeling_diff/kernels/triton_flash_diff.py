@@ -9,8 +9,9 @@ subln RMSNorm; V2: the per-token noise weight) so only the combined head output 
 
 Backward (the combine's backward, `triton_combine`, first turns grad y into g = dO1, with dO2 = -mu g, and
 the D terms): dP2 = -mu dP1 with dP1 = g V^T, so one g V^T serves both maps, and
-dV = (P1 - mu P2)^T g is one product. `_flash_diff_bwd_dkdv` owns a K/V tile and walks the queries of every
-head of its GQA group; `_flash_diff_bwd_dq` owns a query tile and walks the keys.
+dV = (P1 - mu P2)^T g is one product. `_flash_diff_bwd_dkdv` owns a K/V tile and walks the queries of HEADS
+heads of its GQA group (`flash_diff.dkdv_heads_per_program`); `_flash_diff_bwd_dq` owns a query tile and walks
+the keys.
 
 Softmax in base 2 (scores times log2 e); a query with no visible key gets output 0 and logsumexp +1e30 (so its
 probabilities recompute as 0 in the backward). Query i sees keys n <= i + offset (`causal.py`: 0 without a
