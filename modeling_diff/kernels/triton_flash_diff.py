@@ -44,6 +44,31 @@ def _visible(Mask, b, m, n, m_ok, n_ok, offset, smb, sml, sms, HAS_MASK: tl.cons
 
 
 @triton.jit
+def _query_program(H, L, GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
+    """A program over a query block of one (batch, head): (block, b, head, kv head, query rows, rows < L).
+    Blocks run last to first: under causal masking the later blocks see the most keys, so they start first."""
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    head = pid_bh % H
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    return pid_m, b, head, head // GROUP, m, m < L
+
+
+@triton.jit
+def _load_query_pair(Q, b, head, m, m_ok, sqb, sql, sqh, sqp, DQK: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """Q1, Q2 of the rows m of one head: (rows, DQK), or (DQK, rows) if TRANSPOSED; 0 beyond L."""
+    dqk = tl.arange(0, DQK)
+    if TRANSPOSED:
+        q_ptr = Q + b * sqb + head * sqh + m[None, :] * sql + dqk[:, None]
+        ok = m_ok[None, :]
+    else:
+        q_ptr = Q + b * sqb + head * sqh + m[:, None] * sql + dqk[None, :]
+        ok = m_ok[:, None]
+    return tl.load(q_ptr, mask=ok, other=0.0), tl.load(q_ptr + sqp, mask=ok, other=0.0)
+
+
+@triton.jit
 def _softmax_step(s, running_max, running_sum, acc, v):
     """One key tile of an online softmax (base 2): the running max, sum and P V accumulator, rescaled."""
     new_max = tl.maximum(running_max, tl.max(s, axis=1))
@@ -96,18 +121,9 @@ def _flash_diff_fwd(
 ):
     # Q (B, L, H, 2, DQK) by strides; K (B, H_kv, S, 2*DQK or DQK); V (B, H_kv, S, DV); Y (B*L*H, DV);
     # SAVE (training): Pairs (B*L*H, 2, DV) = (O1, O2), Lse (B*L*H, 2), Rstd (B*L*H,) for the backward.
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # causal: the longest rows of keys start first
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    head = pid_bh % H
-    kvh = head // GROUP
-    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = m < L
-    dqk = tl.arange(0, DQK)
+    pid_m, b, head, kvh, m, m_ok = _query_program(H, L, GROUP, BLOCK_M)
     dv = tl.arange(0, DV)
-    q_ptr = Q + b * sqb + head * sqh + m[:, None] * sql + dqk[None, :]
-    q1 = tl.load(q_ptr, mask=m_ok[:, None], other=0.0)
-    q2 = tl.load(q_ptr + sqp, mask=m_ok[:, None], other=0.0)
+    q1, q2 = _load_query_pair(Q, b, head, m, m_ok, sqb, sql, sqh, sqp, DQK, False)
     k_ptr = K + b * skb + kvh * skh
     v_ptr = V + b * svb + kvh * svh
     qk_scale = SCALE * 1.4426950408889634
@@ -167,16 +183,8 @@ def _query_rows(Q, G, Lse, Delta, Mu, b, head, m, m_ok, H, L, sqb, sql, sqh, sqp
                 DQK: tl.constexpr, DV: tl.constexpr, V1: tl.constexpr, TRANSPOSED: tl.constexpr):
     """What the backward reads per query row: Q1, Q2 ((DQK, rows) if TRANSPOSED), g = dO1, the logsumexp and
     D term of each map, and mu. Rows beyond L get logsumexp +1e30, so their probabilities recompute as 0."""
-    dqk = tl.arange(0, DQK)
     rows = (b * L + m) * H + head
-    if TRANSPOSED:
-        q_ptr = Q + b * sqb + head * sqh + m[None, :] * sql + dqk[:, None]
-        q1 = tl.load(q_ptr, mask=m_ok[None, :], other=0.0)
-        q2 = tl.load(q_ptr + sqp, mask=m_ok[None, :], other=0.0)
-    else:
-        q_ptr = Q + b * sqb + head * sqh + m[:, None] * sql + dqk[None, :]
-        q1 = tl.load(q_ptr, mask=m_ok[:, None], other=0.0)
-        q2 = tl.load(q_ptr + sqp, mask=m_ok[:, None], other=0.0)
+    q1, q2 = _load_query_pair(Q, b, head, m, m_ok, sqb, sql, sqh, sqp, DQK, TRANSPOSED)
     go = tl.load(G + rows[:, None] * DV + tl.arange(0, DV)[None, :], mask=m_ok[:, None], other=0.0)
     lse1 = tl.load(Lse + rows * 2, mask=m_ok, other=1.0e30)
     lse2 = tl.load(Lse + rows * 2 + 1, mask=m_ok, other=1.0e30)
@@ -329,13 +337,7 @@ def _flash_diff_bwd_dq(
     S_STATIC: tl.constexpr = 0, L_STATIC: tl.constexpr = 0,
 ):
     # A program: BLOCK_M queries of one (batch, head); walks the keys they see.
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # causal: the longest rows of keys start first
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    head = pid_bh % H
-    kvh = head // GROUP
-    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = m < L
+    pid_m, b, head, kvh, m, m_ok = _query_program(H, L, GROUP, BLOCK_M)
     dqk = tl.arange(0, DQK)
     lam = tl.load(Mu).to(tl.float32) if V1 else 0.0
     q1, q2, go, lse1, lse2, delta1, delta2, mu = _query_rows(
