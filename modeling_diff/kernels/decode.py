@@ -34,7 +34,7 @@ def decode_kernel_applies(query, key, value, mask, dropout: float) -> bool:
 def decode_attention(query, key, value, mask, scale: float) -> torch.Tensor:
     """softmax(Q K^T scale + mask) V with GQA through the kernel. query (B, Hq, L, Dq), key (B, Hkv, S, Dq),
     value (B, Hkv, S, Dv); mask: bool (B, 1, L, S), True = visible, or None = causal as transformers means it
-    (`causal.py`).
+    (`masks.py`).
     Returns (B, L, Hq, Dv), the layout of transformers' attention functions."""
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     return decode_attention_op(query, key, value, mask, float(scale))

@@ -9,7 +9,7 @@
   V2: mu = the per-token noise weight (B, L, h), norm = None.
 
 It computes what the modules' plain path computes (one attention call, then `combine.v1_combine` or
-`v2_combine`), causal as transformers' SDPA call means it without a mask (`causal.py`), a bool mask
+`v2_combine`), causal as transformers' SDPA call means it without a mask (`masks.py`), a bool mask
 (B or 1, 1, L, S) deciding where there is one, forward and backward. Against that path it reads each K/V tile once for both maps, spends DQK (not 2*DQK)
 on V1's Q.K, and writes and saves no zero-padded queries; in training it saves the pair (O1, O2) per head
 for the backward. The reference is the plain path itself (`tests/test_kernels.py` checks both against the
@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from ._triton import TRITON_AVAILABLE, TRITON_INTERPRETING
-from .causal import causal_offset
 from .combine import triton_cdiv, v1_combine_backward, v2_combine_backward
+from .masks import causal_offset, kernel_mask
 
 LONG_KEYS = 4096  # above this many keys the dK/dV kernel gives each query head its own programs
 MIN_QUERY_TOKENS = 16  # fewer new tokens without gradients: a decoding step, for the split-KV decode kernel
@@ -41,13 +41,6 @@ def flash_diff_applies(query, key, value, mask, dropout: float) -> bool:
         and key.shape[-1] in (query.shape[-1], 2 * query.shape[-1])
         and (mask is None or (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == 1))
     )
-
-
-def _mask_arguments(mask, reference):
-    if mask is None:
-        return reference, (0, 0, 0)  # unused
-    mask = mask.view(torch.uint8)
-    return mask, (mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(2), mask.stride(3))
 
 
 def dkdv_heads_per_program(group: int, kv_length: int) -> int:
@@ -77,7 +70,7 @@ def _forward(query, key, value, mask, mu, norm_weight, eps, norm_scale, scale, s
     pairs = torch.empty(rows, 2, dv, dtype=query.dtype, device=device) if save else y
     lse = torch.empty(rows, 2, dtype=torch.float32, device=device) if save else y
     rstd = torch.empty(rows, dtype=torch.float32, device=device) if save and norm_weight is not None else y
-    mask_arg, mask_strides = _mask_arguments(mask, query)
+    mask_arg, mask_strides = kernel_mask(mask, query)
     grid = lambda meta: (triton_cdiv(length, meta["BLOCK_M"]), batch * heads)  # noqa: E731
     flash_diff_fwd[grid](
         query, key, value, mask_arg, mu, query if norm_weight is None else norm_weight, y, pairs, lse, rstd,
@@ -123,7 +116,7 @@ class _FlashDiff(torch.autograd.Function):
             slots = heads // heads_per_program
             dk_out = torch.empty(batch, slots, kv_length, key.shape[-1], dtype=torch.float32, device=key.device)
             dv_out = torch.empty(batch, slots, kv_length, dv, dtype=torch.float32, device=key.device)
-        mask_arg, mask_strides = _mask_arguments(mask, query)
+        mask_arg, mask_strides = kernel_mask(mask, query)
         row_mu = mu if norm_weight is not None else mu.reshape(-1)
         common = dict(
             SCALE=ctx.scale, GROUP=heads // kv_heads, DQK=dqk, DV=dv, SPLIT_K=key.shape[-1] == 2 * dqk,
@@ -152,6 +145,7 @@ def flash_diff_attention(query, key, value, mask, mu, scale: float, norm: nn.Mod
                          norm_scale: float = 1.0) -> torch.Tensor:
     """See the module docstring. Returns the combined head outputs (B, L, h, DV)."""
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    mask = None if mask is None else kernel_mask(mask, query)[0]  # uint8 once, for the forward and the backward
     norm_weight = None if norm is None else norm.weight
     eps = 0.0 if norm is None else norm.variance_epsilon
     mu = mu.float() if norm is not None else mu.contiguous()

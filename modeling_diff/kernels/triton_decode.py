@@ -13,7 +13,7 @@ import torch
 from torch.library import triton_op, wrap_triton
 
 from ._triton import TRITON_INTERPRETING
-from .causal import causal_offset
+from .masks import causal_offset, kernel_mask
 
 # In a try block because transformers' remote-code loader requires every *unguarded* import of a Hub export's
 # files to be installed; this module is imported only where triton is (see _triton.TRITON_AVAILABLE).
@@ -62,7 +62,7 @@ def _decode_partial(
             allowed = tl.load(
                 Mask + b * smb + t[:, None] * sml + n[None, :] * sms, mask=row_ok[:, None] & n_ok[None, :], other=0
             ) != 0
-        else:  # causal (kernels/causal.py)
+        else:  # causal (kernels/masks.py)
             allowed = n[None, :] <= (offset + t)[:, None]
         allowed = allowed & n_ok[None, :]
         s = tl.where(allowed, s, float("-inf"))
@@ -142,11 +142,7 @@ def decode_attention_op(
     max_part = torch.empty(parts, dtype=torch.float32, device=query.device)
     sum_part = torch.empty(parts, dtype=torch.float32, device=query.device)
     out = torch.empty(batch, length, q_heads, v_dim, dtype=query.dtype, device=query.device)
-    if mask is None:
-        mask_arg, mask_strides = query, (0, 0, 0)  # unused
-    else:
-        mask_arg = mask.to(torch.uint8)  # a few bytes per position (Inductor cannot lower a bool -> uint8 view)
-        mask_strides = (mask_arg.stride(0) if mask.shape[0] > 1 else 0, mask_arg.stride(2), mask_arg.stride(3))
+    mask_arg, mask_strides = kernel_mask(mask, query)
     _launcher(_decode_partial)[(batch * kv_heads, splits)](
         query, key, value, mask_arg, out_part, max_part, sum_part,
         query.stride(0), query.stride(1), query.stride(2),

@@ -14,7 +14,7 @@ heads of its GQA group (`flash_diff.dkdv_heads_per_program`); `_flash_diff_bwd_d
 the keys.
 
 Softmax in base 2 (scores times log2 e); a query with no visible key gets output 0 and logsumexp +1e30 (so its
-probabilities recompute as 0 in the backward). Query i sees keys n <= i + offset (`causal.py`: 0 without a
+probabilities recompute as 0 in the backward). Query i sees keys n <= i + offset (`masks.py`: 0 without a
 mask, transformers' top-left causal; S - L with one); a bool mask (B or 1, 1, L, S), True = visible, is
 applied on top (padding).
 

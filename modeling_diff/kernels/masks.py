@@ -1,4 +1,6 @@
-"""Which keys a query sees when transformers hands an attention function no mask.
+"""What the Triton kernels take of transformers' attention mask: the mask's bytes, or the causal rule without one.
+
+Which keys a query sees when transformers hands an attention function no mask:
 
 transformers' SDPA integration passes `attention_mask=None` when the mask is plain causal and calls SDPA with
 `is_causal = L > 1`, which torch aligns top-left: query i sees keys 0..i. That is also what it does for a
@@ -9,6 +11,19 @@ The Triton kernels take this as one number, the causal offset: query i sees keys
 they use the bottom-right offset S - L, which never hides a key the mask shows (a query's position is at most
 S - L + i) and bounds the keys a query block has to visit.
 """
+
+
+import torch
+
+
+def kernel_mask(mask: torch.Tensor | None, placeholder: torch.Tensor):
+    """(tensor, (batch, query, key) strides) for a kernel: the bool mask (B or 1, 1, L, S) as uint8 (a copy, and a
+    no-op on a uint8 mask: Inductor cannot lower a bool -> uint8 view), batch stride 0 when broadcast over the
+    batch; without a mask, `placeholder` and zero strides (the kernels do not read it)."""
+    if mask is None:
+        return placeholder, (0, 0, 0)
+    mask = mask.to(torch.uint8)
+    return mask, (mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(2), mask.stride(3))
 
 
 def causal_offset(length: int, kv_length: int, has_mask: bool) -> int:
