@@ -1,8 +1,6 @@
 """What the Triton kernels take of transformers' attention mask: the mask's bytes, or the causal rule without one.
 
-Which keys a query sees when transformers hands an attention function no mask:
-
-transformers' SDPA integration passes `attention_mask=None` when the mask is plain causal and calls SDPA with
+Without a mask: transformers' SDPA integration passes `attention_mask=None` when the mask is plain causal and calls SDPA with
 `is_causal = L > 1`, which torch aligns top-left: query i sees keys 0..i. That is also what it does for a
 StaticCache prefill from an empty cache, where the keys are the whole static buffer (S > L) and the tail is
 empty. A single query (a decoding step) sees every key. With a mask, the mask decides.
@@ -11,7 +9,6 @@ The Triton kernels take this as one number, the causal offset: query i sees keys
 they use the bottom-right offset S - L, which never hides a key the mask shows (a query's position is at most
 S - L + i) and bounds the keys a query block has to visit.
 """
-
 
 import torch
 
