@@ -16,11 +16,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb, eager_attention_forward
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, eager_attention_forward
 
 from .configuration import DiffLlamaConfig
 from .kernels import (
-    DIFF_TRITON, FUSED_DIFF, flash_diff_applies, flash_diff_attention, resolve, v1_combine, v2_combine,
+    DIFF_TRITON, FUSED_DIFF, apply_rope, flash_diff_applies, flash_diff_attention, resolve, v1_combine, v2_combine,
 )
 
 
@@ -61,6 +61,11 @@ class _DiffAttentionBase(nn.Module):
     def attention_interface(self, query: torch.Tensor) -> Callable:
         implementation = resolve(self.config._attn_implementation, query)  # sdpa on CUDA -> diff_triton
         return ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+
+    def fast_kernels(self, query: torch.Tensor) -> bool:
+        """Whether the project's fast implementations are in use (`sdpa` on CUDA, `diff_triton`, `fused_diff`):
+        then RoPE takes its Triton kernel too where it applies (`kernels/rope.py`)."""
+        return resolve(self.config._attn_implementation, query) in (DIFF_TRITON, FUSED_DIFF)
 
     def dropout_p(self) -> float:
         return self.attention_dropout if self.training else 0.0
@@ -113,23 +118,22 @@ class DiffAttentionV1(_DiffAttentionBase):
 
     def differential_lambda(self) -> torch.Tensor:
         """The layer's scalar lambda, in float32."""
-        lambda_1 = torch.exp(torch.sum(self.lambda_q1.float() * self.lambda_k1.float()))
-        lambda_2 = torch.exp(torch.sum(self.lambda_q2.float() * self.lambda_k2.float()))
+        lambda_1 = torch.exp(torch.dot(self.lambda_q1.float(), self.lambda_k1.float()))
+        lambda_2 = torch.exp(torch.dot(self.lambda_q2.float(), self.lambda_k2.float()))
         return lambda_1 - lambda_2 + self.lambda_init
 
     def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
         input_shape = hidden_states.shape[:-1]  # (B, L)
         d = self.head_dim
-        query_states = self.q_proj(hidden_states).view(*input_shape, -1, 2, d)  # (B, L, h, 2, d)
-        key_states = self.k_proj(hidden_states).view(*input_shape, -1, 2, d)  # (B, L, h_kv, 2, d)
+        query_states = self.q_proj(hidden_states).view(*input_shape, -1, d)  # (B, L, 2h, d): (Q1, Q2) per head
+        key_states = self.k_proj(hidden_states).view(*input_shape, -1, d)  # (B, L, 2h_kv, d): (K1, K2) per head
         value_states = self.v_proj(hidden_states).view(*input_shape, -1, 2 * d).transpose(1, 2)  # (B, h_kv, L, 2d)
 
-        cos, sin = position_embeddings  # (B, L, d), broadcast over heads and the two halves
-        query_states, key_states = apply_rotary_pos_emb(
-            query_states, key_states, cos.unsqueeze(2), sin.unsqueeze(2), unsqueeze_dim=2
-        )
+        cos, sin = position_embeddings  # (B, L, d), the same rotation for every head and both halves
+        query_states, key_states = apply_rope(query_states, key_states, cos, sin, self.fast_kernels(query_states))
+        query_states = query_states.unflatten(2, (-1, 2))  # (B, L, h, 2, d)
         # The cache holds K as (B, h_kv, S, 2d) = K1|K2 and V as (B, h_kv, S, 2d): a Llama's bytes per token.
-        key_states = key_states.flatten(-2).transpose(1, 2)
+        key_states = key_states.unflatten(2, (-1, 2)).flatten(-2).transpose(1, 2)
         if cache is not None:
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
 
@@ -176,12 +180,13 @@ class _LlamaLayoutAttention(_DiffAttentionBase):
     def project(self, hidden_states, position_embeddings, cache):
         """-> query (B, query_heads, L, d), key and value (B, h_kv, S, d), RoPE applied and the cache updated."""
         hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, query_heads, L, d)
-        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, h_kv, L, d)
-        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        query_states = self.q_proj(hidden_states).view(hidden_shape)  # (B, L, query_heads, d)
+        key_states = self.k_proj(hidden_states).view(hidden_shape)  # (B, L, h_kv, d)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, h_kv, L, d)
 
         cos, sin = position_embeddings
-        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        query_states, key_states = apply_rope(query_states, key_states, cos, sin, self.fast_kernels(query_states))
+        query_states, key_states = query_states.transpose(1, 2), key_states.transpose(1, 2)
         if cache is not None:
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
         return query_states, key_states, value_states

@@ -20,6 +20,7 @@ from modeling_diff import preset_config
 from modeling_diff.kernels.combine import v1_combine_triton, v2_combine_triton
 from modeling_diff.kernels.decode import decode_attention
 from modeling_diff.kernels.flash_diff import flash_diff_attention
+from modeling_diff.kernels.rope import apply_rope, rope_kernel_applies
 
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
@@ -84,6 +85,34 @@ def test_v2_combine_forward_and_gradients_match_the_formula():
 
     assert rel_err(out, ref) < TOL
     for got, want in zip(grads, ref_grads):
+        assert rel_err(got, want) < TOL
+
+
+@pytest.mark.parametrize("shared_positions", [False, True])  # cos, sin of batch 1, shared by the batch
+def test_rope_kernel_forward_and_gradients_match_the_formula(shared_positions):
+    """x * cos + rotate_half(x) * sin (Llama's half-split RoPE), rotate_half(x) = (-x2, x1); the query a strided
+    view (B, L, Hq, d) of a (B, Hq, L, d) tensor, as a gradient reaches it."""
+    torch.manual_seed(2)
+    q_heads, kv_heads, dim = (64, 8, 64) if GPU else (6, 2, 16)
+    query = rand(B, q_heads, L, dim).transpose(1, 2).detach().requires_grad_()
+    key = rand(B, L, kv_heads, dim, grad=True)
+    angles = torch.rand(1 if shared_positions else B, L, dim // 2, device=DEVICE, dtype=torch.float64) * 6.3
+    cos, sin = (f(torch.cat([angles, angles], -1)).to(DTYPE) for f in (torch.cos, torch.sin))
+    grads_out = rand(B, L, q_heads, dim), rand(B, L, kv_heads, dim)
+    assert rope_kernel_applies(query, key, cos, sin)
+
+    out = apply_rope(query, key, cos, sin, fused=True)
+    grads = torch.autograd.grad(out, (query, key), grads_out)
+
+    def formula(x):
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos.double()[:, :, None] + torch.cat([-x2, x1], -1) * sin.double()[:, :, None]
+
+    x64 = [t.detach().double().requires_grad_() for t in (query, key)]
+    ref = [formula(x) for x in x64]
+    ref_grads = torch.autograd.grad(ref, x64, [g.double() for g in grads_out])
+    for got, want in zip((*out, *grads), (*ref, *ref_grads)):
+        assert got.shape == want.shape and got.dtype == DTYPE
         assert rel_err(got, want) < TOL
 
 
@@ -267,9 +296,12 @@ def test_fast_path_forward_and_gradients_equal_eager(mode, implementation, monke
     fused combine, DEX through SDPA; `fused_diff` puts V2 on the kernel too."""
     import modeling_diff.diff_attention as attention
 
-    kernel_calls = []
-    kernel = attention.flash_diff_attention
+    import modeling_diff.kernels.rope as rope
+
+    kernel_calls, rope_calls = [], []
+    kernel, rotate = attention.flash_diff_attention, rope._rotate
     monkeypatch.setattr(attention, "flash_diff_attention", lambda *a: kernel_calls.append(1) or kernel(*a))
+    monkeypatch.setattr(rope, "_rotate", lambda *a, **k: rope_calls.append(1) or rotate(*a, **k))
     eager, fast = model_pair(mode, implementation)
     on_kernel = mode == "v1" or (mode == "v2" and implementation == "fused_diff")
     eager.train(), fast.train()
@@ -286,6 +318,7 @@ def test_fast_path_forward_and_gradients_equal_eager(mode, implementation, monke
             if p_eager.grad is not None and p_eager.grad.norm() > 0:
                 assert rel_err(p_fast.grad, p_eager.grad) < GRAD_TOL, name
     assert len(kernel_calls) == (2 * eager.config.num_hidden_layers if on_kernel else 0)
+    assert len(rope_calls) == 2 * 4 * eager.config.num_hidden_layers  # two steps: q and k, forward and backward
 
 
 @torch.no_grad()  # as in generate(); the kernel has no backward

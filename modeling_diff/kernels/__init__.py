@@ -4,6 +4,7 @@
   fused into one Triton pass forward and backward (`triton_combine.py`).
 - `flash_diff.py`: both softmax maps of a differential head and the combine in one flash-attention kernel
   (`triton_flash_diff.py`), forward and backward, for V1 and V2 prefill and training.
+- `rope.py`: the rotary embedding of queries and keys in one Triton pass per tensor (`triton_rope.py`).
 - `decode.py`: split-KV attention for decoding steps, one read of the KV cache per step (`triton_decode.py`).
 - `attention.py`: the attention implementations `"diff_triton"` (chosen automatically for `sdpa` on CUDA) and
   `"fused_diff"` that use them.
@@ -16,10 +17,11 @@ from ._triton import triton_available
 from .attention import FUSED_DIFF, NAME as DIFF_TRITON, diff_triton_attention_forward, register, resolve
 from .combine import v1_combine, v2_combine
 from .flash_diff import flash_diff_applies, flash_diff_attention
+from .rope import apply_rope
 
 register()
 
 __all__ = [
-    "DIFF_TRITON", "FUSED_DIFF", "diff_triton_attention_forward", "flash_diff_applies", "flash_diff_attention",
+    "DIFF_TRITON", "FUSED_DIFF", "apply_rope", "diff_triton_attention_forward", "flash_diff_applies", "flash_diff_attention",
     "resolve", "triton_available", "v1_combine", "v2_combine",
 ]

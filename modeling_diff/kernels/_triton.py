@@ -1,4 +1,5 @@
-"""Whether triton can be used here, decided once at import (plain constants: torch.compile traces them).
+"""Whether triton can be used here, decided once at import (plain constants: torch.compile traces them), and
+whether a call needs an autograd node (the kernels' forward-only launches serve the calls that do not).
 
 Nothing here imports triton: the model (and its Hub export) loads where triton is absent, and the Triton
 paths are simply not chosen there.
@@ -6,6 +7,8 @@ paths are simply not chosen there.
 
 import importlib.util
 import os
+
+import torch
 
 TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 # TRITON_INTERPRET=1 (set before triton is first imported) runs the kernels on CPU tensors through Triton's
@@ -15,3 +18,8 @@ TRITON_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 def triton_available() -> bool:
     return TRITON_AVAILABLE
+
+
+def needs_grad(*tensors) -> bool:
+    """Whether autograd records a call on these tensors (None entries are skipped)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)

@@ -13,7 +13,7 @@ on CUDA the Triton kernels do each combine in one pass forward and one pass back
 import torch
 from torch import nn
 
-from ._triton import triton_available
+from ._triton import needs_grad, triton_available
 
 
 def v1_combine_reference(attn: torch.Tensor, lam: torch.Tensor, subln: nn.Module, scale: float) -> torch.Tensor:
@@ -77,21 +77,41 @@ def v2_combine_backward(pairs, row_weight, grad_out, for_flash: bool = False):
     return grad_pairs, grad_weight, delta
 
 
+def _v1_combine_forward(attn, lam, weight, eps, scale):
+    """-> (out (B, L, h, D), pairs (R, 2, D), rstd (R,)): one launch of the fused V1 combine."""
+    from .triton_combine import _v1_combine_fwd
+
+    batch, length, two_h, width = attn.shape
+    pairs = attn.contiguous().view(-1, 2, width)  # (R, 2, D), R = B * L * h
+    rows = pairs.shape[0]
+    out = torch.empty(rows, width, dtype=attn.dtype, device=attn.device)
+    rstd = torch.empty(rows, dtype=torch.float32, device=attn.device)
+    block = _rows_per_program(width)
+    _v1_combine_fwd[(triton_cdiv(rows, block),)](pairs, lam, weight, out, rstd, rows, eps, scale, width, block)
+    return out.view(batch, length, two_h // 2, width), pairs, rstd
+
+
+def _v2_combine_forward(attn, weight):
+    """-> (out (B, L, h, D), pairs (R, 2, D), row_weight (R,)): one launch of the fused V2 combine."""
+    from .triton_combine import _v2_combine_fwd
+
+    batch, length, two_h, width = attn.shape
+    pairs = attn.contiguous().view(-1, 2, width)  # (R, 2, D)
+    row_weight = weight.contiguous().view(-1)  # (R,)
+    rows = pairs.shape[0]
+    out = torch.empty(rows, width, dtype=attn.dtype, device=attn.device)
+    block = _rows_per_program(width)
+    _v2_combine_fwd[(triton_cdiv(rows, block),)](pairs, row_weight, out, rows, width, block)
+    return out.view(batch, length, two_h // 2, width), pairs, row_weight
+
+
 class _V1Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, attn, lam, weight, eps, scale):
-        from .triton_combine import _v1_combine_fwd
-
-        batch, length, two_h, width = attn.shape
-        pairs = attn.contiguous().view(-1, 2, width)  # (R, 2, D), R = B * L * h
-        rows = pairs.shape[0]
-        out = torch.empty(rows, width, dtype=attn.dtype, device=attn.device)
-        rstd = torch.empty(rows, dtype=torch.float32, device=attn.device)
-        block = _rows_per_program(width)
-        _v1_combine_fwd[(triton_cdiv(rows, block),)](pairs, lam, weight, out, rstd, rows, eps, scale, width, block)
+        out, pairs, rstd = _v1_combine_forward(attn, lam, weight, eps, scale)
         ctx.save_for_backward(pairs, lam, weight, rstd)
-        ctx.scale, ctx.shape = scale, (batch, length, two_h, width)
-        return out.view(batch, length, two_h // 2, width)
+        ctx.scale, ctx.shape = scale, attn.shape
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -103,18 +123,10 @@ class _V1Combine(torch.autograd.Function):
 class _V2Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, attn, weight):
-        from .triton_combine import _v2_combine_fwd
-
-        batch, length, two_h, width = attn.shape
-        pairs = attn.contiguous().view(-1, 2, width)  # (R, 2, D)
-        row_weight = weight.contiguous().view(-1)  # (R,)
-        rows = pairs.shape[0]
-        out = torch.empty(rows, width, dtype=attn.dtype, device=attn.device)
-        block = _rows_per_program(width)
-        _v2_combine_fwd[(triton_cdiv(rows, block),)](pairs, row_weight, out, rows, width, block)
+        out, pairs, row_weight = _v2_combine_forward(attn, weight)
         ctx.save_for_backward(pairs, row_weight)
         ctx.shapes = attn.shape, weight.shape
-        return out.view(batch, length, two_h // 2, width)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -126,12 +138,17 @@ class _V2Combine(torch.autograd.Function):
 
 def v1_combine_triton(attn: torch.Tensor, lam: torch.Tensor, subln: nn.Module, scale: float) -> torch.Tensor:
     """The fused Triton V1 combine; same contract as `v1_combine_reference`."""
-    return _V1Combine.apply(attn, lam.float(), subln.weight, subln.variance_epsilon, scale)
+    args = (attn, lam.float(), subln.weight, subln.variance_epsilon, scale)
+    if needs_grad(attn, lam, subln.weight):
+        return _V1Combine.apply(*args)
+    return _v1_combine_forward(*args)[0]  # decoding: no autograd node to build
 
 
 def v2_combine_triton(attn: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The fused Triton V2 combine; same contract as `v2_combine_reference`."""
-    return _V2Combine.apply(attn, weight)
+    if needs_grad(attn, weight):
+        return _V2Combine.apply(attn, weight)
+    return _v2_combine_forward(attn, weight)[0]
 
 
 def _fused(attn: torch.Tensor) -> bool:

@@ -9,10 +9,10 @@ sequence over the multiprocessors so that batch 1 fills the GPU too.
 
 import torch
 
-from ._triton import TRITON_AVAILABLE, TRITON_INTERPRETING
+from ._triton import TRITON_AVAILABLE, TRITON_INTERPRETING, needs_grad
 
 if TRITON_AVAILABLE:
-    from .triton_decode import decode_attention_op
+    from .triton_decode import decode_attention_kernels, decode_attention_op
 
 MAX_GROUP_ROWS = 64  # query heads per kv head x query tokens that one program holds
 
@@ -21,7 +21,7 @@ def decode_kernel_applies(query, key, value, mask, dropout: float) -> bool:
     """Shapes and options the kernel covers (forward only: no gradient); everything else goes to SDPA."""
     groups = query.shape[1] // key.shape[1]
     return (
-        not (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)))
+        not needs_grad(query, key, value)
         and TRITON_AVAILABLE
         and (query.is_cuda or TRITON_INTERPRETING)
         and dropout == 0.0
@@ -37,4 +37,6 @@ def decode_attention(query, key, value, mask, scale: float) -> torch.Tensor:
     (`masks.py`).
     Returns (B, L, Hq, Dv), the layout of transformers' attention functions."""
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
-    return decode_attention_op(query, key, value, mask, float(scale))
+    if torch.compiler.is_compiling():  # one node of the graph
+        return decode_attention_op(query, key, value, mask, float(scale))
+    return decode_attention_kernels(query, key, value, mask, float(scale))

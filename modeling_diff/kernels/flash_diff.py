@@ -19,7 +19,7 @@ formula).
 import torch
 from torch import nn
 
-from ._triton import TRITON_AVAILABLE, TRITON_INTERPRETING
+from ._triton import TRITON_AVAILABLE, TRITON_INTERPRETING, needs_grad
 from .combine import triton_cdiv, v1_combine_backward, v2_combine_backward
 from .masks import causal_offset, kernel_mask
 
@@ -29,14 +29,13 @@ MIN_QUERY_TOKENS = 16  # fewer new tokens without gradients: a decoding step, fo
 
 def flash_diff_applies(query, key, value, mask, dropout: float) -> bool:
     """Shapes and options the kernel covers; the modules take their plain path for everything else."""
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     dims = (query.shape[-1], value.shape[-1])
     return (
         TRITON_AVAILABLE
         and ((query.is_cuda and query.dtype in (torch.bfloat16, torch.float16)) or TRITON_INTERPRETING)
         and not torch.compiler.is_compiling()
         and dropout == 0.0
-        and (needs_grad or query.shape[1] >= MIN_QUERY_TOKENS)
+        and (needs_grad(query, key, value) or query.shape[1] >= MIN_QUERY_TOKENS)
         and all(n >= 16 and n & (n - 1) == 0 for n in dims)
         and key.shape[-1] in (query.shape[-1], 2 * query.shape[-1])
         and (mask is None or (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == 1))
@@ -150,6 +149,6 @@ def flash_diff_attention(query, key, value, mask, mu, scale: float, norm: nn.Mod
     eps = 0.0 if norm is None else norm.variance_epsilon
     mu = mu.float() if norm is not None else mu.contiguous()
     inputs = (query, key, value, mu, norm_weight)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
+    if needs_grad(*inputs):
         return _FlashDiff.apply(query, key, value, mask, mu, norm_weight, eps, norm_scale, scale)
     return _forward(query, key, value, mask, mu, norm_weight, eps, norm_scale, scale, save=False)[0]

@@ -24,7 +24,10 @@ except ImportError as error:
     raise ImportError("modeling_diff's Triton kernels need the triton package") from error
 
 
-@triton.jit
+# The cache length (and with it the causal offset, the mask's strides and the number of chunks) grows every
+# step: not specialized on (Triton would compile a variant whenever one crosses a multiple of 16), so one
+# compiled kernel serves a whole generation.
+@triton.jit(do_not_specialize=["smb", "sml", "S", "offset", "splits"])
 def _decode_partial(
     Q, K, V, Mask, Opart, Mpart, Lpart,
     sqb, sqh, sql, skb, skh, sks, svb, svh, svs, smb, sml, sms,
@@ -80,7 +83,7 @@ def _decode_partial(
     tl.store(Lpart + part * BLOCK_R + r, l_i)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits"])
 def _decode_reduce(
     Opart, Mpart, Lpart, Out, sob, sol, soh, H_KV, L, splits,
     G: tl.constexpr, BLOCK_R: tl.constexpr, DV: tl.constexpr, MAX_SPLITS: tl.constexpr,
@@ -118,15 +121,17 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-def _launcher(kernel):
+def _traceable(kernel):
     return kernel if TRITON_INTERPRETING else wrap_triton(kernel)
 
 
-# A custom op: torch.compile (fullgraph=True too) keeps it as one node of the graph and runs the kernels.
-@triton_op("modeling_diff::decode_attention", mutates_args=())
-def decode_attention_op(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float
-) -> torch.Tensor:
+def _plain(kernel):
+    return kernel
+
+
+def decode_attention_kernels(query, key, value, mask, scale: float, launcher=_plain) -> torch.Tensor:
+    """The two launches. Called directly in eager mode: the custom op's dispatch costs more than the kernels
+    in a CPU-bound decoding step. `launcher` wraps each kernel (for the op: graph capture)."""
     batch, q_heads, length, q_dim = query.shape
     kv_heads, kv_length, v_dim = key.shape[1], key.shape[2], value.shape[-1]
     groups = q_heads // kv_heads
@@ -143,7 +148,7 @@ def decode_attention_op(
     sum_part = torch.empty(parts, dtype=torch.float32, device=query.device)
     out = torch.empty(batch, length, q_heads, v_dim, dtype=query.dtype, device=query.device)
     mask_arg, mask_strides = kernel_mask(mask, query)
-    _launcher(_decode_partial)[(batch * kv_heads, splits)](
+    launcher(_decode_partial)[(batch * kv_heads, splits)](
         query, key, value, mask_arg, out_part, max_part, sum_part,
         query.stride(0), query.stride(1), query.stride(2),
         key.stride(0), key.stride(1), key.stride(2),
@@ -152,8 +157,16 @@ def decode_attention_op(
         kv_heads, kv_length, length, causal_offset(length, kv_length, mask is not None), splits,
         SCALE=scale, G=groups, HAS_MASK=mask is not None, BLOCK_R=block_rows, BLOCK_N=block_n, DQ=q_dim, DV=v_dim, CHUNK=chunk,
     )
-    _launcher(_decode_reduce)[(batch * kv_heads,)](
+    launcher(_decode_reduce)[(batch * kv_heads,)](
         out_part, max_part, sum_part, out, out.stride(0), out.stride(1), out.stride(2),
         kv_heads, length, splits, G=groups, BLOCK_R=block_rows, DV=v_dim, MAX_SPLITS=triton.next_power_of_2(splits),
     )
     return out
+
+
+# A custom op: torch.compile (fullgraph=True too) keeps it as one node of the graph and runs the kernels.
+@triton_op("modeling_diff::decode_attention", mutates_args=())
+def decode_attention_op(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    return decode_attention_kernels(query, key, value, mask, scale, launcher=_traceable)

@@ -1,0 +1,47 @@
+"""Triton RoPE: the rotation of every head of a token in one pass (forward, and its transpose for backward).
+
+Imported only when triton is installed (see `kernels/rope.py` for the reference, the dispatch and autograd).
+A program owns one token and BLOCK_H heads, loads the token's cos and sin once and rotates the two halves:
+
+    forward    o1 = x1 c1 - x2 s1,   o2 = x2 c2 + x1 s2        (x * cos + rotate_half(x) * sin)
+    transpose  o1 = x1 c1 + x2 s2,   o2 = x2 c2 - x1 s1        (the gradient: g * cos + rotate_half^T(g * sin))
+"""
+
+# In a try block because transformers' remote-code loader requires every *unguarded* import of a Hub export's
+# files to be installed; this module is imported only where triton is (see _triton.TRITON_AVAILABLE).
+try:
+    import triton
+    import triton.language as tl
+except ImportError as error:
+    raise ImportError("modeling_diff's Triton kernels need the triton package") from error
+
+
+@triton.jit(do_not_specialize=["L"])  # the token count changes every call: one compiled kernel for all
+def _rope(
+    X, Cos, Sin, Out, sxb, sxl, sxh, sob, sol, soh, scb, scl, L, H,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, TRANSPOSE: tl.constexpr,
+):
+    # X, Out: (B, L, H, 2 * HALF), last dim contiguous; Cos, Sin: (B or 1, L, 2 * HALF), batch stride scb (0 = shared).
+    t = tl.program_id(0)
+    b = t // L
+    l = t % L
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    cols = tl.arange(0, HALF)
+    ok = heads[:, None] < H
+    cs = b * scb + l * scl + cols
+    c1 = tl.load(Cos + cs).to(tl.float32)[None, :]
+    c2 = tl.load(Cos + cs + HALF).to(tl.float32)[None, :]
+    s1 = tl.load(Sin + cs).to(tl.float32)[None, :]
+    s2 = tl.load(Sin + cs + HALF).to(tl.float32)[None, :]
+    x_ptr = X + b * sxb + l * sxl + heads[:, None] * sxh + cols[None, :]
+    x1 = tl.load(x_ptr, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + HALF, mask=ok, other=0.0).to(tl.float32)
+    if TRANSPOSE:
+        o1 = x1 * c1 + x2 * s2
+        o2 = x2 * c2 - x1 * s1
+    else:
+        o1 = x1 * c1 - x2 * s1
+        o2 = x2 * c2 + x1 * s2
+    o_ptr = Out + b * sob + l * sol + heads[:, None] * soh + cols[None, :]
+    tl.store(o_ptr, o1.to(Out.dtype.element_ty), mask=ok)
+    tl.store(o_ptr + HALF, o2.to(Out.dtype.element_ty), mask=ok)
