@@ -20,7 +20,8 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, eager_attenti
 
 from .configuration import DiffLlamaConfig
 from .kernels import (
-    DIFF_TRITON, FUSED_DIFF, apply_rope, flash_diff_applies, flash_diff_attention, resolve, v1_combine, v2_combine,
+    DIFF_TRITON, FUSED_DIFF, apply_rope, flash_diff_applies, flash_diff_attention, resolve, uses_fast_kernels,
+    v1_combine, v2_combine,
 )
 
 
@@ -61,11 +62,6 @@ class _DiffAttentionBase(nn.Module):
     def attention_interface(self, query: torch.Tensor) -> Callable:
         implementation = resolve(self.config._attn_implementation, query)  # sdpa on CUDA -> diff_triton
         return ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
-
-    def fast_kernels(self, query: torch.Tensor) -> bool:
-        """Whether the project's fast implementations are in use (`sdpa` on CUDA, `diff_triton`, `fused_diff`):
-        then RoPE takes its Triton kernel too where it applies (`kernels/rope.py`)."""
-        return resolve(self.config._attn_implementation, query) in (DIFF_TRITON, FUSED_DIFF)
 
     def dropout_p(self) -> float:
         return self.attention_dropout if self.training else 0.0
@@ -130,7 +126,9 @@ class DiffAttentionV1(_DiffAttentionBase):
         value_states = self.v_proj(hidden_states).view(*input_shape, -1, 2 * d).transpose(1, 2)  # (B, h_kv, L, 2d)
 
         cos, sin = position_embeddings  # (B, L, d), the same rotation for every head and both halves
-        query_states, key_states = apply_rope(query_states, key_states, cos, sin, self.fast_kernels(query_states))
+        query_states, key_states = apply_rope(
+            query_states, key_states, cos, sin, uses_fast_kernels(self.config._attn_implementation, query_states)
+        )
         query_states = query_states.unflatten(2, (-1, 2))  # (B, L, h, 2, d)
         # The cache holds K as (B, h_kv, S, 2d) = K1|K2 and V as (B, h_kv, S, 2d): a Llama's bytes per token.
         key_states = key_states.unflatten(2, (-1, 2)).flatten(-2).transpose(1, 2)
@@ -185,7 +183,9 @@ class _LlamaLayoutAttention(_DiffAttentionBase):
         value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, h_kv, L, d)
 
         cos, sin = position_embeddings
-        query_states, key_states = apply_rope(query_states, key_states, cos, sin, self.fast_kernels(query_states))
+        query_states, key_states = apply_rope(
+            query_states, key_states, cos, sin, uses_fast_kernels(self.config._attn_implementation, query_states)
+        )
         query_states, key_states = query_states.transpose(1, 2), key_states.transpose(1, 2)
         if cache is not None:
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx)

@@ -1,8 +1,8 @@
 """DiffLlama models: transformers' Llama with differential attention (V1, V2 or DEX, by `config.diff_mode`).
 
 Structure mirrors transformers' `models/llama/modeling_llama.py`: embeddings -> decoder layers (pre-norm
-attention + SwiGLU MLP) -> norm -> lm_head. RMSNorm, MLP and RoPE are transformers' own Llama modules;
-only the attention differs (see `diff_attention.py`).
+attention + SwiGLU MLP) -> norm -> lm_head. MLP and rotary embedding are transformers' own Llama modules,
+RMSNorm is LlamaRMSNorm with a Triton kernel on the fast paths; the attention differs (see `diff_attention.py`).
 
 transformers renamed the cache argument `past_key_values` to `cache` after 5.17; both names are accepted,
 and outputs carry the cache under the name the installed transformers expects.
@@ -26,6 +26,7 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .configuration import DiffLlamaConfig
 from .diff_attention import ATTENTION_CLASSES, DexAttention, DiffAttentionV1, DiffAttentionV2
+from .kernels import rms_norm, rms_norm_kernel_applies, uses_fast_kernels
 
 # "cache" (transformers > 5.17) or "past_key_values" (5.17): the keyword of masks and model outputs.
 CACHE_KWARG = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
@@ -35,14 +36,30 @@ def _pick_cache(cache: Cache | None, past_key_values: Cache | None) -> Cache | N
     return cache if cache is not None else past_key_values
 
 
+class DiffLlamaRMSNorm(LlamaRMSNorm):
+    """transformers' LlamaRMSNorm (same weight, same arithmetic); on the project's fast implementations (`sdpa` on
+    CUDA, `diff_triton`, `fused_diff`) one Triton pass forward and one backward (`kernels/rmsnorm.py`)."""
+
+    def __init__(self, config: DiffLlamaConfig):
+        super().__init__(config.hidden_size, eps=config.rms_norm_eps)
+        self.config = config
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if uses_fast_kernels(self.config._attn_implementation, hidden_states) and rms_norm_kernel_applies(
+            hidden_states, self.weight
+        ):
+            return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+        return super().forward(hidden_states)
+
+
 class DiffLlamaDecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: DiffLlamaConfig, layer_idx: int):
         super().__init__()
         self.hidden_size = config.hidden_size
         self.self_attn = ATTENTION_CLASSES[config.diff_mode](config=config, layer_idx=layer_idx)
         self.mlp = LlamaMLP(config)
-        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = DiffLlamaRMSNorm(config)
+        self.post_attention_layernorm = DiffLlamaRMSNorm(config)
 
     def forward(self, hidden_states, attention_mask=None, position_embeddings=None, cache=None, **kwargs):
         residual = hidden_states
@@ -103,7 +120,7 @@ class DiffLlamaModel(DiffLlamaPreTrainedModel):
         self.layers = nn.ModuleList(
             [DiffLlamaDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
         )
-        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = DiffLlamaRMSNorm(config)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)  # RoPE over head_dim d
         self.gradient_checkpointing = False
         self.post_init()

@@ -20,6 +20,7 @@ from modeling_diff import preset_config
 from modeling_diff.kernels.combine import v1_combine_triton, v2_combine_triton
 from modeling_diff.kernels.decode import decode_attention
 from modeling_diff.kernels.flash_diff import flash_diff_attention
+from modeling_diff.kernels.rmsnorm import rms_norm, rms_norm_kernel_applies
 from modeling_diff.kernels.rope import apply_rope, rope_kernel_applies
 
 GPU = torch.cuda.is_available()
@@ -112,6 +113,26 @@ def test_rope_kernel_forward_and_gradients_match_the_formula(shared_positions):
     ref = [formula(x) for x in x64]
     ref_grads = torch.autograd.grad(ref, x64, [g.double() for g in grads_out])
     for got, want in zip((*out, *grads), (*ref, *ref_grads)):
+        assert got.shape == want.shape and got.dtype == DTYPE
+        assert rel_err(got, want) < TOL
+
+
+@pytest.mark.parametrize("width", [2048, 576] if GPU else [32, 24])  # a power of two, and SmolLM2's 576
+def test_rms_norm_kernel_forward_and_gradients_match_the_formula(width):
+    """w * x / sqrt(mean(x^2) + eps) over the last dim (LlamaRMSNorm), rows not a multiple of the kernel's."""
+    torch.manual_seed(3)
+    x = rand(B, L + 3, width, grad=True)
+    weight = torch.nn.Parameter(1 + 0.1 * torch.randn(width, device=DEVICE, dtype=DTYPE))
+    grad_out = rand(B, L + 3, width)
+    assert rms_norm_kernel_applies(x, weight)
+
+    out = rms_norm(x, weight, 1e-6)
+    grads = torch.autograd.grad(out, (x, weight), grad_out)
+
+    x64, w64 = (t.detach().double().requires_grad_() for t in (x, weight))
+    ref = w64 * x64 / torch.sqrt((x64 * x64).mean(-1, keepdim=True) + 1e-6)
+    ref_grads = torch.autograd.grad(ref, (x64, w64), grad_out.double())
+    for got, want in zip((out, *grads), (ref, *ref_grads)):
         assert got.shape == want.shape and got.dtype == DTYPE
         assert rel_err(got, want) < TOL
 
@@ -293,15 +314,18 @@ FAST = "sdpa" if GPU else "diff_triton"  # what a model on CUDA gets by default
 @pytest.mark.parametrize("implementation", [FAST, "fused_diff"])
 def test_fast_path_forward_and_gradients_equal_eager(mode, implementation, monkeypatch):
     """The fast paths equal eager: by default V1 through the flash-diff kernel, V2 through one SDPA call and the
-    fused combine, DEX through SDPA; `fused_diff` puts V2 on the kernel too."""
+    fused combine, DEX through SDPA; `fused_diff` puts V2 on the kernel too. RoPE and the decoder's RMSNorm take
+    their Triton kernels on both."""
     import modeling_diff.diff_attention as attention
 
     import modeling_diff.kernels.rope as rope
+    import modeling_diff.modeling_diff_llama as modeling
 
-    kernel_calls, rope_calls = [], []
-    kernel, rotate = attention.flash_diff_attention, rope._rotate
+    kernel_calls, rope_calls, norm_calls = [], [], []
+    kernel, rotate, norm = attention.flash_diff_attention, rope._rotate, modeling.rms_norm
     monkeypatch.setattr(attention, "flash_diff_attention", lambda *a: kernel_calls.append(1) or kernel(*a))
     monkeypatch.setattr(rope, "_rotate", lambda *a, **k: rope_calls.append(1) or rotate(*a, **k))
+    monkeypatch.setattr(modeling, "rms_norm", lambda *a: norm_calls.append(1) or norm(*a))
     eager, fast = model_pair(mode, implementation)
     on_kernel = mode == "v1" or (mode == "v2" and implementation == "fused_diff")
     eager.train(), fast.train()
@@ -318,7 +342,9 @@ def test_fast_path_forward_and_gradients_equal_eager(mode, implementation, monke
             if p_eager.grad is not None and p_eager.grad.norm() > 0:
                 assert rel_err(p_fast.grad, p_eager.grad) < GRAD_TOL, name
     assert len(kernel_calls) == (2 * eager.config.num_hidden_layers if on_kernel else 0)
-    assert len(rope_calls) == 2 * 4 * eager.config.num_hidden_layers  # two steps: q and k, forward and backward
+    layers = eager.config.num_hidden_layers
+    assert len(rope_calls) == 2 * 4 * layers  # two steps: q and k, forward and backward
+    assert len(norm_calls) == 2 * (2 * layers + 1)  # two steps: two norms per layer and the final one
 
 
 @torch.no_grad()  # as in generate(); the kernel has no backward
@@ -355,19 +381,18 @@ def test_decoding_steps_on_the_kernel_equal_eager(mode, cache_class, monkeypatch
 def test_lora_model_on_the_flash_diff_kernel_equals_eager(monkeypatch):
     """Under PEFT, V1's subln is a ModulesToSaveWrapper: the kernel must read the trained copy's weight."""
     import modeling_diff.diff_attention as attention
-    from modeling_diff.lora import get_lora_model
+    from modeling_diff.lora import get_lora_model, lora_config
 
     kernel_calls = []
     kernel = attention.flash_diff_attention
     monkeypatch.setattr(attention, "flash_diff_attention", lambda *a: kernel_calls.append(1) or kernel(*a))
     eager, _ = model_pair("v1", FAST)
-    model = get_lora_model(eager).train()
+    model = get_lora_model(eager, lora_config(lora_dropout=0.0)).train()  # no RNG stream to keep aligned
     ids = torch.randint(3, eager.config.vocab_size, (2, 24), device=DEVICE)
     grads = []
     for implementation in ("eager", FAST):
         model.base_model.model.set_attn_implementation(implementation)
         model.zero_grad()
-        torch.manual_seed(5)  # the same LoRA dropout masks
         model(input_ids=ids, labels=ids).loss.backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
     assert len(kernel_calls) == eager.config.num_hidden_layers

@@ -44,6 +44,12 @@ def resolve(implementation: str, query: torch.Tensor) -> str:
     return implementation
 
 
+def uses_fast_kernels(implementation: str, tensor: torch.Tensor) -> bool:
+    """Whether a module on `tensor` runs one of the project's implementations (`diff_triton`, which `sdpa` is on
+    CUDA, or `fused_diff`): then RoPE and the decoder's RMSNorm take their Triton kernels too where they apply."""
+    return resolve(implementation, tensor) in (NAME, FUSED_DIFF)
+
+
 def register() -> None:
     """Make `attn_implementation="diff_triton"` and `"fused_diff"` valid choices for transformers (attention and
     mask); `fused_diff` calls the same function for what the kernel does not cover (DEX, decoding steps)."""

@@ -1,0 +1,75 @@
+"""RMSNorm of the decoder (transformers' LlamaRMSNorm) in one Triton pass forward and one backward.
+
+LlamaRMSNorm (Zhang & Sennrich, arXiv 1910.07467) runs as about six elementwise kernels on float32 copies of
+the hidden states, and autograd keeps two of those copies for the backward. The kernel (`triton_rmsnorm.py`)
+reads and writes the hidden states once, keeps only the input and one float32 per row for the backward, and
+rounds where LlamaRMSNorm does (the normalized states to the input dtype before the weight). The decoder's norms
+take it on the project's fast paths (`modeling_diff_llama.DiffLlamaRMSNorm`).
+"""
+
+import torch
+
+from ._triton import TRITON_AVAILABLE, TRITON_INTERPRETING, needs_grad
+
+BACKWARD_ROWS = 16  # rows per program of the backward (each program writes one partial dw)
+
+
+def rms_norm_kernel_applies(hidden_states: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (
+        TRITON_AVAILABLE
+        and (hidden_states.is_cuda or TRITON_INTERPRETING)
+        and not torch.compiler.is_compiling()
+        and type(hidden_states) is torch.Tensor
+        and type(weight) is torch.nn.Parameter  # not a DTensor (tensor parallel) or a wrapped weight
+        and weight.dim() == 1 and hidden_states.shape[-1] == weight.shape[0]
+    )
+
+
+def _block(width: int) -> int:
+    return 1 << (width - 1).bit_length()
+
+
+def _forward(x: torch.Tensor, weight: torch.Tensor, eps: float):
+    """x (R, N) contiguous -> (y (R, N), rstd (R,) float32)."""
+    from .triton_rmsnorm import _rms_norm_fwd
+
+    rows, width = x.shape
+    y = torch.empty(rows, width, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+    _rms_norm_fwd[(rows,)](x, weight, y, rstd, rows, width, eps, BLOCK_N=_block(width))
+    return y, rstd
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        y, rstd = _forward(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        from .triton_rmsnorm import _rms_norm_bwd
+
+        x, weight, rstd = ctx.saved_tensors
+        rows, width = x.shape
+        programs = -(-rows // BACKWARD_ROWS)
+        grad_x = torch.empty_like(x)
+        grad_parts = torch.empty(programs, width, dtype=torch.float32, device=x.device)
+        _rms_norm_bwd[(programs,)](
+            x, weight, rstd, grad_y.contiguous(), grad_x, grad_parts, rows, width,
+            BLOCK_N=_block(width), ROWS=BACKWARD_ROWS,
+        )
+        return grad_x, grad_parts.sum(0).to(weight.dtype), None
+
+
+def rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """LlamaRMSNorm's forward through the kernel (check `rms_norm_kernel_applies` first); any leading dims."""
+    x = hidden_states.reshape(-1, hidden_states.shape[-1])
+    if x.stride(-1) != 1 or x.stride(0) != x.shape[1]:
+        x = x.contiguous()
+    if needs_grad(x, weight):
+        y = _RMSNorm.apply(x, weight, eps)
+    else:
+        y = _forward(x, weight, eps)[0]  # decoding: no autograd node to build
+    return y.view(*hidden_states.shape[:-1], -1)

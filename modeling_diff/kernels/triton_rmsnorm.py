@@ -1,0 +1,51 @@
+"""Triton RMSNorm over the last dim (forward and backward), the arithmetic of transformers' LlamaRMSNorm.
+
+Imported only when triton is installed (see `kernels/rmsnorm.py` for the reference, the dispatch and autograd).
+
+    forward   r = rsqrt(mean(x^2) + eps),  n = x r rounded to x's dtype,  y = w n
+    backward  dx = r (g - n mean(g n)), g = dy w (n in float32);  dw = sum over rows of dy n
+"""
+
+# In a try block because transformers' remote-code loader requires every *unguarded* import of a Hub export's
+# files to be installed; this module is imported only where triton is (see _triton.TRITON_AVAILABLE).
+try:
+    import triton
+    import triton.language as tl
+except ImportError as error:
+    raise ImportError("modeling_diff's Triton kernels need the triton package") from error
+
+
+@triton.jit(do_not_specialize=["R"])  # the row count (tokens) changes every call: one compiled kernel for all
+def _rms_norm_fwd(X, W, Y, Rstd, R, N, eps, BLOCK_N: tl.constexpr):
+    # X, Y: (R, N) contiguous; one program per row; Rstd (R,) float32, saved for the backward.
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    ok = cols < N
+    x = tl.load(X + row * N + cols, mask=ok, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
+    n = (x * rstd).to(X.dtype.element_ty).to(tl.float32)
+    tl.store(Y + row * N + cols, (w * n).to(Y.dtype.element_ty), mask=ok)
+    tl.store(Rstd + row, rstd)
+
+
+@triton.jit(do_not_specialize=["R"])
+def _rms_norm_bwd(X, W, Rstd, DY, DX, DWpart, R, N, BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
+    # ROWS rows per program; each program writes its partial dw (N,) in float32 to DWpart, the caller sums them.
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    ok = cols < N
+    w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
+    dw = tl.zeros((BLOCK_N,), tl.float32)
+    for i in range(ROWS):
+        row = pid * ROWS + i
+        live = ok & (row < R)
+        x = tl.load(X + row * N + cols, mask=live, other=0.0).to(tl.float32)
+        dy = tl.load(DY + row * N + cols, mask=live, other=0.0).to(tl.float32)
+        rstd = tl.load(Rstd + row, mask=row < R, other=0.0)
+        n = x * rstd
+        dw += dy * n.to(X.dtype.element_ty).to(tl.float32)
+        g = dy * w
+        dx = rstd * (g - n * (tl.sum(g * n, axis=0) / N))
+        tl.store(DX + row * N + cols, dx.to(DX.dtype.element_ty), mask=live)
+    tl.store(DWpart + pid * N + cols, dw, mask=ok)
