@@ -2,8 +2,9 @@
 
     python benchmarks/bench.py --seq 2048 8192 --out benchmarks/results.json
 
-Per sequence length, for transformers' LlamaForCausalLM (the reference), transformers' DiffLlamaForCausalLM
-and modeling_diff's V1, V2 and DEX (the ~1.1B presets: hidden 2048, 16 layers, MLP 8192, bf16, sdpa, which
+Per sequence length, for transformers' LlamaForCausalLM (the reference), the same Llama with modeling_diff's
+RMSNorm and RoPE kernels patched in (`llama-fused`: what the differential modes are compared with like for like,
+since they use those kernels too), transformers' DiffLlamaForCausalLM and modeling_diff's V1, V2 and DEX (the ~1.1B presets: hidden 2048, 16 layers, MLP 8192, bf16, sdpa, which
 on CUDA routes to the project's fast paths), one process, one model at a time:
 
 - train:   forward + backward + fused AdamW step on `tokens` tokens (4 x 2048, or 1 x 8192), peak memory;
@@ -14,10 +15,12 @@ on CUDA routes to the project's fast paths), one process, one model at a time:
 
 Each row gives tok/s, the ratio to Llama, the work per token relative to Llama (model FLOPs for train and
 prefill, bytes read for decode: weights / batch + the KV cache, counted analytically from the shapes) and
-the efficiency = (tok/s ratio) x (work ratio): the share of Llama's useful FLOP/s (or bytes/s) reached.
+the efficiency = (tok/s ratio) x (work ratio): the share of Llama's useful FLOP/s (or bytes/s) reached, and
+the tok/s ratio to `llama-fused`.
 """
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -30,17 +33,37 @@ from tqdm import tqdm
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
 from transformers import DiffLlamaConfig as HFDiffLlamaConfig
 from transformers import DiffLlamaForCausalLM as HFDiffLlamaForCausalLM
+from transformers.models.llama import modeling_llama
 
 from modeling_diff import DiffLlamaForCausalLM, preset_config
+from modeling_diff.kernels import apply_rope, rms_norm
 
-MODELS = ("llama", "hf-diffllama", "v1", "v2", "dex")
+MODELS = ("llama", "llama-fused", "hf-diffllama", "v1", "v2", "dex")
 SHAPE = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16)
+
+
+def fused_llama_rope(q, k, cos, sin, unsqueeze_dim=1):
+    """transformers' Llama RoPE call (q, k as (B, H, L, d)) through modeling_diff's kernel."""
+    q, k = apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin, fused=True)
+    return q.transpose(1, 2), k.transpose(1, 2)
+
+
+@contextlib.contextmanager
+def kernels_patched(name: str):
+    """While `llama-fused` runs, transformers' Llama computes RoPE with modeling_diff's kernel."""
+    original = modeling_llama.apply_rotary_pos_emb
+    if name == "llama-fused":
+        modeling_llama.apply_rotary_pos_emb = fused_llama_rope
+    try:
+        yield
+    finally:
+        modeling_llama.apply_rotary_pos_emb = original
 
 
 def build(name: str, max_positions: int):
     """The model `name` in bf16 on the GPU; Llama and transformers' DiffLlama: 32 heads of 64, 8 kv heads."""
     common = dict(SHAPE, max_position_embeddings=max_positions)
-    if name == "llama":
+    if name in ("llama", "llama-fused"):
         cls, config = LlamaForCausalLM, LlamaConfig(**common, num_attention_heads=32, num_key_value_heads=8, head_dim=64)
     elif name == "hf-diffllama":
         cls, config = HFDiffLlamaForCausalLM, HFDiffLlamaConfig(**common, num_attention_heads=32, num_key_value_heads=8)
@@ -53,6 +76,10 @@ def build(name: str, max_positions: int):
             model = cls(config)  # fp32 modules (V1's lambdas) keep their explicit dtype
     finally:
         torch.set_default_dtype(torch.float32)
+    if name == "llama-fused":  # every LlamaRMSNorm through modeling_diff's kernel
+        for module in model.modules():
+            if isinstance(module, modeling_llama.LlamaRMSNorm):
+                module.forward = lambda x, m=module: rms_norm(x, m.weight, m.variance_epsilon)
     return model.to("cuda")  # parameters created outside the device context (V1's lambdas) follow
 
 
@@ -174,61 +201,70 @@ def warm_up_gpu(seconds: float = 3.0):
         torch.cuda.synchronize()
 
 
+def bench_model(name: str, seq: int, phases, args) -> list[dict]:
+    """The rows of one model at one sequence length."""
+    batch = max(1, args.tokens // seq)
+    model = build(name, max_positions=seq + 128)
+    body, head = linear_flops(model, name)
+    attn_flops, kv_bytes = attention_work(name, model.config)
+    weights = weight_bytes(model)
+    rows = []
+    for phase, dec_batch in phases:
+        row = dict(seq=seq, model=name, phase=phase)
+        try:
+            if phase == "train":
+                row["tok_s"], row["peak_gib"] = bench_train(model, batch, seq, args.repeats)
+                row["work"] = 3 * (body + head + attn_flops * (seq + 1) / 2)
+            elif phase == "prefill":
+                row["tok_s"] = bench_prefill(model, batch, seq, args.repeats)
+                row["work"] = body + head / seq + attn_flops * (seq + 1) / 2
+            else:
+                row["tok_s"], row["cuda_graph"] = bench_decode(model, dec_batch, seq, args.new_tokens, "static" in phase)
+                row["work"] = weights / dec_batch + kv_bytes * (seq + 4 + args.new_tokens / 2)
+        except (torch.OutOfMemoryError, RuntimeError) as error:  # recorded in the table, the run goes on
+            row["error"] = f"{type(error).__name__}: {str(error)[:100]}"
+        rows.append(row)
+        tqdm.write(json.dumps(row))
+        gc.collect()
+        torch.cuda.empty_cache()
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows
+
+
 def run(args):
     warm_up_gpu()
-    results = []
     phases = [(p, b) for p, b in [("train", None), ("prefill", None), ("decode b1 static", 1),
                                    ("decode b32 dynamic", 32), ("decode b32 static", 32)] if p.split()[0] in args.phases]
+    results = []
     for seq in args.seq:
-        batch = max(1, args.tokens // seq)
         for name in tqdm(args.models, desc=f"seq {seq}"):
-            model = build(name, max_positions=seq + 128)
-            body, head = linear_flops(model, name)
-            attn_flops, kv_bytes = attention_work(name, model.config)
-            weights = weight_bytes(model)
-            for phase, dec_batch in phases:
-                row = dict(seq=seq, model=name, phase=phase)
-                try:
-                    if phase == "train":
-                        row["tok_s"], row["peak_gib"] = bench_train(model, batch, seq, args.repeats)
-                        row["work"] = 3 * (body + head + attn_flops * (seq + 1) / 2)
-                    elif phase == "prefill":
-                        row["tok_s"] = bench_prefill(model, batch, seq, args.repeats)
-                        row["work"] = body + head / seq + attn_flops * (seq + 1) / 2
-                    else:
-                        row["tok_s"], row["cuda_graph"] = bench_decode(
-                            model, dec_batch, seq, args.new_tokens, "static" in phase
-                        )
-                        row["work"] = weights / dec_batch + kv_bytes * (seq + 4 + args.new_tokens / 2)
-                except (torch.OutOfMemoryError, RuntimeError) as error:  # recorded in the table, the run goes on
-                    row["error"] = f"{type(error).__name__}: {str(error)[:100]}"
-                results.append(row)
-                tqdm.write(json.dumps(row))
-                gc.collect()
-                torch.cuda.empty_cache()
-            del model
-            gc.collect()
-            torch.cuda.empty_cache()
+            with kernels_patched(name):
+                results += bench_model(name, seq, phases, args)
     return results
 
 
 def table(results) -> str:
-    """Markdown table: ratios against the Llama row of the same sequence length and phase."""
-    base = {(r["seq"], r["phase"]): r for r in results if r["model"] == "llama" and "tok_s" in r}
-    hf = {(r["seq"], r["phase"]): r for r in results if r["model"] == "hf-diffllama" and "tok_s" in r}
-    lines = ["| seq | phase | model | tok/s | vs Llama | work vs Llama | efficiency | vs HF DiffLlama | peak GiB (vs Llama) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    """Markdown table: ratios against the Llama row of the same sequence length and phase (and, for the
+    differential modes, against `llama-fused` and transformers' DiffLlama)."""
+    rows_of = lambda model: {(r["seq"], r["phase"]): r for r in results if r["model"] == model and "tok_s" in r}  # noqa: E731
+    base, fused, hf = rows_of("llama"), rows_of("llama-fused"), rows_of("hf-diffllama")
+    lines = ["| seq | phase | model | tok/s | vs Llama | work vs Llama | efficiency | vs Llama-fused | vs HF DiffLlama "
+             "| peak GiB (vs Llama) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         key, ref = (r["seq"], r["phase"]), base.get((r["seq"], r["phase"]))
         if "tok_s" not in r or ref is None:
-            lines.append(f"| {r['seq']} | {r['phase']} | {r['model']} | {r.get('error', 'n/a')} | | | | | |")
+            lines.append(f"| {r['seq']} | {r['phase']} | {r['model']} | {r.get('error', 'n/a')} | | | | | | |")
             continue
         speed, work = r["tok_s"] / ref["tok_s"], r["work"] / ref["work"]
-        vs_hf = f"{r['tok_s'] / hf[key]['tok_s']:.2f}x" if key in hf and r["model"] in ("v1",) else ""
+        mode = r["model"] in ("v1", "v2", "dex")
+        vs_fused = f"{r['tok_s'] / fused[key]['tok_s']:.2f}x" if key in fused and mode else ""
+        vs_hf = f"{r['tok_s'] / hf[key]['tok_s']:.2f}x" if key in hf and r["model"] == "v1" else ""
         peak = f"{r['peak_gib']:.1f} ({r['peak_gib'] / ref['peak_gib']:.2f}x)" if "peak_gib" in r else ""
         tok_s = f"{r['tok_s'] / 1000:.1f}k" if r["tok_s"] >= 10000 else f"{r['tok_s']:.0f}"
         lines.append(f"| {r['seq']} | {r['phase']} | {r['model']} | {tok_s} | {speed:.2f}x | {work:.2f} | "
-                     f"{speed * work:.2f} | {vs_hf} | {peak} |")
+                     f"{speed * work:.2f} | {vs_fused} | {vs_hf} | {peak} |")
     return "\n".join(lines)
 
 
