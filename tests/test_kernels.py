@@ -117,6 +117,20 @@ def test_rope_kernel_forward_and_gradients_match_the_formula(shared_positions):
         assert rel_err(got, want) < TOL
 
 
+def test_rope_kernel_promotes_like_the_formula():
+    """A float32 cos and sin (transformers' rotary embedding under autocast) with lower-precision queries: the
+    result is float32, as `q * cos` is, and the gradient comes back in the queries' dtype."""
+    low = torch.bfloat16 if GPU else torch.float16
+    query = torch.randn(B, L, 4, 16, device=DEVICE, dtype=low, requires_grad=True)
+    key = torch.randn(B, L, 2, 16, device=DEVICE, dtype=low)
+    cos, sin = torch.ones(1, L, 16, device=DEVICE), torch.zeros(1, L, 16, device=DEVICE)  # the identity rotation
+    q_out, k_out = apply_rope(query, key, cos, sin, fused=True)
+    (grad,) = torch.autograd.grad(q_out.sum(), query)
+    assert q_out.dtype == k_out.dtype == torch.float32 and grad.dtype == low
+    assert torch.equal(q_out, query.float()) and torch.equal(k_out, key.float())
+    assert torch.equal(grad, torch.ones_like(grad))
+
+
 @pytest.mark.parametrize("width", [2048, 576] if GPU else [32, 24])  # a power of two, and SmolLM2's 576
 def test_rms_norm_kernel_forward_and_gradients_match_the_formula(width):
     """w * x / sqrt(mean(x^2) + eps) over the last dim (LlamaRMSNorm), rows not a multiple of the kernel's."""

@@ -1,5 +1,6 @@
-"""Whether triton can be used here, decided once at import (plain constants: torch.compile traces them), and
-whether a call needs an autograd node (the kernels' forward-only launches serve the calls that do not).
+"""Whether triton can be used here, decided once at import (plain constants: torch.compile traces them), whether
+a call needs an autograd node (the kernels' forward-only launches serve the calls that do not), and the integer
+arithmetic of launch grids.
 
 Nothing here imports triton: the model (and its Hub export) loads where triton is absent, and the Triton
 paths are simply not chosen there.
@@ -23,3 +24,15 @@ def triton_available() -> bool:
 def needs_grad(*tensors) -> bool:
     """Whether autograd records a call on these tensors (None entries are skipped)."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def is_power_of_2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0

@@ -13,7 +13,7 @@ on CUDA the Triton kernels do each combine in one pass forward and one pass back
 import torch
 from torch import nn
 
-from ._triton import needs_grad, triton_available
+from ._triton import cdiv, is_power_of_2, needs_grad, triton_available
 
 
 def v1_combine_reference(attn: torch.Tensor, lam: torch.Tensor, subln: nn.Module, scale: float) -> torch.Tensor:
@@ -30,14 +30,6 @@ def _rows_per_program(width: int) -> int:
     return max(1, 4096 // width)  # about 4K elements per tile
 
 
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _is_power_of_two(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
 def v1_combine_backward(pairs, lam, weight, rstd, grad_out, scale: float, for_flash: bool = False):
     """Backward of the fused V1 combine. pairs (R, 2, D) = (A1 V, A2 V) per row, rstd (R,), grad_out (..., D).
     Returns (grad of the pairs (R, 2, D), grad of lam, grad of the norm weight, None); with `for_flash`, the first
@@ -47,7 +39,7 @@ def v1_combine_backward(pairs, lam, weight, rstd, grad_out, scale: float, for_fl
 
     rows, _, width = pairs.shape
     block = _rows_per_program(width)
-    programs = triton_cdiv(rows, block)
+    programs = cdiv(rows, block)
     grad_pairs = torch.empty(rows, *(() if for_flash else (2,)), width, dtype=pairs.dtype, device=pairs.device)
     delta = torch.empty(rows, 2, dtype=torch.float32, device=pairs.device) if for_flash else None
     grad_weight = torch.empty(programs, width, dtype=torch.float32, device=pairs.device)
@@ -70,7 +62,7 @@ def v2_combine_backward(pairs, row_weight, grad_out, for_flash: bool = False):
     grad_pairs = None if for_flash else torch.empty_like(pairs)
     delta = torch.empty(rows, 2, dtype=torch.float32, device=pairs.device) if for_flash else None
     grad_weight = torch.empty_like(row_weight)
-    _v2_combine_bwd[(triton_cdiv(rows, block),)](
+    _v2_combine_bwd[(cdiv(rows, block),)](
         pairs, row_weight, grad_out.contiguous(), pairs if for_flash else grad_pairs, grad_weight,
         delta if for_flash else grad_weight, rows, width, block, for_flash,
     )
@@ -87,7 +79,7 @@ def _v1_combine_forward(attn, lam, weight, eps, scale):
     out = torch.empty(rows, width, dtype=attn.dtype, device=attn.device)
     rstd = torch.empty(rows, dtype=torch.float32, device=attn.device)
     block = _rows_per_program(width)
-    _v1_combine_fwd[(triton_cdiv(rows, block),)](pairs, lam, weight, out, rstd, rows, eps, scale, width, block)
+    _v1_combine_fwd[(cdiv(rows, block),)](pairs, lam, weight, out, rstd, rows, eps, scale, width, block)
     return out.view(batch, length, two_h // 2, width), pairs, rstd
 
 
@@ -101,7 +93,7 @@ def _v2_combine_forward(attn, weight):
     rows = pairs.shape[0]
     out = torch.empty(rows, width, dtype=attn.dtype, device=attn.device)
     block = _rows_per_program(width)
-    _v2_combine_fwd[(triton_cdiv(rows, block),)](pairs, row_weight, out, rows, width, block)
+    _v2_combine_fwd[(cdiv(rows, block),)](pairs, row_weight, out, rows, width, block)
     return out.view(batch, length, two_h // 2, width), pairs, row_weight
 
 
@@ -155,7 +147,7 @@ def _fused(attn: torch.Tensor) -> bool:
     """Triton on CUDA in eager mode; under torch.compile Inductor fuses the reference itself."""
     return (
         attn.is_cuda
-        and _is_power_of_two(attn.shape[-1])
+        and is_power_of_2(attn.shape[-1])
         and not torch.compiler.is_compiling()
         and triton_available()
     )

@@ -9,7 +9,7 @@ sequence over the multiprocessors so that batch 1 fills the GPU too.
 
 import torch
 
-from ._triton import TRITON_AVAILABLE, TRITON_INTERPRETING, needs_grad
+from ._triton import TRITON_AVAILABLE, TRITON_INTERPRETING, is_power_of_2, needs_grad
 
 if TRITON_AVAILABLE:
     from .triton_decode import decode_attention_kernels, decode_attention_op
@@ -26,7 +26,7 @@ def decode_kernel_applies(query, key, value, mask, dropout: float) -> bool:
         and (query.is_cuda or TRITON_INTERPRETING)
         and dropout == 0.0
         and groups * query.shape[2] <= MAX_GROUP_ROWS
-        and all(n >= 16 and n & (n - 1) == 0 for n in (query.shape[-1], value.shape[-1]))
+        and all(n >= 16 and is_power_of_2(n) for n in (query.shape[-1], value.shape[-1]))
         and (mask is None or (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == 1))
     )
 

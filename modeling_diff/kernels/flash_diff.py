@@ -19,8 +19,8 @@ formula).
 import torch
 from torch import nn
 
-from ._triton import TRITON_AVAILABLE, TRITON_INTERPRETING, needs_grad
-from .combine import triton_cdiv, v1_combine_backward, v2_combine_backward
+from ._triton import TRITON_AVAILABLE, TRITON_INTERPRETING, cdiv, is_power_of_2, needs_grad
+from .combine import v1_combine_backward, v2_combine_backward
 from .masks import causal_offset, kernel_mask
 
 LONG_KEYS = 4096  # above this many keys the dK/dV kernel gives each query head its own programs
@@ -36,7 +36,7 @@ def flash_diff_applies(query, key, value, mask, dropout: float) -> bool:
         and not torch.compiler.is_compiling()
         and dropout == 0.0
         and (needs_grad(query, key, value) or query.shape[1] >= MIN_QUERY_TOKENS)
-        and all(n >= 16 and n & (n - 1) == 0 for n in dims)
+        and all(n >= 16 and is_power_of_2(n) for n in dims)
         and key.shape[-1] in (query.shape[-1], 2 * query.shape[-1])
         and (mask is None or (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == 1))
     )
@@ -70,7 +70,7 @@ def _forward(query, key, value, mask, mu, norm_weight, eps, norm_scale, scale, s
     lse = torch.empty(rows, 2, dtype=torch.float32, device=device) if save else y
     rstd = torch.empty(rows, dtype=torch.float32, device=device) if save and norm_weight is not None else y
     mask_arg, mask_strides = kernel_mask(mask, query)
-    grid = lambda meta: (triton_cdiv(length, meta["BLOCK_M"]), batch * heads)  # noqa: E731
+    grid = lambda meta: (cdiv(length, meta["BLOCK_M"]), batch * heads)  # noqa: E731
     flash_diff_fwd[grid](
         query, key, value, mask_arg, mu, query if norm_weight is None else norm_weight, y, pairs, lse, rstd,
         *_strides(query, 4), *_strides(key), *_strides(value), *mask_strides,
@@ -123,7 +123,7 @@ class _FlashDiff(torch.autograd.Function):
         )
         q_strides = _strides(query, 4)
         offset = causal_offset(length, kv_length, mask is not None)
-        flash_diff_bwd_dkdv[lambda meta: (triton_cdiv(kv_length, meta["BLOCK_N"]), batch * heads // heads_per_program)](
+        flash_diff_bwd_dkdv[lambda meta: (cdiv(kv_length, meta["BLOCK_N"]), batch * heads // heads_per_program)](
             query, key, value, mask_arg, row_mu, grad_o1, lse, delta, dk_out, dv_out,
             *q_strides, *_strides(key), *_strides(value), *mask_strides, *_strides(dk_out), *_strides(dv_out),
             heads, length, kv_length, offset, HEADS=heads_per_program, **common, **DKDV_FIXED,
@@ -131,7 +131,7 @@ class _FlashDiff(torch.autograd.Function):
         if heads_per_program != heads // kv_heads:
             grad_k = dk_out.unflatten(1, (kv_heads, -1)).sum(2).to(key.dtype)
             grad_v = dv_out.unflatten(1, (kv_heads, -1)).sum(2).to(value.dtype)
-        flash_diff_bwd_dq[lambda meta: (triton_cdiv(length, meta["BLOCK_M"]), batch * heads)](
+        flash_diff_bwd_dq[lambda meta: (cdiv(length, meta["BLOCK_M"]), batch * heads)](
             query, key, value, mask_arg, row_mu, grad_o1, lse, delta, grad_q,
             *q_strides, *_strides(key), *_strides(value), *mask_strides,
             *_strides(grad_q, 4),

@@ -9,7 +9,7 @@ take it on the project's fast paths (`modeling_diff_llama.DiffLlamaRMSNorm`).
 
 import torch
 
-from ._triton import TRITON_AVAILABLE, TRITON_INTERPRETING, needs_grad
+from ._triton import TRITON_AVAILABLE, TRITON_INTERPRETING, cdiv, needs_grad, next_power_of_2
 
 BACKWARD_ROWS = 16  # rows per program of the backward (each program writes one partial dw)
 
@@ -25,10 +25,6 @@ def rms_norm_kernel_applies(hidden_states: torch.Tensor, weight: torch.Tensor) -
     )
 
 
-def _block(width: int) -> int:
-    return 1 << (width - 1).bit_length()
-
-
 def _forward(x: torch.Tensor, weight: torch.Tensor, eps: float):
     """x (R, N) contiguous -> (y (R, N), rstd (R,) float32)."""
     from .triton_rmsnorm import _rms_norm_fwd
@@ -36,7 +32,7 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, eps: float):
     rows, width = x.shape
     y = torch.empty(rows, width, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
-    _rms_norm_fwd[(rows,)](x, weight, y, rstd, rows, width, eps, BLOCK_N=_block(width))
+    _rms_norm_fwd[(rows,)](x, weight, y, rstd, rows, width, eps, BLOCK_N=next_power_of_2(width))
     return y, rstd
 
 
@@ -53,12 +49,12 @@ class _RMSNorm(torch.autograd.Function):
 
         x, weight, rstd = ctx.saved_tensors
         rows, width = x.shape
-        programs = -(-rows // BACKWARD_ROWS)
+        programs = cdiv(rows, BACKWARD_ROWS)
         grad_x = torch.empty_like(x)
         grad_parts = torch.empty(programs, width, dtype=torch.float32, device=x.device)
         _rms_norm_bwd[(programs,)](
             x, weight, rstd, grad_y.contiguous(), grad_x, grad_parts, rows, width,
-            BLOCK_N=_block(width), ROWS=BACKWARD_ROWS,
+            BLOCK_N=next_power_of_2(width), ROWS=BACKWARD_ROWS,
         )
         return grad_x, grad_parts.sum(0).to(weight.dtype), None
 

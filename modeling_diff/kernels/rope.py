@@ -13,7 +13,7 @@ CUDA in eager mode (Inductor fuses the reference under torch.compile), or under 
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from ._triton import TRITON_AVAILABLE, TRITON_INTERPRETING, needs_grad
+from ._triton import TRITON_AVAILABLE, TRITON_INTERPRETING, cdiv, is_power_of_2, needs_grad, next_power_of_2
 
 
 def rope_kernel_applies(query, key, cos, sin) -> bool:
@@ -22,25 +22,22 @@ def rope_kernel_applies(query, key, cos, sin) -> bool:
         TRITON_AVAILABLE
         and (query.is_cuda or TRITON_INTERPRETING)
         and not torch.compiler.is_compiling()
-        and half >= 1 and half & (half - 1) == 0 and query.shape[-1] == key.shape[-1] == cos.shape[-1]
+        and is_power_of_2(half) and query.shape[-1] == 2 * half == key.shape[-1] == cos.shape[-1]
         and cos.shape[0] in (1, query.shape[0]) and cos.shape == sin.shape
         and not (cos.requires_grad or sin.requires_grad)
         and all(t.stride(-1) == 1 for t in (query, key, cos, sin))
     )
 
 
-def _next_power_of_2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, transpose: bool) -> torch.Tensor:
-    """One launch: x (B, L, H, d) -> rotated, contiguous; `transpose` applies the transposed rotation (backward)."""
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, transpose: bool, dtype: torch.dtype):
+    """One launch: x (B, L, H, d) -> rotated, contiguous, in `dtype`; `transpose` applies the transposed rotation
+    (the backward)."""
     from .triton_rope import _rope
 
     batch, length, heads, dim = x.shape
-    out = torch.empty(batch, length, heads, dim, dtype=x.dtype, device=x.device)
-    block_h = min(_next_power_of_2(heads), max(1, 4096 // dim))  # about 4K elements per program
-    _rope[(batch * length, -(-heads // block_h))](
+    out = torch.empty(batch, length, heads, dim, dtype=dtype, device=x.device)
+    block_h = min(next_power_of_2(heads), max(1, 4096 // dim))  # about 4K elements per program
+    _rope[(batch * length, cdiv(heads, block_h))](
         x, cos, sin, out, x.stride(0), x.stride(1), x.stride(2), out.stride(0), out.stride(1), out.stride(2),
         cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1), length, heads,
         HALF=dim // 2, BLOCK_H=block_h, TRANSPOSE=transpose,
@@ -52,20 +49,22 @@ class _Rope(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, cos, sin):
         ctx.save_for_backward(cos, sin)
-        return _rotate(x, cos, sin, transpose=False)
+        ctx.input_dtype = x.dtype
+        return _rotate(x, cos, sin, transpose=False, dtype=torch.promote_types(x.dtype, cos.dtype))
 
     @staticmethod
     def backward(ctx, grad):
         cos, sin = ctx.saved_tensors
         if grad.stride(-1) != 1:
             grad = grad.contiguous()
-        return _rotate(grad, cos, sin, transpose=True), None, None
+        return _rotate(grad, cos, sin, transpose=True, dtype=ctx.input_dtype), None, None
 
 
 def _fused_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotated x in the dtype transformers' formula gives (x * cos promotes: a float32 cos under autocast)."""
     if needs_grad(x):
         return _Rope.apply(x, cos, sin)
-    return _rotate(x, cos, sin, transpose=False)  # decoding: no autograd node to build
+    return _rotate(x, cos, sin, transpose=False, dtype=torch.promote_types(x.dtype, cos.dtype))  # no autograd node
 
 
 def apply_rope(query, key, cos, sin, fused: bool):
