@@ -1,0 +1,97 @@
+"""Where an eager DynamicCache decoding step spends its time: host CPU or GPU, per model, on one GPU.
+
+    python benchmarks/profile_decode.py --seq 2048 --batch 32 --out $OUT/profile
+
+At batch 32 an eager step of the ~1.1B models issues a few hundred kernels for a few ms of GPU work, so the
+host CPU decides its speed (benchmarks/RESULTS.md). For each model of bench.py this prints the wall time of a
+step, the CPU time spent issuing it, and the GPU busy time (torch.profiler); with --out, one file per model with
+the profiler's tables (top operators by CPU and by GPU time).
+"""
+
+import argparse
+import gc
+import os
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+from tqdm import tqdm
+from transformers import DynamicCache
+
+from bench import MODELS, build, kernels_patched, warm_up_gpu
+
+
+@torch.no_grad()
+def profile_model(name: str, seq: int, batch: int, steps: int, out: str | None) -> dict:
+    model = build(name, max_positions=seq + 2 * steps + 16).eval()
+    cache = DynamicCache(config=model.config)
+    prompt = torch.randint(0, model.config.vocab_size, (batch, seq), device="cuda")
+    logits = model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    token = logits[:, -1].argmax(-1, keepdim=True)
+    position = torch.full((batch, 1), seq, device="cuda")
+
+    def step():
+        logits = model(token, position_ids=position, past_key_values=cache, use_cache=True).logits
+        token.copy_(logits[:, -1].argmax(-1, keepdim=True))
+        position.add_(1)
+
+    for _ in range(4):  # warm-up: compiles the Triton kernels
+        step()
+    torch.cuda.synchronize()
+    issue = 0.0
+    start = time.perf_counter()
+    for _ in range(steps):
+        begin = time.perf_counter()
+        step()
+        issue += time.perf_counter() - begin
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - start) / steps
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    gpu = sum(e.self_device_time_total for e in events) / 3 / 1e6
+    row = dict(model=name, wall_ms=wall * 1e3, issue_ms=issue / steps * 1e3, gpu_ms=gpu * 1e3, tok_s=batch / wall)
+    if out:
+        with open(os.path.join(out, f"profile_{name}.txt"), "w") as f:
+            f.write(f"{row}\n")
+            f.write(events.table(sort_by="self_cpu_time_total", row_limit=35, max_name_column_width=60))
+            f.write(events.table(sort_by="self_device_time_total", row_limit=20, max_name_column_width=60))
+    del model, cache
+    gc.collect()
+    torch.cuda.empty_cache()
+    return row
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seq", type=int, default=2048, help="prompt tokens before the steps")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=32, help="timed steps")
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--out", help="folder for the profiler tables, one file per model")
+    args = parser.parse_args(argv)
+    for name in ("seq", "batch", "steps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1")
+    if not torch.cuda.is_available():
+        sys.exit("profile_decode.py needs a CUDA GPU")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+    warm_up_gpu()
+    rows = []
+    for name in tqdm(args.models, desc="models"):
+        with kernels_patched(name):
+            rows.append(profile_model(name, args.seq, args.batch, args.steps, args.out))
+    base = next((r for r in rows if r["model"] == "llama"), None)
+    print(f"\nbatch {args.batch}, prompt {args.seq}, {args.steps} eager DynamicCache steps")
+    print("| model | ms / step | CPU issue ms / step | GPU busy ms / step | tok/s | vs Llama |\n|---|---|---|---|---|---|")
+    for r in rows:
+        ratio = f"{r['tok_s'] / base['tok_s']:.2f}x" if base else ""
+        print(f"| {r['model']} | {r['wall_ms']:.2f} | {r['issue_ms']:.2f} | {r['gpu_ms']:.2f} | {r['tok_s']:.0f} | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()
