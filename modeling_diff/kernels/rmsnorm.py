@@ -68,4 +68,4 @@ def rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> t
         y = _RMSNorm.apply(x, weight, eps)
     else:
         y = _forward(x, weight, eps)[0]  # decoding: no autograd node to build
-    return y.view(*hidden_states.shape[:-1], -1)
+    return y.view(*hidden_states.shape[:-1], y.shape[-1])
