@@ -151,6 +151,19 @@ def test_rms_norm_kernel_forward_and_gradients_match_the_formula(width):
         assert rel_err(got, want) < TOL
 
 
+def test_rms_norm_and_rope_kernels_take_zero_tokens():
+    """An empty batch or prompt passes through with its shape (and empty gradients), as through the formulas."""
+    weight = torch.nn.Parameter(torch.ones(32, device=DEVICE, dtype=DTYPE))
+    x = rand(0, 3, 32, grad=True)
+    out = rms_norm(x, weight, 1e-6)
+    out.sum().backward()
+    assert out.shape == x.shape and x.grad.shape == x.shape and torch.equal(weight.grad, torch.zeros_like(weight))
+    query, key, cos = rand(2, 0, 4, 16, grad=True), rand(2, 0, 2, 16), rand(2, 0, 16)
+    q_out, k_out = apply_rope(query, key, cos, cos, fused=True)
+    q_out.sum().backward()
+    assert q_out.shape == query.shape and k_out.shape == key.shape and query.grad.shape == query.shape
+
+
 def causally_visible(length, kv_length, masked):
     """(L, S) bool: the keys each query sees before any padding. Without a mask, transformers calls SDPA with
     is_causal = L > 1, which torch aligns top-left (query i sees keys 0..i: a StaticCache prefill from empty,
