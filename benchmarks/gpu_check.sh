@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# On the accelerator machine: install the package, run the model benchmark, the kernel tests at real shapes and
-# the attention-layer benchmark.
+# On the accelerator machine: install the package, run the model benchmark, the kernel tests at real shapes, the
+# attention-layer benchmark and the profile of eager batch-32 decoding steps.
 #   bash benchmarks/gpu_check.sh [OUT_DIR] [bench.py arguments...]
 set -uo pipefail
 out=${1:-benchmarks/out}; shift || true
@@ -12,3 +12,4 @@ python3 -c "import torch, transformers, triton; print('torch', torch.__version__
 python3 benchmarks/bench.py --out "$out/results.json" "$@" > "$out/bench.log" 2>&1; grep "^|" "$out/bench.log"
 timeout 400 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py tests/test_compile.py 2>&1 | tee "$out/tests.log" | tail -3
 python3 benchmarks/attention_bench.py 2>&1 | grep "^|" | tee "$out/attention.md"
+python3 benchmarks/profile_decode.py --out "$out/profile" 2>&1 | grep "^|" | tee "$out/profile.md"
