@@ -154,26 +154,35 @@ def bench_prefill(model, batch, seq, repeats):
 
 
 @torch.no_grad()
-def bench_decode(model, batch, prompt_len, new_tokens, static):
-    """Greedy steps after the prompt. A StaticCache step is captured once in a CUDA graph and replayed (what
-    generate() gets from compiling the static-cache step: no per-step Python and launch overhead); a
-    DynamicCache grows every step, so its steps run eagerly. Returns (tok/s, whether a graph was used)."""
-    warmup = 4
+def decoding_step(model, cache, batch: int, prompt_len: int):
+    """Prefill `cache` with a random prompt; return step(), one greedy decoding step. The step reads and updates
+    only device tensors, so it can be replayed as a CUDA graph."""
     prompt = torch.randint(0, model.config.vocab_size, (batch, prompt_len), device="cuda")
-    if static:
-        cache = StaticCache(config=model.config, max_cache_len=prompt_len + warmup + new_tokens)
-    else:
-        cache = DynamicCache(config=model.config)
     for chunk in prompt.split(max(1, 65536 // batch), dim=1):  # prefill in pieces of <= 64K tokens
         logits = model(chunk, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
     token = logits[:, -1].argmax(-1, keepdim=True)
     position = torch.full((batch, 1), prompt_len, device="cuda")
 
-    def step():  # reads and updates only device tensors: replayable as a graph
+    @torch.no_grad()
+    def step():
         logits = model(token, position_ids=position, past_key_values=cache, use_cache=True).logits
         token.copy_(logits[:, -1].argmax(-1, keepdim=True))
         position.add_(1)
 
+    return step
+
+
+@torch.no_grad()
+def bench_decode(model, batch, prompt_len, new_tokens, static):
+    """Greedy steps after the prompt. A StaticCache step is captured once in a CUDA graph and replayed (what
+    generate() gets from compiling the static-cache step: no per-step Python and launch overhead); a
+    DynamicCache grows every step, so its steps run eagerly. Returns (tok/s, whether a graph was used)."""
+    warmup = 4
+    if static:
+        cache = StaticCache(config=model.config, max_cache_len=prompt_len + warmup + new_tokens)
+    else:
+        cache = DynamicCache(config=model.config)
+    step = decoding_step(model, cache, batch, prompt_len)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up off the default stream, as graph capture wants

@@ -19,23 +19,14 @@ from torch.profiler import ProfilerActivity, profile
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from bench import MODELS, build, kernels_patched, warm_up_gpu
+from bench import MODELS, build, decoding_step, kernels_patched, warm_up_gpu
 
 
 @torch.no_grad()
 def profile_model(name: str, seq: int, batch: int, steps: int, out: str | None) -> dict:
     model = build(name, max_positions=seq + 2 * steps + 16).eval()
     cache = DynamicCache(config=model.config)
-    prompt = torch.randint(0, model.config.vocab_size, (batch, seq), device="cuda")
-    logits = model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
-    token = logits[:, -1].argmax(-1, keepdim=True)
-    position = torch.full((batch, 1), seq, device="cuda")
-
-    def step():
-        logits = model(token, position_ids=position, past_key_values=cache, use_cache=True).logits
-        token.copy_(logits[:, -1].argmax(-1, keepdim=True))
-        position.add_(1)
-
+    step = decoding_step(model, cache, batch, seq)
     for _ in range(4):  # warm-up: compiles the Triton kernels
         step()
     torch.cuda.synchronize()

@@ -21,6 +21,12 @@ def triton_available() -> bool:
     return TRITON_AVAILABLE
 
 
+def eager_kernels_run_on(tensor: torch.Tensor) -> bool:
+    """Whether the Triton kernels can be launched on `tensor` from eager code: triton is there, the tensor is on
+    CUDA (or the interpreter runs them on CPU), and torch.compile is not tracing (Inductor fuses the references)."""
+    return TRITON_AVAILABLE and (tensor.is_cuda or TRITON_INTERPRETING) and not torch.compiler.is_compiling()
+
+
 def needs_grad(*tensors) -> bool:
     """Whether autograd records a call on these tensors (None entries are skipped)."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)

@@ -19,7 +19,7 @@ formula).
 import torch
 from torch import nn
 
-from ._triton import TRITON_AVAILABLE, TRITON_INTERPRETING, cdiv, is_power_of_2, needs_grad
+from ._triton import TRITON_INTERPRETING, cdiv, eager_kernels_run_on, is_power_of_2, needs_grad
 from .combine import v1_combine_backward, v2_combine_backward
 from .masks import causal_offset, kernel_mask
 
@@ -31,9 +31,8 @@ def flash_diff_applies(query, key, value, mask, dropout: float) -> bool:
     """Shapes and options the kernel covers; the modules take their plain path for everything else."""
     dims = (query.shape[-1], value.shape[-1])
     return (
-        TRITON_AVAILABLE
-        and ((query.is_cuda and query.dtype in (torch.bfloat16, torch.float16)) or TRITON_INTERPRETING)
-        and not torch.compiler.is_compiling()
+        eager_kernels_run_on(query)
+        and (query.dtype in (torch.bfloat16, torch.float16) or TRITON_INTERPRETING)
         and dropout == 0.0
         and (needs_grad(query, key, value) or query.shape[1] >= MIN_QUERY_TOKENS)
         and all(n >= 16 and is_power_of_2(n) for n in dims)

@@ -9,16 +9,14 @@ take it on the project's fast paths (`modeling_diff_llama.DiffLlamaRMSNorm`).
 
 import torch
 
-from ._triton import TRITON_AVAILABLE, TRITON_INTERPRETING, cdiv, needs_grad, next_power_of_2
+from ._triton import cdiv, eager_kernels_run_on, needs_grad, next_power_of_2
 
 BACKWARD_ROWS = 16  # rows per program of the backward (each program writes one partial dw)
 
 
 def rms_norm_kernel_applies(hidden_states: torch.Tensor, weight: torch.Tensor) -> bool:
     return (
-        TRITON_AVAILABLE
-        and (hidden_states.is_cuda or TRITON_INTERPRETING)
-        and not torch.compiler.is_compiling()
+        eager_kernels_run_on(hidden_states)
         and type(hidden_states) is torch.Tensor
         and type(weight) is torch.nn.Parameter  # not a DTensor (tensor parallel) or a wrapped weight
         and weight.dim() == 1 and hidden_states.shape[-1] == weight.shape[0]
@@ -61,9 +59,7 @@ class _RMSNorm(torch.autograd.Function):
 
 def rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """LlamaRMSNorm's forward through the kernel (check `rms_norm_kernel_applies` first); any leading dims."""
-    x = hidden_states.reshape(-1, hidden_states.shape[-1])
-    if x.stride(-1) != 1 or x.stride(0) != x.shape[1]:
-        x = x.contiguous()
+    x = hidden_states.reshape(-1, hidden_states.shape[-1]).contiguous()  # (R, N): rows N apart
     if needs_grad(x, weight):
         y = _RMSNorm.apply(x, weight, eps)
     else:

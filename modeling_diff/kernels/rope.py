@@ -13,15 +13,13 @@ CUDA in eager mode (Inductor fuses the reference under torch.compile), or under 
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from ._triton import TRITON_AVAILABLE, TRITON_INTERPRETING, cdiv, is_power_of_2, needs_grad, next_power_of_2
+from ._triton import cdiv, eager_kernels_run_on, is_power_of_2, needs_grad, next_power_of_2
 
 
 def rope_kernel_applies(query, key, cos, sin) -> bool:
     half = query.shape[-1] // 2
     return (
-        TRITON_AVAILABLE
-        and (query.is_cuda or TRITON_INTERPRETING)
-        and not torch.compiler.is_compiling()
+        eager_kernels_run_on(query)
         and is_power_of_2(half) and query.shape[-1] == 2 * half == key.shape[-1] == cos.shape[-1]
         and cos.shape[0] in (1, query.shape[0]) and cos.shape == sin.shape
         and not (cos.requires_grad or sin.requires_grad)
@@ -47,24 +45,25 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, transpose: bo
 
 class _Rope(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, cos, sin):
+    def forward(ctx, x, cos, sin, dtype):
         ctx.save_for_backward(cos, sin)
         ctx.input_dtype = x.dtype
-        return _rotate(x, cos, sin, transpose=False, dtype=torch.promote_types(x.dtype, cos.dtype))
+        return _rotate(x, cos, sin, transpose=False, dtype=dtype)
 
     @staticmethod
     def backward(ctx, grad):
         cos, sin = ctx.saved_tensors
         if grad.stride(-1) != 1:
             grad = grad.contiguous()
-        return _rotate(grad, cos, sin, transpose=True, dtype=ctx.input_dtype), None, None
+        return _rotate(grad, cos, sin, transpose=True, dtype=ctx.input_dtype), None, None, None
 
 
 def _fused_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The rotated x in the dtype transformers' formula gives (x * cos promotes: a float32 cos under autocast)."""
+    dtype = torch.promote_types(x.dtype, cos.dtype)
     if needs_grad(x):
-        return _Rope.apply(x, cos, sin)
-    return _rotate(x, cos, sin, transpose=False, dtype=torch.promote_types(x.dtype, cos.dtype))  # no autograd node
+        return _Rope.apply(x, cos, sin, dtype)
+    return _rotate(x, cos, sin, transpose=False, dtype=dtype)  # decoding: no autograd node to build
 
 
 def apply_rope(query, key, cos, sin, fused: bool):
