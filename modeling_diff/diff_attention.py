@@ -20,8 +20,8 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, eager_attenti
 
 from .configuration import DiffLlamaConfig
 from .kernels import (
-    DIFF_TRITON, FUSED_DIFF, apply_rope, flash_diff_applies, flash_diff_attention, resolve, uses_fast_kernels,
-    v1_combine, v2_combine,
+    DIFF_TRITON, FUSED_DIFF, apply_rope, diff_decode_applies, diff_decode_attention, flash_diff_applies,
+    flash_diff_attention, has_extra_options, resolve, uses_fast_kernels, v1_combine, v2_combine,
 )
 
 
@@ -66,14 +66,23 @@ class _DiffAttentionBase(nn.Module):
     def dropout_p(self) -> float:
         return self.attention_dropout if self.training else 0.0
 
-    def flash_diff_applies(self, query, key, value, attention_mask, kwargs) -> bool:
+    def flash_diff_applies(self, pairs, key, value, attention_mask, kwargs) -> bool:
         """Whether both maps and the combine go to the fused flash-diff kernel (`kernels/flash_diff.py`):
         `fused_diff`, or `diff_triton` where the mode prefers it; no extra attention options; shapes it covers."""
-        implementation = resolve(self.config._attn_implementation, query)
+        implementation = resolve(self.config._attn_implementation, pairs)
         return (
             (implementation == FUSED_DIFF or (implementation == DIFF_TRITON and self.flash_diff_by_default))
-            and all(kwargs.get(name) is None for name in ("softcap", "sliding_window", "position_bias", "s_aux"))
-            and flash_diff_applies(query, key, value, attention_mask, self.dropout_p())
+            and not has_extra_options(kwargs)
+            and flash_diff_applies(pairs, key, value, attention_mask, self.dropout_p())
+        )
+
+    def diff_decode_applies(self, pairs, key, value, attention_mask, kwargs) -> bool:
+        """Whether a decoding step goes to the split-KV kernel with the combine in its reduce
+        (`kernels/decode.py`): on the project's implementations, no extra attention options, shapes it covers."""
+        return (
+            uses_fast_kernels(self.config._attn_implementation, pairs)
+            and not has_extra_options(kwargs)
+            and diff_decode_applies(pairs, key, value, attention_mask, self.dropout_p())
         )
 
 
@@ -118,6 +127,23 @@ class DiffAttentionV1(_DiffAttentionBase):
         lambda_2 = torch.exp(torch.dot(self.lambda_q2.float(), self.lambda_k2.float()))
         return lambda_1 - lambda_2 + self.lambda_init
 
+    def fused_attention(self, pairs, key, value, attention_mask, kwargs) -> torch.Tensor | None:
+        """Both maps and the combine in one kernel where one applies, -> (B, L, h, 2d): flash-diff (prefill,
+        training) or the decode kernel (decoding steps); None where the plain path runs."""
+        if type(self.subln.weight) is not nn.Parameter:  # a PEFT- or TP-wrapped norm
+            return None
+        if self.flash_diff_applies(pairs, key, value, attention_mask, kwargs):
+            return flash_diff_attention(
+                pairs, key, value, attention_mask, self.differential_lambda(), self.scaling, self.subln,
+                1 - self.lambda_init,
+            )
+        if self.diff_decode_applies(pairs, key, value, attention_mask, kwargs):
+            return diff_decode_attention(
+                pairs, key, value, attention_mask, self.scaling, None, self.subln, 1 - self.lambda_init,
+                (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2), self.lambda_init,
+            )
+        return None
+
     def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
         input_shape = hidden_states.shape[:-1]  # (B, L)
         d = self.head_dim
@@ -135,13 +161,8 @@ class DiffAttentionV1(_DiffAttentionBase):
         if cache is not None:
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
 
-        if self.flash_diff_applies(query_states, key_states, value_states, attention_mask, kwargs) and (
-            type(self.subln.weight) is nn.Parameter  # not a PEFT- or TP-wrapped norm
-        ):
-            attn_output = flash_diff_attention(
-                query_states, key_states, value_states, attention_mask, self.differential_lambda(), self.scaling,
-                self.subln, 1 - self.lambda_init,
-            )  # (B, L, h, 2d), combined
+        attn_output = self.fused_attention(query_states, key_states, value_states, attention_mask, kwargs)
+        if attn_output is not None:  # (B, L, h, 2d), combined
             return self.o_proj(attn_output.reshape(*input_shape, -1)), None
 
         # (B, L, h, 2, d) -> (B, L, h, 2, 2d): [Q1, 0] and [0, Q2] -> (B, 2h, L, 2d)
@@ -225,6 +246,9 @@ class DiffAttentionV2(_LlamaLayoutAttention):
         pairs = query_states.unflatten(1, (-1, 2)).permute(0, 3, 1, 2, 4)
         if self.flash_diff_applies(pairs, key_states, value_states, attention_mask, kwargs):
             attn_output = flash_diff_attention(pairs, key_states, value_states, attention_mask, weight, self.scaling)
+            return self.o_proj(attn_output.reshape(*input_shape, -1)), None
+        if self.diff_decode_applies(pairs, key_states, value_states, attention_mask, kwargs):
+            attn_output = diff_decode_attention(pairs, key_states, value_states, attention_mask, self.scaling, weight)
             return self.o_proj(attn_output.reshape(*input_shape, -1)), None
 
         attn_output, attn_weights = self.attend(

@@ -310,6 +310,47 @@ def test_flash_diff_forward_and_gradients_match_the_formula(
         assert rel_err(got, want) < TOL
 
 
+# (mode, heads, kv heads, query tokens, cached tokens, q/k width): decoding steps of V1 (16 heads of 2 x 64 over 4
+# kv heads of 128) and V2 (64 query heads over 8), a few tokens at once, a GQA group of 6 query heads
+DIFF_DECODE_CASES = (
+    [("v1", 16, 4, 1, 2048, 64), ("v2", 32, 8, 1, 4096, 64), ("v1", 16, 4, 2, 1000, 64)]
+    if GPU
+    else [("v1", 4, 2, 1, 37, 16), ("v2", 4, 2, 1, 300, 16), ("v1", 2, 2, 3, 70, 16), ("v2", 3, 1, 2, 50, 32)]
+)
+
+
+@pytest.mark.parametrize("mode,heads,kv_heads,length,kv_length,dqk", DIFF_DECODE_CASES)
+@pytest.mark.parametrize("masked", [False, True])
+@torch.no_grad()
+def test_diff_decode_attention_matches_the_formula(mode, heads, kv_heads, length, kv_length, dqk, masked):
+    """The decode kernel with the combine in its reduce; V1's lambda computed in the kernel from its vectors."""
+    from modeling_diff.kernels import diff_decode_attention
+
+    torch.manual_seed(5)
+    batch, dv = 3, 2 * dqk if mode == "v1" else dqk
+    q = rand(batch, length, 2 * heads, dqk).unflatten(2, (heads, 2))  # (B, L, h, 2, Dqk), as the modules hold it
+    k = rand(batch, kv_heads, kv_length, 2 * dqk if mode == "v1" else dqk)
+    v = rand(batch, kv_heads, kv_length, dv)
+    visible = causally_visible(length, kv_length, masked).expand(batch, length, kv_length).clone()
+    mask = None
+    if masked:  # left padding, and the first row hides most chunks
+        visible[0, :, : kv_length * 2 // 3] = False
+        visible[1, :, :5] = False
+        mask = visible[:, None]
+    if mode == "v1":
+        norm = Norm(dv)
+        vectors = [0.1 * torch.randn(dqk, device=DEVICE) for _ in range(4)]  # lambda_q1, lambda_k1, lambda_q2, ..k2
+        lam = (vectors[0].double() @ vectors[1].double()).exp() - (vectors[2].double() @ vectors[3].double()).exp() + 0.44
+        out = diff_decode_attention(q, k, v, mask, 0.3, None, norm, 0.56, vectors, 0.44)
+        ref = flash_diff_formula(q, k, v, visible, lam, 0.3, norm.weight, norm.variance_epsilon, 0.56)
+    else:
+        mu = torch.sigmoid(rand(batch, length, heads))
+        out = diff_decode_attention(q, k, v, mask, 0.3, mu)
+        ref = flash_diff_formula(q, k, v, visible, mu, 0.3)
+    assert out.shape == (batch, length, heads, dv) and out.dtype == DTYPE
+    assert rel_err(out, ref) < TOL
+
+
 # ---- the model on the fast paths --------------------------------------------------------------------------
 
 
@@ -370,7 +411,7 @@ def test_fast_path_forward_and_gradients_equal_eager(mode, implementation, monke
                 assert rel_err(p_fast.grad, p_eager.grad) < GRAD_TOL, name
     assert len(kernel_calls) == (2 * eager.config.num_hidden_layers if on_kernel else 0)
     layers = eager.config.num_hidden_layers
-    assert len(rope_calls) == 2 * 4 * layers  # two steps: q and k, forward and backward
+    assert len(rope_calls) == 2 * 2 * layers  # two steps: q and k in one launch, forward and backward
     assert len(norm_calls) == 2 * (2 * layers + 1)  # two steps: two norms per layer and the final one
 
 
@@ -391,12 +432,15 @@ def decode(model, cache_class, ids, mask, steps):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("cache_class", [DynamicCache, StaticCache])
 def test_decoding_steps_on_the_kernel_equal_eager(mode, cache_class, monkeypatch):
-    """Prefill, then decoding steps through the split-KV kernel, with left padding, dynamic and static caches."""
+    """Prefill, then decoding steps through the split-KV kernel (V1 and V2 with the combine in it), with left
+    padding, dynamic and static caches."""
+    import modeling_diff.diff_attention as attention
     import modeling_diff.kernels.attention as fast_attention
 
     kernel_calls = []
-    kernel = fast_attention.decode_attention
-    monkeypatch.setattr(fast_attention, "decode_attention", lambda *a: kernel_calls.append(1) or kernel(*a))
+    module, name = (fast_attention, "decode_attention") if mode == "dex" else (attention, "diff_decode_attention")
+    kernel = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a: kernel_calls.append(1) or kernel(*a))
     eager, fast = model_pair(mode, FAST)
     ids, mask = padded_batch(eager.config.vocab_size, length=40)  # prefill: SDPA (more rows than the kernel's)
     steps = torch.randint(3, eager.config.vocab_size, (ids.shape[0], 2), device=DEVICE)

@@ -6,6 +6,7 @@ Nothing here imports triton: the model (and its Hub export) loads where triton i
 paths are simply not chosen there.
 """
 
+import functools
 import importlib.util
 import os
 
@@ -42,3 +43,9 @@ def next_power_of_2(n: int) -> int:
 
 def is_power_of_2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
+
+
+@functools.cache
+def promoted_dtype(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    """torch.promote_types, memoized: it is a dispatcher call, and decoding steps ask it for every launch."""
+    return torch.promote_types(a, b)

@@ -18,6 +18,13 @@ from .decode import decode_attention, decode_kernel_applies
 
 NAME = "diff_triton"
 FUSED_DIFF = "fused_diff"
+# Options of transformers' attention functions that the Triton kernels do not implement.
+_EXTRA_OPTIONS = ("softcap", "sliding_window", "position_bias", "s_aux")
+
+
+def has_extra_options(kwargs: dict) -> bool:
+    """Whether an attention call asks for an option that only SDPA (or eager) implements."""
+    return any(kwargs.get(name) is not None for name in _EXTRA_OPTIONS)
 
 
 def diff_triton_attention_forward(
@@ -31,8 +38,7 @@ def diff_triton_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    plain = all(kwargs.get(name) is None for name in ("softcap", "sliding_window", "position_bias", "s_aux"))
-    if plain and decode_kernel_applies(query, key, value, attention_mask, dropout):
+    if not has_extra_options(kwargs) and decode_kernel_applies(query, key, value, attention_mask, dropout):
         return decode_attention(query, key, value, attention_mask, scaling), None  # (B, L, Hq, Dv)
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 

@@ -9,7 +9,7 @@ take it on the project's fast paths (`modeling_diff_llama.DiffLlamaRMSNorm`).
 
 import torch
 
-from ._triton import cdiv, eager_kernels_run_on, needs_grad, next_power_of_2
+from ._triton import cdiv, eager_kernels_run_on, needs_grad, next_power_of_2, promoted_dtype
 
 BACKWARD_ROWS = 16  # rows per program of the backward (each program writes one partial dw)
 
@@ -23,21 +23,22 @@ def rms_norm_kernel_applies(hidden_states: torch.Tensor, weight: torch.Tensor) -
     )
 
 
-def _forward(x: torch.Tensor, weight: torch.Tensor, eps: float):
-    """x (R, N) contiguous -> (y (R, N), rstd (R,) float32)."""
+def _forward(x: torch.Tensor, weight: torch.Tensor, eps: float, save: bool):
+    """x (R, N) contiguous -> (y (R, N), rstd (R,) float32, only where `save`: for the backward)."""
     from .triton_rmsnorm import _rms_norm_fwd
 
     rows, width = x.shape
-    y = torch.empty(rows, width, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
-    rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
-    _rms_norm_fwd[(rows,)](x, weight, y, rstd, rows, width, eps, BLOCK_N=next_power_of_2(width))
+    y = torch.empty(rows, width, dtype=promoted_dtype(weight.dtype, x.dtype), device=x.device)
+    rstd = torch.empty(rows, dtype=torch.float32, device=x.device) if save else None
+    _rms_norm_fwd[(rows,)](x, weight, y, y if rstd is None else rstd, rows, width, eps,
+                           BLOCK_N=next_power_of_2(width), SAVE=save)
     return y, rstd
 
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
-        y, rstd = _forward(x, weight, eps)
+        y, rstd = _forward(x, weight, eps, save=True)
         ctx.save_for_backward(x, weight, rstd)
         return y
 
@@ -63,5 +64,5 @@ def rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> t
     if needs_grad(x, weight):
         y = _RMSNorm.apply(x, weight, eps)
     else:
-        y = _forward(x, weight, eps)[0]  # decoding: no autograd node to build
+        y = _forward(x, weight, eps, save=False)[0]  # decoding: no autograd node to build
     return y.view(*hidden_states.shape[:-1], y.shape[-1])

@@ -6,14 +6,15 @@
 The reference is transformers' `apply_rotary_pos_emb` (`x * cos + rotate_half(x) * sin`, RoFormer arXiv
 2104.09864, in Llama's half-split layout): about six elementwise kernels per tensor, each a pass over it, forward
 and again backward. The Triton kernel (`triton_rope.py`) reads each head once and writes it once, in float32
-arithmetic. The modules ask for it (`fused`) on the project's fast attention implementations; it applies on
-CUDA in eager mode (Inductor fuses the reference under torch.compile), or under TRITON_INTERPRET=1 (tests).
+arithmetic, the query's and the key's heads in one launch. The modules ask for it (`fused`) on the project's
+fast attention implementations; it applies on CUDA in eager mode (Inductor fuses the reference under
+torch.compile), or under TRITON_INTERPRET=1 (tests).
 """
 
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from ._triton import cdiv, eager_kernels_run_on, is_power_of_2, needs_grad, next_power_of_2
+from ._triton import cdiv, eager_kernels_run_on, is_power_of_2, needs_grad, next_power_of_2, promoted_dtype
 
 
 def rope_kernel_applies(query, key, cos, sin) -> bool:
@@ -21,53 +22,51 @@ def rope_kernel_applies(query, key, cos, sin) -> bool:
     return (
         eager_kernels_run_on(query)
         and is_power_of_2(half) and query.shape[-1] == 2 * half == key.shape[-1] == cos.shape[-1]
+        and query.dtype == key.dtype and query.shape[:2] == key.shape[:2]
         and cos.shape[0] in (1, query.shape[0]) and cos.shape == sin.shape
         and not (cos.requires_grad or sin.requires_grad)
         and all(t.stride(-1) == 1 for t in (query, key, cos, sin))
     )
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, transpose: bool, dtype: torch.dtype):
-    """One launch: x (B, L, H, d) -> rotated, contiguous, in `dtype`; `transpose` applies the transposed rotation
-    (the backward)."""
+def _rotate(query, key, cos, sin, transpose: bool, dtype: torch.dtype):
+    """One launch: query (B, L, Hq, d) and key (B, L, Hk, d) -> both rotated, contiguous, in `dtype`; `transpose`
+    applies the transposed rotation (the backward)."""
     from .triton_rope import _rope
 
-    batch, length, heads, dim = x.shape
-    out = torch.empty(batch, length, heads, dim, dtype=dtype, device=x.device)
-    block_h = min(next_power_of_2(heads), max(1, 4096 // dim))  # about 4K elements per program
-    _rope[(batch * length, cdiv(heads, block_h))](
-        x, cos, sin, out, x.stride(0), x.stride(1), x.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1), length, heads,
-        HALF=dim // 2, BLOCK_H=block_h, TRANSPOSE=transpose,
+    batch, length, q_heads, dim = query.shape
+    k_heads = key.shape[2]
+    out_q = torch.empty(batch, length, q_heads, dim, dtype=dtype, device=query.device)
+    out_k = torch.empty(batch, length, k_heads, dim, dtype=dtype, device=query.device)
+    block_h = min(next_power_of_2(max(q_heads, k_heads)), max(1, 4096 // dim))  # about 4K elements per program
+    _rope[(batch * length, cdiv(q_heads, block_h) + cdiv(k_heads, block_h))](
+        query, key, cos, sin, out_q, out_k, query.stride(0), query.stride(1), query.stride(2),
+        key.stride(0), key.stride(1), key.stride(2), out_q.stride(0), out_q.stride(1), out_q.stride(2),
+        out_k.stride(0), out_k.stride(1), out_k.stride(2), cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1),
+        length, q_heads, k_heads, HALF=dim // 2, BLOCK_H=block_h, TRANSPOSE=transpose,
     )
-    return out
+    return out_q, out_k
 
 
 class _Rope(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, cos, sin, dtype):
+    def forward(ctx, query, key, cos, sin, dtype):
         ctx.save_for_backward(cos, sin)
-        ctx.input_dtype = x.dtype
-        return _rotate(x, cos, sin, transpose=False, dtype=dtype)
+        ctx.input_dtype = query.dtype
+        return _rotate(query, key, cos, sin, transpose=False, dtype=dtype)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad_query, grad_key):
         cos, sin = ctx.saved_tensors
-        if grad.stride(-1) != 1:
-            grad = grad.contiguous()
-        return _rotate(grad, cos, sin, transpose=True, dtype=ctx.input_dtype), None, None, None
-
-
-def _fused_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The rotated x in the dtype transformers' formula gives (x * cos promotes: a float32 cos under autocast)."""
-    dtype = torch.promote_types(x.dtype, cos.dtype)
-    if needs_grad(x):
-        return _Rope.apply(x, cos, sin, dtype)
-    return _rotate(x, cos, sin, transpose=False, dtype=dtype)  # decoding: no autograd node to build
+        grad_query, grad_key = (g if g.stride(-1) == 1 else g.contiguous() for g in (grad_query, grad_key))
+        return *_rotate(grad_query, grad_key, cos, sin, transpose=True, dtype=ctx.input_dtype), None, None, None
 
 
 def apply_rope(query, key, cos, sin, fused: bool):
     """See the module docstring. `fused`: take the Triton kernel where it applies."""
     if fused and rope_kernel_applies(query, key, cos, sin):
-        return _fused_rope(query, cos, sin), _fused_rope(key, cos, sin)
+        dtype = promoted_dtype(query.dtype, cos.dtype)  # as x * cos: a float32 cos under autocast gives float32
+        if needs_grad(query, key):
+            return _Rope.apply(query, key, cos, sin, dtype)
+        return _rotate(query, key, cos, sin, transpose=False, dtype=dtype)  # decoding: no autograd node to build
     return apply_rotary_pos_emb(query, key, cos, sin, unsqueeze_dim=2)

@@ -17,6 +17,16 @@ except ImportError as error:
 
 
 @triton.jit
+def differential_lambda(LambdaQ1, LambdaK1, LambdaQ2, LambdaK2, lambda_init, D: tl.constexpr):
+    """V1's lambda from its four D-long vectors, in fp32: `DiffAttentionV1.differential_lambda` (whose reference
+    it is) inside a kernel, where a decoding step needs it without six more launches."""
+    d = tl.arange(0, D)
+    dot_1 = tl.sum(tl.load(LambdaQ1 + d).to(tl.float32) * tl.load(LambdaK1 + d).to(tl.float32), axis=0)
+    dot_2 = tl.sum(tl.load(LambdaQ2 + d).to(tl.float32) * tl.load(LambdaK2 + d).to(tl.float32), axis=0)
+    return tl.exp(dot_1) - tl.exp(dot_2) + lambda_init
+
+
+@triton.jit
 def v1_combine_rows(a1, a2, lam, w, eps, scale, D: tl.constexpr):
     """(rows, D) fp32 pair -> (y, rstd): the V1 combine of each row (also the flash-diff kernel's epilogue)."""
     x = a1 - lam * a2

@@ -2,7 +2,9 @@
 
 A program owns one (batch, kv head) and one chunk of the cached sequence. Its rows are every query of the
 kv head's GQA group (G query heads x L tokens), so the K and V tiles it loads serve the whole group; the
-chunks run in parallel (flash-decoding) and `_decode_reduce` merges their partial softmaxes.
+chunks run in parallel (flash-decoding) and a reduce kernel merges their partial softmaxes. For the
+differential modes the reduce also does the combine of each head pair (`_decode_reduce_diff`), and V1's
+queries are read as they come (`PAIRED`: Q1 against K1, Q2 against K2 of the 2d-wide cached key).
 
 Imported only when triton is installed (see `kernels/decode.py` for the reference and the dispatch).
 """
@@ -14,6 +16,7 @@ from torch.library import triton_op, wrap_triton
 
 from ._triton import TRITON_INTERPRETING
 from .masks import causal_offset, kernel_mask
+from .triton_combine import differential_lambda, v1_combine_rows
 
 # In a try block because transformers' remote-code loader requires every *unguarded* import of a Hub export's
 # files to be installed; this module is imported only where triton is (see _triton.TRITON_AVAILABLE).
@@ -27,14 +30,14 @@ except ImportError as error:
 # The cache length (and with it the causal offset, the mask's strides and the number of chunks) grows every
 # step: not specialized on (Triton would compile a variant whenever one crosses a multiple of 16), so one
 # compiled kernel serves a whole generation.
-@triton.jit(do_not_specialize=["smb", "sml", "S", "offset", "splits"])
+@triton.jit(do_not_specialize=["smb", "sml", "S", "offset", "splits", "parts"])
 def _decode_partial(
-    Q, K, V, Mask, Opart, Mpart, Lpart,
+    Q, K, V, Mask, Part,
     sqb, sqh, sql, skb, skh, sks, svb, svh, svs, smb, sml, sms,
-    H_KV, S, L, offset, splits,
+    H_KV, S, L, offset, splits, parts,
     SCALE: tl.constexpr,  # a compile-time constant: a runtime float would reach Inductor's launch as fp64
     G: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    DQ: tl.constexpr, DV: tl.constexpr, CHUNK: tl.constexpr,
+    DQ: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, CHUNK: tl.constexpr, PAIRED: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -44,10 +47,14 @@ def _decode_partial(
     g = r // L  # query head within the group
     t = r % L  # query token
     row_ok = r < G * L
-    dq = tl.arange(0, DQ)
+    dk = tl.arange(0, DK)
     dv = tl.arange(0, DV)
+    # PAIRED (V1, DK = 2 DQ): query head 2i + m holds Q_m (DQ wide) of differential head i and is read into
+    # columns m DQ.. of a zero row, so its dot with the cached K1|K2 is Q_m . K_m. Otherwise DK = DQ.
+    column = dk[None, :] - ((kvh * G + g) % 2 * DQ)[:, None] if PAIRED else dk[None, :]
     q = tl.load(
-        Q + b * sqb + (kvh * G + g)[:, None] * sqh + t[:, None] * sql + dq[None, :], mask=row_ok[:, None], other=0.0
+        Q + b * sqb + (kvh * G + g)[:, None] * sqh + t[:, None] * sql + column,
+        mask=row_ok[:, None] & (column >= 0) & (column < DQ), other=0.0,
     )
     qk_scale = SCALE * 1.4426950408889634  # softmax in base 2
 
@@ -59,7 +66,7 @@ def _decode_partial(
     for n0 in range(0, CHUNK, BLOCK_N):
         n = start + n0 + tl.arange(0, BLOCK_N)
         n_ok = n < S
-        k = tl.load(K + b * skb + kvh * skh + n[None, :] * sks + dq[:, None], mask=n_ok[None, :], other=0.0)
+        k = tl.load(K + b * skb + kvh * skh + n[None, :] * sks + dk[:, None], mask=n_ok[None, :], other=0.0)
         s = tl.dot(q, k) * qk_scale  # (BLOCK_R, BLOCK_N), fp32
         if HAS_MASK:
             allowed = tl.load(
@@ -78,41 +85,82 @@ def _decode_partial(
         m_i = m_new
 
     part = pid_bh * splits + split
-    tl.store(Opart + (part * BLOCK_R + r)[:, None] * DV + dv[None, :], acc)
-    tl.store(Mpart + part * BLOCK_R + r, m_i)
-    tl.store(Lpart + part * BLOCK_R + r, l_i)
+    tl.store(Part + (part * BLOCK_R + r)[:, None] * DV + dv[None, :], acc)
+    tl.store(Part + parts * DV + part * BLOCK_R + r, m_i)
+    tl.store(Part + parts * (DV + 1) + part * BLOCK_R + r, l_i)
 
 
-@triton.jit(do_not_specialize=["splits"])
-def _decode_reduce(
-    Opart, Mpart, Lpart, Out, sob, sol, soh, H_KV, L, splits,
-    G: tl.constexpr, BLOCK_R: tl.constexpr, DV: tl.constexpr, MAX_SPLITS: tl.constexpr,
-):
-    pid_bh = tl.program_id(0)
-    b = pid_bh // H_KV
-    kvh = pid_bh % H_KV
-    r = tl.arange(0, BLOCK_R)
+@triton.jit
+def _merge_splits(Part, parts, pid_bh, splits, r, r_ok,
+                  ROWS: tl.constexpr, BLOCK_R: tl.constexpr, DV: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    """The attention output (ROWS, DV) fp32 of the program's rows `r` (those where `r_ok`; 0 elsewhere): the
+    chunks' partial softmaxes merged. Part holds the `parts` rows of partial outputs (DV each), then their
+    maxima, then their sums."""
     dv = tl.arange(0, DV)
-    m = tl.full((BLOCK_R,), -1.0e30, tl.float32)
-    l_sum = tl.zeros((BLOCK_R,), tl.float32)
-    acc = tl.zeros((BLOCK_R, DV), tl.float32)
+    m = tl.full((ROWS,), -1.0e30, tl.float32)
+    l_sum = tl.zeros((ROWS,), tl.float32)
+    acc = tl.zeros((ROWS, DV), tl.float32)
     for split in range(0, MAX_SPLITS):  # MAX_SPLITS: splits rounded up to a power of two
         part = pid_bh * splits + split
-        live = split < splits
-        m_s = tl.load(Mpart + part * BLOCK_R + r, mask=live, other=-1.0e30)
-        l_s = tl.load(Lpart + part * BLOCK_R + r, mask=live, other=0.0)
-        o_s = tl.load(Opart + (part * BLOCK_R + r)[:, None] * DV + dv[None, :], mask=live, other=0.0)
+        live = (split < splits) & r_ok
+        m_s = tl.load(Part + parts * DV + part * BLOCK_R + r, mask=live, other=-1.0e30)
+        l_s = tl.load(Part + parts * (DV + 1) + part * BLOCK_R + r, mask=live, other=0.0)
+        o_s = tl.load(Part + (part * BLOCK_R + r)[:, None] * DV + dv[None, :], mask=live[:, None], other=0.0)
         m_new = tl.maximum(m, m_s)
         alpha = tl.exp2(m - m_new)
         beta = tl.exp2(m_s - m_new)
         acc = acc * alpha[:, None] + o_s * beta[:, None]
         l_sum = l_sum * alpha + l_s * beta
         m = m_new
-    out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]  # a query with no visible key gets 0
+    return acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]  # a query with no visible key gets 0
+
+
+@triton.jit(do_not_specialize=["splits", "parts"])
+def _decode_reduce(
+    Part, Out, sob, sol, soh, H_KV, L, splits, parts,
+    G: tl.constexpr, BLOCK_R: tl.constexpr, DV: tl.constexpr, MAX_SPLITS: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    b = pid_bh // H_KV
+    kvh = pid_bh % H_KV
+    r = tl.arange(0, BLOCK_R)
+    ok = r < G * L
+    out = _merge_splits(Part, parts, pid_bh, splits, r, ok, BLOCK_R, BLOCK_R, DV, MAX_SPLITS)
     g = r // L
     t = r % L
-    ok = r < G * L
+    dv = tl.arange(0, DV)
     tl.store(Out + b * sob + t[:, None] * sol + (kvh * G + g)[:, None] * soh + dv[None, :],
+             out.to(Out.dtype.element_ty), mask=ok[:, None])
+
+
+@triton.jit(do_not_specialize=["splits", "parts"])
+def _decode_reduce_diff(
+    Part, Out, Mu, NormW, LambdaQ1, LambdaK1, LambdaQ2, LambdaK2,
+    sob, sol, soh, smb, sml, smh, H_KV, L, splits, parts, lambda_init, eps, norm_scale,
+    G: tl.constexpr, BLOCK_R: tl.constexpr, DV: tl.constexpr, MAX_SPLITS: tl.constexpr,
+    V1: tl.constexpr, D_LAMBDA: tl.constexpr,
+):
+    """The merge and the differential combine of each pair of query heads (2i, 2i+1) -> head i (`combine.py`):
+    V1 norm_scale * subln(O1 - lambda O2), lambda from its four vectors; V2 O1 - w O2, w = Mu (B, L, h)."""
+    pid_bh = tl.program_id(0)
+    b = pid_bh // H_KV
+    kvh = pid_bh % H_KV
+    p = tl.arange(0, BLOCK_R // 2)  # (pair i, token t) rows; the program's row g * L + t is query head g, token t
+    i = p // L
+    t = p % L
+    first = 2 * i * L + t
+    ok = p < (G // 2) * L
+    o1 = _merge_splits(Part, parts, pid_bh, splits, first, ok, BLOCK_R // 2, BLOCK_R, DV, MAX_SPLITS)
+    o2 = _merge_splits(Part, parts, pid_bh, splits, first + L, ok, BLOCK_R // 2, BLOCK_R, DV, MAX_SPLITS)
+    head = kvh * (G // 2) + i
+    dv = tl.arange(0, DV)
+    if V1:
+        lam = differential_lambda(LambdaQ1, LambdaK1, LambdaQ2, LambdaK2, lambda_init, D_LAMBDA)
+        out, _ = v1_combine_rows(o1, o2, lam, tl.load(NormW + dv).to(tl.float32), eps, norm_scale, DV)
+    else:
+        w = tl.load(Mu + b * smb + t * sml + head * smh, mask=ok, other=0.0).to(tl.float32)
+        out = o1 - w[:, None] * o2
+    tl.store(Out + b * sob + t[:, None] * sol + head[:, None] * soh + dv[None, :],
              out.to(Out.dtype.element_ty), mask=ok[:, None])
 
 
@@ -129,11 +177,11 @@ def _plain(kernel):
     return kernel
 
 
-def decode_attention_kernels(query, key, value, mask, scale: float, launcher=_plain) -> torch.Tensor:
-    """The two launches. Called directly in eager mode: the custom op's dispatch costs more than the kernels
-    in a CPU-bound decoding step. `launcher` wraps each kernel (for the op: graph capture)."""
+def _partial_softmaxes(query, key, value, mask, scale: float, launcher):
+    """Launch the split-KV kernel; -> (workspace of the partial softmaxes, splits, parts, rows per program).
+    query (B, Hq, L, DQ) any strides; with key (B, H_KV, S, 2 DQ) its heads are read PAIRED (V1)."""
     batch, q_heads, length, q_dim = query.shape
-    kv_heads, kv_length, v_dim = key.shape[1], key.shape[2], value.shape[-1]
+    kv_heads, kv_length, k_dim, v_dim = key.shape[1], key.shape[2], key.shape[-1], value.shape[-1]
     groups = q_heads // kv_heads
     block_rows = max(16, triton.next_power_of_2(groups * length))
     block_n = 64
@@ -143,23 +191,51 @@ def decode_attention_kernels(query, key, value, mask, scale: float, launcher=_pl
     chunk = max(block_n, triton.next_power_of_2(triton.cdiv(kv_length, target)))
     splits = triton.cdiv(kv_length, chunk)
     parts = batch * kv_heads * splits * block_rows
-    out_part = torch.empty(parts, v_dim, dtype=torch.float32, device=query.device)
-    max_part = torch.empty(parts, dtype=torch.float32, device=query.device)
-    sum_part = torch.empty(parts, dtype=torch.float32, device=query.device)
-    out = torch.empty(batch, length, q_heads, v_dim, dtype=query.dtype, device=query.device)
+    work = torch.empty(parts * (v_dim + 2), dtype=torch.float32, device=query.device)  # outputs, maxima, sums
     mask_arg, mask_strides = kernel_mask(mask, query)
     launcher(_decode_partial)[(batch * kv_heads, splits)](
-        query, key, value, mask_arg, out_part, max_part, sum_part,
+        query, key, value, mask_arg, work,
         query.stride(0), query.stride(1), query.stride(2),
         key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2),
         *mask_strides,
-        kv_heads, kv_length, length, causal_offset(length, kv_length, mask is not None), splits,
-        SCALE=scale, G=groups, HAS_MASK=mask is not None, BLOCK_R=block_rows, BLOCK_N=block_n, DQ=q_dim, DV=v_dim, CHUNK=chunk,
+        kv_heads, kv_length, length, causal_offset(length, kv_length, mask is not None), splits, parts,
+        SCALE=scale, G=groups, HAS_MASK=mask is not None, BLOCK_R=block_rows, BLOCK_N=block_n,
+        DQ=q_dim, DK=k_dim, DV=v_dim, CHUNK=chunk, PAIRED=k_dim == 2 * q_dim,
     )
+    return work, splits, parts, block_rows
+
+
+def decode_attention_kernels(query, key, value, mask, scale: float, launcher=_plain) -> torch.Tensor:
+    """The two launches. Called directly in eager mode: the custom op's dispatch costs more than the kernels
+    in a CPU-bound decoding step. `launcher` wraps each kernel (for the op: graph capture)."""
+    batch, q_heads, length, _ = query.shape
+    kv_heads, v_dim = key.shape[1], value.shape[-1]
+    work, splits, parts, block_rows = _partial_softmaxes(query, key, value, mask, scale, launcher)
+    out = torch.empty(batch, length, q_heads, v_dim, dtype=query.dtype, device=query.device)
     launcher(_decode_reduce)[(batch * kv_heads,)](
-        out_part, max_part, sum_part, out, out.stride(0), out.stride(1), out.stride(2),
-        kv_heads, length, splits, G=groups, BLOCK_R=block_rows, DV=v_dim, MAX_SPLITS=triton.next_power_of_2(splits),
+        work, out, out.stride(0), out.stride(1), out.stride(2), kv_heads, length, splits, parts, G=q_heads // kv_heads, BLOCK_R=block_rows, DV=v_dim,
+        MAX_SPLITS=triton.next_power_of_2(splits),
+    )
+    return out
+
+
+def diff_decode_kernels(pairs, key, value, mask, scale: float, mu, norm_weight, eps: float, norm_scale: float,
+                        lambda_vectors, lambda_init: float) -> torch.Tensor:
+    """The two launches of a differential decoding step (eager only); see `decode.diff_decode_attention`."""
+    batch, length, heads, _, q_dim = pairs.shape
+    kv_heads, v_dim = key.shape[1], value.shape[-1]
+    query = pairs.flatten(2, 3).transpose(1, 2)  # (B, 2h, L, DQ): query heads 2i, 2i+1 = the maps of head i
+    work, splits, parts, block_rows = _partial_softmaxes(query, key, value, mask, scale, _plain)
+    out = torch.empty(batch, length, heads, v_dim, dtype=pairs.dtype, device=pairs.device)
+    v1 = norm_weight is not None
+    mu_strides = (0, 0, 0) if v1 else (mu.stride(0), mu.stride(1), mu.stride(2))
+    lambda_args = lambda_vectors if v1 else (out,) * 4
+    _decode_reduce_diff[(batch * kv_heads,)](
+        work, out, out if v1 else mu, norm_weight if v1 else out, *lambda_args,
+        out.stride(0), out.stride(1), out.stride(2), *mu_strides, kv_heads, length, splits, parts, lambda_init, eps,
+        norm_scale, G=2 * heads // kv_heads, BLOCK_R=block_rows, DV=v_dim,
+        MAX_SPLITS=triton.next_power_of_2(splits), V1=v1, D_LAMBDA=lambda_args[0].shape[0] if v1 else 16,
     )
     return out
 

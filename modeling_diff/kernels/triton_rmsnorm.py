@@ -16,8 +16,8 @@ except ImportError as error:
 
 
 @triton.jit(do_not_specialize=["R"])  # the row count (tokens) changes every call: one compiled kernel for all
-def _rms_norm_fwd(X, W, Y, Rstd, R, N, eps, BLOCK_N: tl.constexpr):
-    # X, Y: (R, N) contiguous; one program per row; Rstd (R,) float32, saved for the backward.
+def _rms_norm_fwd(X, W, Y, Rstd, R, N, eps, BLOCK_N: tl.constexpr, SAVE: tl.constexpr):
+    # X, Y: (R, N) contiguous; one program per row; Rstd (R,) float32, saved for the backward where SAVE.
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     ok = cols < N
@@ -26,7 +26,8 @@ def _rms_norm_fwd(X, W, Y, Rstd, R, N, eps, BLOCK_N: tl.constexpr):
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
     n = (x * rstd).to(X.dtype.element_ty).to(tl.float32)
     tl.store(Y + row * N + cols, (w * n).to(Y.dtype.element_ty), mask=ok)
-    tl.store(Rstd + row, rstd)
+    if SAVE:
+        tl.store(Rstd + row, rstd)
 
 
 @triton.jit(do_not_specialize=["R"])

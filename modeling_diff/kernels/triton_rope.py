@@ -1,7 +1,8 @@
 """Triton RoPE: the rotation of every head of a token in one pass (forward, and its transpose for backward).
 
 Imported only when triton is installed (see `kernels/rope.py` for the reference, the dispatch and autograd).
-A program owns one token and BLOCK_H heads, loads the token's cos and sin once and rotates the two halves:
+A program owns one token and BLOCK_H heads of the query or the key (both in one launch), loads the token's cos
+and sin and rotates the two halves:
 
     forward    o1 = x1 c1 - x2 s1,   o2 = x2 c2 + x1 s2        (x * cos + rotate_half(x) * sin)
     transpose  o1 = x1 c1 + x2 s2,   o2 = x2 c2 - x1 s1        (the gradient: g * cos + rotate_half^T(g * sin))
@@ -16,16 +17,10 @@ except ImportError as error:
     raise ImportError("modeling_diff's Triton kernels need the triton package") from error
 
 
-@triton.jit(do_not_specialize=["L"])  # the token count changes every call: one compiled kernel for all
-def _rope(
-    X, Cos, Sin, Out, sxb, sxl, sxh, sob, sol, soh, scb, scl, L, H,
-    HALF: tl.constexpr, BLOCK_H: tl.constexpr, TRANSPOSE: tl.constexpr,
-):
+@triton.jit
+def _rotate_heads(X, Out, Cos, Sin, b, l, heads, H, sxb, sxl, sxh, sob, sol, soh, scb, scl,
+                  HALF: tl.constexpr, TRANSPOSE: tl.constexpr):
     # X, Out: (B, L, H, 2 * HALF), last dim contiguous; Cos, Sin: (B or 1, L, 2 * HALF), batch stride scb (0 = shared).
-    t = tl.program_id(0)
-    b = t // L
-    l = t % L
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     cols = tl.arange(0, HALF)
     ok = heads[:, None] < H
     cs = b * scb + l * scl + cols
@@ -45,3 +40,22 @@ def _rope(
     o_ptr = Out + b * sob + l * sol + heads[:, None] * soh + cols[None, :]
     tl.store(o_ptr, o1.to(Out.dtype.element_ty), mask=ok)
     tl.store(o_ptr + HALF, o2.to(Out.dtype.element_ty), mask=ok)
+
+
+@triton.jit(do_not_specialize=["L"])  # the token count changes every call: one compiled kernel for all
+def _rope(
+    Q, K, Cos, Sin, OutQ, OutK, sqb, sql, sqh, skb, skl, skh, soqb, soql, soqh, sokb, sokl, sokh, scb, scl,
+    L, HQ, HK, HALF: tl.constexpr, BLOCK_H: tl.constexpr, TRANSPOSE: tl.constexpr,
+):
+    # The query and the key in one launch: blocks of BLOCK_H heads, the query's first, then the key's.
+    t = tl.program_id(0)
+    b = t // L
+    l = t % L
+    block = tl.program_id(1)
+    query_blocks = tl.cdiv(HQ, BLOCK_H)
+    if block < query_blocks:
+        heads = block * BLOCK_H + tl.arange(0, BLOCK_H)
+        _rotate_heads(Q, OutQ, Cos, Sin, b, l, heads, HQ, sqb, sql, sqh, soqb, soql, soqh, scb, scl, HALF, TRANSPOSE)
+    else:
+        heads = (block - query_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+        _rotate_heads(K, OutK, Cos, Sin, b, l, heads, HK, skb, skl, skh, sokb, sokl, sokh, scb, scl, HALF, TRANSPOSE)
