@@ -11,7 +11,8 @@ on CUDA routes to the project's fast paths), one process, one model at a time:
 - prefill: no-grad forward of the same tokens, logits of the last position only (as generate() does);
 - decode:  64 greedy steps after a prompt of `seq` tokens and 4 warm-up steps: batch 1 and 32 with a
            StaticCache (the step captured in a CUDA graph and replayed), batch 32 with a DynamicCache
-           (eager steps: at these sizes mostly Python and launch overhead).
+           (eager steps: at these sizes mostly Python and launch overhead; the median of 3 generations
+           after an untimed one over the same cache lengths).
 
 Each row gives tok/s, the ratio to Llama, the work per token relative to Llama (model FLOPs for train and
 prefill, bytes read for decode: weights / batch + the KV cache, counted analytically from the shapes) and
@@ -24,6 +25,7 @@ import contextlib
 import gc
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -172,32 +174,43 @@ def decoding_step(model, cache, batch: int, prompt_len: int):
     return step
 
 
-@torch.no_grad()
-def bench_decode(model, batch, prompt_len, new_tokens, static):
-    """Greedy steps after the prompt. A StaticCache step is captured once in a CUDA graph and replayed (what
-    generate() gets from compiling the static-cache step: no per-step Python and launch overhead); a
-    DynamicCache grows every step, so its steps run eagerly. Returns (tok/s, whether a graph was used)."""
-    warmup = 4
-    if static:
-        cache = StaticCache(config=model.config, max_cache_len=prompt_len + warmup + new_tokens)
-    else:
-        cache = DynamicCache(config=model.config)
-    step = decoding_step(model, cache, batch, prompt_len)
+def run_steps(step, warmup: int, steps: int) -> float:
+    """Seconds per step of `steps` steps after `warmup` untimed ones (those run off the default stream, as CUDA
+    graph capture wants)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the default stream, as graph capture wants
+    with torch.cuda.stream(side):
         for _ in range(warmup):
             step()
     torch.cuda.current_stream().wait_stream(side)
-    run, graphed = step, False
+    return cuda_time(step, steps)
+
+
+@torch.no_grad()
+def bench_decode(model, batch, prompt_len, new_tokens, static, rounds: int = 3):
+    """Greedy steps after the prompt. A StaticCache step is captured once in a CUDA graph and replayed (what
+    generate() gets from compiling the static-cache step: no per-step Python and launch overhead). A DynamicCache
+    grows every step, so its steps run eagerly and the host CPU sets their pace: a first generation over the
+    same cache lengths goes untimed (it builds what each length needs: cuDNN's attention plans for transformers'
+    models, which otherwise cost ~1.5 ms per call), then the median of `rounds` generations, each from a fresh
+    prefill. Returns (tok/s, whether a graph was used)."""
+    warmup = 4
     if static:
+        cache = StaticCache(config=model.config, max_cache_len=prompt_len + warmup + new_tokens)
+        step = decoding_step(model, cache, batch, prompt_len)
+        run_steps(step, warmup, 0)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             step()
-        run, graphed = graph.replay, True
-    seconds = cuda_time(run, new_tokens)
-    del cache
-    return batch / seconds, graphed
+        seconds = cuda_time(graph.replay, new_tokens)
+        del cache, graph
+        return batch / seconds, True
+    times = []
+    for _ in range(1 + rounds):
+        step = decoding_step(model, DynamicCache(config=model.config), batch, prompt_len)
+        times.append(run_steps(step, warmup, new_tokens))
+        del step
+    return batch / statistics.median(times[1:]), False
 
 
 def warm_up_gpu(seconds: float = 3.0):

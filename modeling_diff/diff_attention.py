@@ -20,8 +20,9 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, eager_attenti
 
 from .configuration import DiffLlamaConfig
 from .kernels import (
-    DIFF_TRITON, FUSED_DIFF, apply_rope, diff_decode_applies, diff_decode_attention, flash_diff_applies,
-    flash_diff_attention, has_extra_options, resolve, uses_fast_kernels, v1_combine, v2_combine,
+    DIFF_TRITON, FUSED_DIFF, DexCombine, V1Combine, V2Combine, apply_rope, combined_decode_applies,
+    combined_decode_attention, flash_diff_applies, flash_diff_attention, has_extra_options, resolve,
+    uses_fast_kernels, v1_combine, v2_combine,
 )
 
 
@@ -76,13 +77,14 @@ class _DiffAttentionBase(nn.Module):
             and flash_diff_applies(pairs, key, value, attention_mask, self.dropout_p())
         )
 
-    def diff_decode_applies(self, pairs, key, value, attention_mask, kwargs) -> bool:
-        """Whether a decoding step goes to the split-KV kernel with the combine in its reduce
-        (`kernels/decode.py`): on the project's implementations, no extra attention options, shapes it covers."""
+    def combined_decode_applies(self, query, key, value, attention_mask, kwargs) -> bool:
+        """Whether a decoding step goes to the split-KV kernel with the differential term in its reduce
+        (`kernels/decode.py`): on the project's implementations, no extra attention options, shapes it covers.
+        query (B, Hq, L, d) as the attention call takes it."""
         return (
-            uses_fast_kernels(self.config._attn_implementation, pairs)
+            uses_fast_kernels(self.config._attn_implementation, query)
             and not has_extra_options(kwargs)
-            and diff_decode_applies(pairs, key, value, attention_mask, self.dropout_p())
+            and combined_decode_applies(query, key, value, attention_mask, self.dropout_p())
         )
 
 
@@ -137,11 +139,13 @@ class DiffAttentionV1(_DiffAttentionBase):
                 pairs, key, value, attention_mask, self.differential_lambda(), self.scaling, self.subln,
                 1 - self.lambda_init,
             )
-        if self.diff_decode_applies(pairs, key, value, attention_mask, kwargs):
-            return diff_decode_attention(
-                pairs, key, value, attention_mask, self.scaling, None, self.subln, 1 - self.lambda_init,
+        query = pairs.flatten(2, 3).transpose(1, 2)  # (B, 2h, L, d): heads 2i, 2i+1 = Q1, Q2 of head i
+        if self.combined_decode_applies(query, key, value, attention_mask, kwargs):
+            combine = V1Combine(
                 (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2), self.lambda_init,
+                self.subln.weight, self.subln.variance_epsilon, 1 - self.lambda_init,
             )
+            return combined_decode_attention(query, key, value, attention_mask, self.scaling, combine)
         return None
 
     def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
@@ -241,14 +245,17 @@ class DiffAttentionV2(_LlamaLayoutAttention):
     def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
         input_shape = hidden_states.shape[:-1]
         query_states, key_states, value_states = self.project(hidden_states, position_embeddings, cache)
+        if self.combined_decode_applies(query_states, key_states, value_states, attention_mask, kwargs):
+            combine = V2Combine(self.lambda_proj(hidden_states), self.anneal_step, self.config.anneal_steps)
+            attn_output = combined_decode_attention(
+                query_states, key_states, value_states, attention_mask, self.scaling, combine
+            )  # (B, L, h, d), combined
+            return self.o_proj(attn_output.reshape(*input_shape, -1)), None
         weight = self.noise_weight(hidden_states)  # (B, L, h)
         # (B, 2h, L, d) -> (B, L, h, 2, d): the pair (signal, noise) of each differential head
         pairs = query_states.unflatten(1, (-1, 2)).permute(0, 3, 1, 2, 4)
         if self.flash_diff_applies(pairs, key_states, value_states, attention_mask, kwargs):
             attn_output = flash_diff_attention(pairs, key_states, value_states, attention_mask, weight, self.scaling)
-            return self.o_proj(attn_output.reshape(*input_shape, -1)), None
-        if self.diff_decode_applies(pairs, key_states, value_states, attention_mask, kwargs):
-            attn_output = diff_decode_attention(pairs, key_states, value_states, attention_mask, self.scaling, weight)
             return self.o_proj(attn_output.reshape(*input_shape, -1)), None
 
         attn_output, attn_weights = self.attend(
@@ -292,8 +299,20 @@ class DexAttention(_LlamaLayoutAttention):
 
     def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
         input_shape = hidden_states.shape[:-1]
+        query_states, key_states, value_states = self.project(hidden_states, position_embeddings, cache)
+        if type(self.dex_proj) is nn.Linear and self.combined_decode_applies(
+            query_states, key_states, value_states, attention_mask, kwargs
+        ):
+            combine = DexCombine(
+                self.dex_proj.weight, self.head_mask, self.lambda_learn, self.anneal_step, self.config.anneal_steps,
+                self.lambda_init,
+            )
+            attn_output = combined_decode_attention(
+                query_states, key_states, value_states, attention_mask, self.scaling, combine
+            )  # (B, L, h, d), the operator applied
+            return self.o_proj(attn_output.reshape(*input_shape, -1)), None
         attn_output, attn_weights = self.attend(
-            *self.project(hidden_states, position_embeddings, cache), attention_mask, **kwargs
+            query_states, key_states, value_states, attention_mask, **kwargs
         )  # (B, L, h, d)
         if self.config.dex_heads is None and type(self.dex_proj) is nn.Linear:
             # Every head carries the operator: O - lam O W^T = O (I - lam W)^T, one d x d matmul and no

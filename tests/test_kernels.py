@@ -311,24 +311,27 @@ def test_flash_diff_forward_and_gradients_match_the_formula(
 
 
 # (mode, heads, kv heads, query tokens, cached tokens, q/k width): decoding steps of V1 (16 heads of 2 x 64 over 4
-# kv heads of 128) and V2 (64 query heads over 8), a few tokens at once, a GQA group of 6 query heads
-DIFF_DECODE_CASES = (
-    [("v1", 16, 4, 1, 2048, 64), ("v2", 32, 8, 1, 4096, 64), ("v1", 16, 4, 2, 1000, 64)]
+# kv heads of 128), V2 (64 query heads over 8) and DEX (32 heads over 8); a few tokens at once; a GQA group of 6
+COMBINED_DECODE_CASES = (
+    [("v1", 16, 4, 1, 2048, 64), ("v2", 32, 8, 1, 4096, 64), ("dex", 32, 8, 1, 4096, 64), ("v1", 16, 4, 2, 1000, 64)]
     if GPU
-    else [("v1", 4, 2, 1, 37, 16), ("v2", 4, 2, 1, 300, 16), ("v1", 2, 2, 3, 70, 16), ("v2", 3, 1, 2, 50, 32)]
+    else [("v1", 4, 2, 1, 37, 16), ("v2", 4, 2, 1, 300, 16), ("dex", 4, 2, 1, 150, 16), ("v1", 2, 2, 3, 70, 16),
+          ("v2", 3, 1, 2, 50, 32), ("dex", 6, 1, 2, 40, 32)]
 )
 
 
-@pytest.mark.parametrize("mode,heads,kv_heads,length,kv_length,dqk", DIFF_DECODE_CASES)
+@pytest.mark.parametrize("mode,heads,kv_heads,length,kv_length,dqk", COMBINED_DECODE_CASES)
 @pytest.mark.parametrize("masked", [False, True])
 @torch.no_grad()
-def test_diff_decode_attention_matches_the_formula(mode, heads, kv_heads, length, kv_length, dqk, masked):
-    """The decode kernel with the combine in its reduce; V1's lambda computed in the kernel from its vectors."""
-    from modeling_diff.kernels import diff_decode_attention
+def test_combined_decode_attention_matches_the_formula(mode, heads, kv_heads, length, kv_length, dqk, masked):
+    """The decode kernel with each mode's differential term in its reduce, the coefficients computed in the kernel
+    (V1's lambda from its vectors, V2's noise weight from the logits, DEX's lambda(t)) against the definitions."""
+    from modeling_diff.kernels import DexCombine, V1Combine, V2Combine, combined_decode_attention
 
     torch.manual_seed(5)
     batch, dv = 3, 2 * dqk if mode == "v1" else dqk
-    q = rand(batch, length, 2 * heads, dqk).unflatten(2, (heads, 2))  # (B, L, h, 2, Dqk), as the modules hold it
+    q_heads = heads if mode == "dex" else 2 * heads
+    q = rand(batch, length, q_heads, dqk).transpose(1, 2)  # (B, Hq, L, Dqk): a view, as the modules pass it
     k = rand(batch, kv_heads, kv_length, 2 * dqk if mode == "v1" else dqk)
     v = rand(batch, kv_heads, kv_length, dv)
     visible = causally_visible(length, kv_length, masked).expand(batch, length, kv_length).clone()
@@ -337,16 +340,30 @@ def test_diff_decode_attention_matches_the_formula(mode, heads, kv_heads, length
         visible[0, :, : kv_length * 2 // 3] = False
         visible[1, :, :5] = False
         mask = visible[:, None]
+    # V2, DEX: annealing at t = 10 of T = 40 with a mask, off without (T = 0)
+    step, anneal_steps = torch.tensor(10.0, device=DEVICE), 40 if masked else 0
+    fraction = 10.0 / anneal_steps if anneal_steps else 1.0  # t / T
+    pairs = q.transpose(1, 2).unflatten(2, (-1, 2))  # (B, L, h, 2, Dqk) for V1's and V2's formula
     if mode == "v1":
         norm = Norm(dv)
         vectors = [0.1 * torch.randn(dqk, device=DEVICE) for _ in range(4)]  # lambda_q1, lambda_k1, lambda_q2, ..k2
         lam = (vectors[0].double() @ vectors[1].double()).exp() - (vectors[2].double() @ vectors[3].double()).exp() + 0.44
-        out = diff_decode_attention(q, k, v, mask, 0.3, None, norm, 0.56, vectors, 0.44)
-        ref = flash_diff_formula(q, k, v, visible, lam, 0.3, norm.weight, norm.variance_epsilon, 0.56)
+        combine = V1Combine(tuple(vectors), 0.44, norm.weight, norm.variance_epsilon, 0.56)
+        ref = flash_diff_formula(pairs, k, v, visible, lam, 0.3, norm.weight, norm.variance_epsilon, 0.56)
+    elif mode == "v2":
+        logits = rand(batch, length, heads)
+        combine = V2Combine(logits, step, anneal_steps)
+        ref = flash_diff_formula(pairs, k, v, visible, torch.sigmoid(logits.double()) * min(1.0, fraction), 0.3)
     else:
-        mu = torch.sigmoid(rand(batch, length, heads))
-        out = diff_decode_attention(q, k, v, mask, 0.3, mu)
-        ref = flash_diff_formula(q, k, v, visible, mu, 0.3)
+        operator = 0.2 * rand(dv, dv)
+        head_mask = (torch.arange(heads, device=DEVICE) % 3 != 1).to(DTYPE)  # some heads without the operator
+        learn = torch.tensor(0.3, device=DEVICE)
+        a = min(1.0, fraction)
+        lam = (1 - a) * fraction * 0.44 + a * 0.3
+        combine = DexCombine(operator, head_mask, learn, step, anneal_steps, 0.44)
+        heads_out = attention_formula(q, k, v, visible, 0.3)  # (B, L, h, Dv)
+        ref = heads_out - lam * head_mask.double()[:, None] * (heads_out @ operator.double().T)
+    out = combined_decode_attention(q, k, v, mask, 0.3, combine)
     assert out.shape == (batch, length, heads, dv) and out.dtype == DTYPE
     assert rel_err(out, ref) < TOL
 
@@ -432,15 +449,13 @@ def decode(model, cache_class, ids, mask, steps):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("cache_class", [DynamicCache, StaticCache])
 def test_decoding_steps_on_the_kernel_equal_eager(mode, cache_class, monkeypatch):
-    """Prefill, then decoding steps through the split-KV kernel (V1 and V2 with the combine in it), with left
+    """Prefill, then decoding steps through the split-KV kernel with the differential term in it, with left
     padding, dynamic and static caches."""
     import modeling_diff.diff_attention as attention
-    import modeling_diff.kernels.attention as fast_attention
 
     kernel_calls = []
-    module, name = (fast_attention, "decode_attention") if mode == "dex" else (attention, "diff_decode_attention")
-    kernel = getattr(module, name)
-    monkeypatch.setattr(module, name, lambda *a: kernel_calls.append(1) or kernel(*a))
+    kernel = attention.combined_decode_attention
+    monkeypatch.setattr(attention, "combined_decode_attention", lambda *a: kernel_calls.append(1) or kernel(*a))
     eager, fast = model_pair(mode, FAST)
     ids, mask = padded_batch(eager.config.vocab_size, length=40)  # prefill: SDPA (more rows than the kernel's)
     steps = torch.randint(3, eager.config.vocab_size, (ids.shape[0], 2), device=DEVICE)

@@ -6,8 +6,8 @@
   (`triton_flash_diff.py`), forward and backward, for V1 and V2 prefill and training.
 - `rope.py`: the rotary embedding of queries and keys in one Triton pass per tensor (`triton_rope.py`).
 - `rmsnorm.py`: the decoder's RMSNorm in one Triton pass forward and one backward (`triton_rmsnorm.py`).
-- `decode.py`: split-KV attention for decoding steps, one read of the KV cache per step, with the differential
-  combine in its reduce for V1 and V2 (`triton_decode.py`).
+- `decode.py`: split-KV attention for decoding steps, one read of the KV cache per step, with each mode's
+  differential term in its reduce (`triton_decode.py`).
 - `attention.py`: the attention implementations `"diff_triton"` (chosen automatically for `sdpa` on CUDA) and
   `"fused_diff"` that use them.
 
@@ -21,7 +21,7 @@ from .attention import (
     uses_fast_kernels,
 )
 from .combine import v1_combine, v2_combine
-from .decode import diff_decode_applies, diff_decode_attention
+from .decode import DexCombine, V1Combine, V2Combine, combined_decode_applies, combined_decode_attention
 from .flash_diff import flash_diff_applies, flash_diff_attention
 from .rmsnorm import rms_norm, rms_norm_kernel_applies
 from .rope import apply_rope
@@ -29,7 +29,7 @@ from .rope import apply_rope
 register()
 
 __all__ = [
-    "DIFF_TRITON", "FUSED_DIFF", "apply_rope", "diff_decode_applies", "diff_decode_attention",
-    "diff_triton_attention_forward", "flash_diff_applies", "flash_diff_attention", "has_extra_options", "resolve",
+    "DIFF_TRITON", "FUSED_DIFF", "DexCombine", "V1Combine", "V2Combine", "apply_rope", "combined_decode_applies",
+    "combined_decode_attention", "diff_triton_attention_forward", "flash_diff_applies", "flash_diff_attention", "has_extra_options", "resolve",
     "rms_norm", "rms_norm_kernel_applies", "triton_available", "uses_fast_kernels", "v1_combine", "v2_combine",
 ]

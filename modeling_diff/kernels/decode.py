@@ -6,20 +6,20 @@ the bytes of the cache. The kernel reads every cache entry once per step for all
 group (SDPA under torch.compile instead expands K and V to one copy per query head), and splits the
 sequence over the multiprocessors so that batch 1 fills the GPU too.
 
-The differential modes' decoding steps (`diff_decode_attention`) take the same kernel with the combine of each
-head pair in its reduce (V1: lambda, computed in the kernel from its four vectors, and subln; V2: the noise
-weight), so a step of a differential layer costs two launches, like a Llama's attention call. Its reference is
-the modules' plain path: one attention call, then `combine.v1_combine` or `v2_combine`.
+The differential modes' decoding steps (`combined_decode_attention`) take the same kernel with the mode's
+differential term in its reduce: V1's lambda (computed in the kernel from its four vectors) and subln, V2's noise
+weight, DEX's operator. A step of a differential layer then costs two launches, like a Llama's attention call,
+where the host would otherwise issue a dozen small ones. The reference is the modules' plain path.
 """
 
-import torch
+from typing import NamedTuple
 
-from torch import nn
+import torch
 
 from ._triton import TRITON_AVAILABLE, TRITON_INTERPRETING, eager_kernels_run_on, is_power_of_2, needs_grad
 
 if TRITON_AVAILABLE:
-    from .triton_decode import decode_attention_kernels, decode_attention_op, diff_decode_kernels
+    from .triton_decode import combined_decode_kernels, decode_attention_kernels, decode_attention_op
 
 MAX_GROUP_ROWS = 64  # query heads per kv head x query tokens that one program holds
 
@@ -49,31 +49,56 @@ def decode_attention(query, key, value, mask, scale: float) -> torch.Tensor:
     return decode_attention_kernels(query, key, value, mask, float(scale))
 
 
-def diff_decode_applies(pairs, key, value, mask, dropout: float) -> bool:
-    """Whether a differential decoding step can take `diff_decode_attention` (eager, on CUDA or the interpreter);
-    pairs (B, L, h, 2, DQ) as the modules hold their queries."""
-    query = pairs.flatten(2, 3).transpose(1, 2)  # (B, 2h, L, DQ): the rows the kernel reads
+
+class V1Combine(NamedTuple):
+    """V1: norm_scale * subln(O1 - lambda O2), lambda from (lambda_q1, lambda_k1, lambda_q2, lambda_k2)."""
+
+    MODE = 0
+    lambda_vectors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+    lambda_init: float
+    norm_weight: torch.Tensor
+    eps: float
+    norm_scale: float
+
+
+class V2Combine(NamedTuple):
+    """V2: O1 - sigmoid(z) min(1, t/T) O2; z = lambda_proj(x) (B, L, h), t the anneal_step buffer, T = anneal_steps."""
+
+    MODE = 1
+    noise_logits: torch.Tensor
+    anneal_step: torch.Tensor
+    anneal_steps: int
+
+
+class DexCombine(NamedTuple):
+    """DEX: O - lambda(t) mask_h O W^T per head h; W = f_D's weight (d, d), mask_h the selected heads (h,)."""
+
+    MODE = 2
+    operator: torch.Tensor
+    head_mask: torch.Tensor
+    lambda_learn: torch.Tensor
+    anneal_step: torch.Tensor
+    anneal_steps: int
+    lambda_init: float
+
+
+def combined_decode_applies(query, key, value, mask, dropout: float) -> bool:
+    """Whether a decoding step can take `combined_decode_attention`: eager (on CUDA, or the interpreter) and
+    shapes the decode kernel covers; query (B, Hq, L, DQ), key DQ or (V1) 2 DQ wide."""
     return (
-        eager_kernels_run_on(pairs)
-        and key.shape[-1] in (pairs.shape[-1], 2 * pairs.shape[-1])
-        and (2 * pairs.shape[2]) % key.shape[1] == 0
+        eager_kernels_run_on(query)
+        and key.shape[-1] in (query.shape[-1], 2 * query.shape[-1])
         and decode_kernel_applies(query, key, value, mask, dropout)
     )
 
 
-def diff_decode_attention(pairs, key, value, mask, scale: float, mu, norm: nn.Module | None = None,
-                          norm_scale: float = 1.0, lambda_vectors=None, lambda_init: float = 0.0) -> torch.Tensor:
-    """A differential decoding step: both maps of every head, merged and combined, in two launches.
+def combined_decode_attention(query, key, value, mask, scale: float, combine) -> torch.Tensor:
+    """A decoding step of a differential layer in two launches: the maps of every query head, merged, and the
+    mode's differential term (`combine`: V1Combine, V2Combine or DexCombine), whose coefficients (lambda, the
+    noise weight) the kernel computes itself.
 
-    pairs (B, L, h, 2, DQ) = (Q1, Q2) per differential head (the last dim contiguous); key (B, h_kv, S, 2 DQ)
-    = K1|K2 (V1) or (B, h_kv, S, DQ) (V2); value (B, h_kv, S, DV); mask as `decode_attention`.
-    V1: norm = subln, norm_scale = 1 - lambda_init, lambda_vectors = (lambda_q1, lambda_k1, lambda_q2,
-    lambda_k2) and lambda_init (lambda is computed in the kernel); V2: mu = the noise weight (B, L, h).
-    Returns the combined head outputs (B, L, h, DV)."""
-    pairs, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (pairs, key, value))
-    if norm is None:
-        return diff_decode_kernels(pairs, key, value, mask, scale, mu, None, 0.0, 1.0, None, 0.0)
-    vectors = tuple(v if v.stride(0) == 1 else v.contiguous() for v in lambda_vectors)
-    return diff_decode_kernels(
-        pairs, key, value, mask, scale, None, norm.weight, norm.variance_epsilon, norm_scale, vectors, lambda_init
-    )
+    query (B, Hq, L, DQ): V1 and V2 hold the maps of differential head i in query heads 2i and 2i+1 (V1's DQ wide,
+    read against K1 and K2 of its 2 DQ wide key); key and value (B, H_KV, S, .); mask as `decode_attention`.
+    Returns the heads' outputs (B, L, h, DV), h = Hq / 2 (V1, V2) or Hq (DEX)."""
+    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    return combined_decode_kernels(query, key, value, mask, float(scale), combine)

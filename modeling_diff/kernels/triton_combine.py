@@ -16,14 +16,33 @@ except ImportError as error:
     raise ImportError("modeling_diff's Triton kernels need the triton package") from error
 
 
+# The coefficients of the differential term, for kernels that compute them where a decoding step needs them
+# (six or more small launches each on the host otherwise). Their references are the modules' own methods.
+
+
 @triton.jit
 def differential_lambda(LambdaQ1, LambdaK1, LambdaQ2, LambdaK2, lambda_init, D: tl.constexpr):
-    """V1's lambda from its four D-long vectors, in fp32: `DiffAttentionV1.differential_lambda` (whose reference
-    it is) inside a kernel, where a decoding step needs it without six more launches."""
+    """V1's lambda from its four D-long vectors, fp32 (`DiffAttentionV1.differential_lambda`)."""
     d = tl.arange(0, D)
     dot_1 = tl.sum(tl.load(LambdaQ1 + d).to(tl.float32) * tl.load(LambdaK1 + d).to(tl.float32), axis=0)
     dot_2 = tl.sum(tl.load(LambdaQ2 + d).to(tl.float32) * tl.load(LambdaK2 + d).to(tl.float32), axis=0)
     return tl.exp(dot_1) - tl.exp(dot_2) + lambda_init
+
+
+@triton.jit
+def anneal_fraction(AnnealStep, anneal_steps, ANNEALED: tl.constexpr):
+    """t / T, t from the `anneal_step` buffer; 1 when annealing is off (`diff_attention.anneal_fraction`)."""
+    if ANNEALED:
+        return tl.load(AnnealStep).to(tl.float32) / anneal_steps
+    else:
+        return 1.0
+
+
+@triton.jit
+def dex_lambda(LambdaLearn, fraction, lambda_init):
+    """DEX's lambda(t) = (1 - a) (t/T) lambda_init + a lambda_learn, a = min(1, t/T) (`DexAttention.dex_lambda`)."""
+    a = tl.minimum(fraction, 1.0)
+    return (1 - a) * fraction * lambda_init + a * tl.load(LambdaLearn).to(tl.float32)
 
 
 @triton.jit

@@ -16,7 +16,7 @@ from torch.library import triton_op, wrap_triton
 
 from ._triton import TRITON_INTERPRETING
 from .masks import causal_offset, kernel_mask
-from .triton_combine import differential_lambda, v1_combine_rows
+from .triton_combine import anneal_fraction, dex_lambda, differential_lambda, v1_combine_rows
 
 # In a try block because transformers' remote-code loader requires every *unguarded* import of a Hub export's
 # files to be installed; this module is imported only where triton is (see _triton.TRITON_AVAILABLE).
@@ -134,32 +134,47 @@ def _decode_reduce(
 
 
 @triton.jit(do_not_specialize=["splits", "parts"])
-def _decode_reduce_diff(
-    Part, Out, Mu, NormW, LambdaQ1, LambdaK1, LambdaQ2, LambdaK2,
-    sob, sol, soh, smb, sml, smh, H_KV, L, splits, parts, lambda_init, eps, norm_scale,
+def _decode_reduce_combined(
+    Part, Out, sob, sol, soh, H_KV, L, splits, parts,
+    Logits, szb, szl, szh, NormW, eps, norm_scale, LambdaQ1, LambdaK1, LambdaQ2, LambdaK2,
+    Operator, HeadMask, LambdaLearn, AnnealStep, anneal_steps, lambda_init,
     G: tl.constexpr, BLOCK_R: tl.constexpr, DV: tl.constexpr, MAX_SPLITS: tl.constexpr,
-    V1: tl.constexpr, D_LAMBDA: tl.constexpr,
+    MODE: tl.constexpr, ANNEALED: tl.constexpr, D_LAMBDA: tl.constexpr,
 ):
-    """The merge and the differential combine of each pair of query heads (2i, 2i+1) -> head i (`combine.py`):
-    V1 norm_scale * subln(O1 - lambda O2), lambda from its four vectors; V2 O1 - w O2, w = Mu (B, L, h)."""
+    """The merge, then each mode's differential term on the merged head outputs (`decode.py`):
+    MODE 0 (V1) pairs of query heads (2i, 2i+1) -> norm_scale * subln(O1 - lambda O2), lambda from its vectors;
+    MODE 1 (V2) pairs -> O1 - sigmoid(z) min(1, t/T) O2, z = Logits (B, L, h);
+    MODE 2 (DEX) each head -> O - lambda(t) mask_h O W^T, W = Operator (DV, DV)."""
     pid_bh = tl.program_id(0)
     b = pid_bh // H_KV
     kvh = pid_bh % H_KV
-    p = tl.arange(0, BLOCK_R // 2)  # (pair i, token t) rows; the program's row g * L + t is query head g, token t
-    i = p // L
-    t = p % L
-    first = 2 * i * L + t
-    ok = p < (G // 2) * L
-    o1 = _merge_splits(Part, parts, pid_bh, splits, first, ok, BLOCK_R // 2, BLOCK_R, DV, MAX_SPLITS)
-    o2 = _merge_splits(Part, parts, pid_bh, splits, first + L, ok, BLOCK_R // 2, BLOCK_R, DV, MAX_SPLITS)
-    head = kvh * (G // 2) + i
     dv = tl.arange(0, DV)
-    if V1:
-        lam = differential_lambda(LambdaQ1, LambdaK1, LambdaQ2, LambdaK2, lambda_init, D_LAMBDA)
-        out, _ = v1_combine_rows(o1, o2, lam, tl.load(NormW + dv).to(tl.float32), eps, norm_scale, DV)
+    if MODE == 2:
+        r = tl.arange(0, BLOCK_R)  # the program's row g * L + t is query head g, token t
+        ok = r < G * L
+        t = r % L
+        head = kvh * G + r // L
+        o = _merge_splits(Part, parts, pid_bh, splits, r, ok, BLOCK_R, BLOCK_R, DV, MAX_SPLITS)
+        lam = dex_lambda(LambdaLearn, anneal_fraction(AnnealStep, anneal_steps, ANNEALED), lambda_init)
+        lam_h = lam * tl.load(HeadMask + head, mask=ok, other=0.0).to(tl.float32)
+        w_t = tl.load(Operator + dv[None, :] * DV + dv[:, None])  # (DV, DV): W^T
+        out = o - lam_h[:, None] * tl.dot(o.to(w_t.dtype), w_t).to(tl.float32)
     else:
-        w = tl.load(Mu + b * smb + t * sml + head * smh, mask=ok, other=0.0).to(tl.float32)
-        out = o1 - w[:, None] * o2
+        p = tl.arange(0, BLOCK_R // 2)  # (pair i, token t); the pair's rows are 2i * L + t and (2i + 1) * L + t
+        ok = p < (G // 2) * L
+        i = p // L
+        t = p % L
+        first = 2 * i * L + t
+        o1 = _merge_splits(Part, parts, pid_bh, splits, first, ok, BLOCK_R // 2, BLOCK_R, DV, MAX_SPLITS)
+        o2 = _merge_splits(Part, parts, pid_bh, splits, first + L, ok, BLOCK_R // 2, BLOCK_R, DV, MAX_SPLITS)
+        head = kvh * (G // 2) + i
+        if MODE == 0:
+            lam = differential_lambda(LambdaQ1, LambdaK1, LambdaQ2, LambdaK2, lambda_init, D_LAMBDA)
+            out, _ = v1_combine_rows(o1, o2, lam, tl.load(NormW + dv).to(tl.float32), eps, norm_scale, DV)
+        else:
+            z = tl.load(Logits + b * szb + t * szl + head * szh, mask=ok, other=0.0).to(tl.float32)
+            fraction = tl.minimum(anneal_fraction(AnnealStep, anneal_steps, ANNEALED), 1.0)
+            out = o1 - (tl.sigmoid(z) * fraction)[:, None] * o2
     tl.store(Out + b * sob + t[:, None] * sol + head[:, None] * soh + dv[None, :],
              out.to(Out.dtype.element_ty), mask=ok[:, None])
 
@@ -220,22 +235,37 @@ def decode_attention_kernels(query, key, value, mask, scale: float, launcher=_pl
     return out
 
 
-def diff_decode_kernels(pairs, key, value, mask, scale: float, mu, norm_weight, eps: float, norm_scale: float,
-                        lambda_vectors, lambda_init: float) -> torch.Tensor:
-    """The two launches of a differential decoding step (eager only); see `decode.diff_decode_attention`."""
-    batch, length, heads, _, q_dim = pairs.shape
+def combined_decode_kernels(query, key, value, mask, scale: float, combine) -> torch.Tensor:
+    """The two launches of a decoding step with the differential term in the reduce (eager only); see
+    `decode.combined_decode_attention`, which defines `combine` (V1Combine, V2Combine or DexCombine)."""
+    batch, q_heads, length, _ = query.shape
     kv_heads, v_dim = key.shape[1], value.shape[-1]
-    query = pairs.flatten(2, 3).transpose(1, 2)  # (B, 2h, L, DQ): query heads 2i, 2i+1 = the maps of head i
+    mode = type(combine).MODE
+    heads = q_heads if mode == 2 else q_heads // 2
     work, splits, parts, block_rows = _partial_softmaxes(query, key, value, mask, scale, _plain)
-    out = torch.empty(batch, length, heads, v_dim, dtype=pairs.dtype, device=pairs.device)
-    v1 = norm_weight is not None
-    mu_strides = (0, 0, 0) if v1 else (mu.stride(0), mu.stride(1), mu.stride(2))
-    lambda_args = lambda_vectors if v1 else (out,) * 4
-    _decode_reduce_diff[(batch * kv_heads,)](
-        work, out, out if v1 else mu, norm_weight if v1 else out, *lambda_args,
-        out.stride(0), out.stride(1), out.stride(2), *mu_strides, kv_heads, length, splits, parts, lambda_init, eps,
-        norm_scale, G=2 * heads // kv_heads, BLOCK_R=block_rows, DV=v_dim,
-        MAX_SPLITS=triton.next_power_of_2(splits), V1=v1, D_LAMBDA=lambda_args[0].shape[0] if v1 else 16,
+    out = torch.empty(batch, length, heads, v_dim, dtype=query.dtype, device=query.device)
+    unused = out  # a pointer the mode does not read
+    args = dict(
+        logits=(unused, 0, 0, 0), norm=(unused, 0.0, 1.0), vectors=(unused,) * 4, dex=(unused, unused, unused),
+        anneal=(unused, 1.0), lambda_init=0.0, annealed=False, d_lambda=16,
+    )
+    if mode == 0:
+        args.update(norm=(combine.norm_weight, combine.eps, combine.norm_scale), vectors=combine.lambda_vectors,
+                    lambda_init=combine.lambda_init, d_lambda=combine.lambda_vectors[0].shape[0])
+    else:
+        annealed = combine.anneal_steps > 0
+        args.update(anneal=(combine.anneal_step, float(max(combine.anneal_steps, 1))), annealed=annealed)
+        if mode == 1:
+            logits = combine.noise_logits
+            args.update(logits=(logits, logits.stride(0), logits.stride(1), logits.stride(2)))
+        else:
+            args.update(dex=(combine.operator, combine.head_mask, combine.lambda_learn),
+                        lambda_init=combine.lambda_init)
+    _decode_reduce_combined[(batch * kv_heads,)](
+        work, out, out.stride(0), out.stride(1), out.stride(2), kv_heads, length, splits, parts,
+        *args["logits"], *args["norm"], *args["vectors"], *args["dex"], *args["anneal"], args["lambda_init"],
+        G=q_heads // kv_heads, BLOCK_R=block_rows, DV=v_dim, MAX_SPLITS=triton.next_power_of_2(splits),
+        MODE=mode, ANNEALED=args["annealed"], D_LAMBDA=args["d_lambda"],
     )
     return out
 
