@@ -174,16 +174,14 @@ def decoding_step(model, cache, batch: int, prompt_len: int):
     return step
 
 
-def run_steps(step, warmup: int, steps: int) -> float:
-    """Seconds per step of `steps` steps after `warmup` untimed ones (those run off the default stream, as CUDA
-    graph capture wants)."""
+def warm_up_steps(step, steps: int) -> None:
+    """Untimed steps, off the default stream (as CUDA graph capture wants)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(warmup):
+        for _ in range(steps):
             step()
     torch.cuda.current_stream().wait_stream(side)
-    return cuda_time(step, steps)
 
 
 @torch.no_grad()
@@ -191,14 +189,14 @@ def bench_decode(model, batch, prompt_len, new_tokens, static, rounds: int = 3):
     """Greedy steps after the prompt. A StaticCache step is captured once in a CUDA graph and replayed (what
     generate() gets from compiling the static-cache step: no per-step Python and launch overhead). A DynamicCache
     grows every step, so its steps run eagerly and the host CPU sets their pace: a first generation over the
-    same cache lengths goes untimed (it builds what each length needs: cuDNN's attention plans for transformers'
-    models, which otherwise cost ~1.5 ms per call), then the median of `rounds` generations, each from a fresh
-    prefill. Returns (tok/s, whether a graph was used)."""
+    same cache lengths goes untimed (on the H200 the first one in a process ran up to 3x slower for transformers'
+    models, whose cuDNN attention then cost ~1.5 ms of CPU per call), then the median of `rounds` generations,
+    each from a fresh prefill. Returns (tok/s, whether a graph was used)."""
     warmup = 4
     if static:
         cache = StaticCache(config=model.config, max_cache_len=prompt_len + warmup + new_tokens)
         step = decoding_step(model, cache, batch, prompt_len)
-        run_steps(step, warmup, 0)
+        warm_up_steps(step, warmup)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             step()
@@ -208,7 +206,8 @@ def bench_decode(model, batch, prompt_len, new_tokens, static, rounds: int = 3):
     times = []
     for _ in range(1 + rounds):
         step = decoding_step(model, DynamicCache(config=model.config), batch, prompt_len)
-        times.append(run_steps(step, warmup, new_tokens))
+        warm_up_steps(step, warmup)
+        times.append(cuda_time(step, new_tokens))
         del step
     return batch / statistics.median(times[1:]), False
 
