@@ -5,7 +5,7 @@
 Per sequence length, for transformers' LlamaForCausalLM (the reference), the same Llama with modeling_diff's
 RMSNorm and RoPE kernels patched in (`llama-fused`: what the differential modes are compared with like for like,
 since they use those kernels too), transformers' DiffLlamaForCausalLM and modeling_diff's V1, V2 and DEX (the ~1.1B presets: hidden 2048, 16 layers, MLP 8192, bf16, sdpa, which
-on CUDA routes to the project's fast paths), one process, one model at a time:
+on CUDA routes to the project's fast paths), each model and length in a fresh process:
 
 - train:   forward + backward + fused AdamW step on `tokens` tokens (4 x 2048, or 1 x 8192), peak memory;
 - prefill: no-grad forward of the same tokens, logits of the last position only (as generate() does);
@@ -26,6 +26,7 @@ import gc
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -254,15 +255,39 @@ def bench_model(name: str, seq: int, phases, args) -> list[dict]:
     return rows
 
 
-def run(args):
+PHASES = [("train", None), ("prefill", None), ("decode b1 static", 1), ("decode b32 dynamic", 32),
+          ("decode b32 static", 32)]
+
+
+def measure_in_this_process(args) -> list[dict]:
+    """The rows of args.models at args.seq, measured here."""
     warm_up_gpu()
-    phases = [(p, b) for p, b in [("train", None), ("prefill", None), ("decode b1 static", 1),
-                                   ("decode b32 dynamic", 32), ("decode b32 static", 32)] if p.split()[0] in args.phases]
+    phases = [(p, b) for p, b in PHASES if p.split()[0] in args.phases]
     results = []
     for seq in args.seq:
-        for name in tqdm(args.models, desc=f"seq {seq}"):
+        for name in args.models:
             with kernels_patched(name):
                 results += bench_model(name, seq, phases, args)
+    return results
+
+
+def run(args) -> list[dict]:
+    """Every model at every length in a fresh process of its own: on the H200 a process that had measured other
+    models ran eager decoding steps up to 1.5x slower (the same model, the same steps), which would favour
+    whichever model runs first."""
+    results = []
+    with tempfile.TemporaryDirectory() as folder:
+        for seq in args.seq:
+            for name in tqdm(args.models, desc=f"seq {seq}"):
+                rows_file = os.path.join(folder, f"{name}-{seq}.json")
+                subprocess.run(
+                    [sys.executable, os.path.abspath(__file__), "--in-process", "--models", name, "--seq", str(seq),
+                     "--phases", *args.phases, "--tokens", str(args.tokens), "--new-tokens", str(args.new_tokens),
+                     "--repeats", str(args.repeats), "--out", rows_file],
+                    check=True,
+                )
+                with open(rows_file) as f:
+                    results += json.load(f)
     return results
 
 
@@ -298,23 +323,34 @@ def main(argv=None):
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", help="write the rows (JSON) and the table (.md beside it) here")
+    parser.add_argument("--in-process", action="store_true",
+                        help="measure in this process and write only the rows to --out (what each worker does)")
     args = parser.parse_args(argv)
     for name in ("seq", "tokens", "new_tokens", "repeats"):
         values = getattr(args, name) if isinstance(getattr(args, name), list) else [getattr(args, name)]
         if any(v < 1 for v in values):
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.in_process and not args.out:
+        parser.error("--in-process writes its rows to --out: give one")
     if not torch.cuda.is_available():
         sys.exit("bench.py needs a CUDA GPU")
     torch.backends.cuda.matmul.allow_tf32 = True
+    if args.in_process:  # one worker of `run`: the rows only
+        write_atomically(args.out, json.dumps(measure_in_this_process(args)))
+        return
     results = run(args)
     text = table(results)
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}\n{text}")
-    if args.out:  # written whole, then renamed into place
-        for path, content in ((args.out, json.dumps(results, indent=1)), (os.path.splitext(args.out)[0] + ".md", text)):
-            folder = os.path.dirname(os.path.abspath(path))
-            with tempfile.NamedTemporaryFile("w", dir=folder, delete=False) as f:
-                f.write(content + "\n")
-            os.replace(f.name, path)
+    if args.out:
+        write_atomically(args.out, json.dumps(results, indent=1))
+        write_atomically(os.path.splitext(args.out)[0] + ".md", text)
+
+
+def write_atomically(path: str, content: str) -> None:
+    """Written whole to a temporary file beside `path`, then renamed into place."""
+    with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(os.path.abspath(path)), delete=False) as f:
+        f.write(content + "\n")
+    os.replace(f.name, path)
 
 
 if __name__ == "__main__":
