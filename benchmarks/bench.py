@@ -4,15 +4,17 @@
 
 Per sequence length, for transformers' LlamaForCausalLM (the reference), the same Llama with modeling_diff's
 RMSNorm and RoPE kernels patched in (`llama-fused`: what the differential modes are compared with like for like,
-since they use those kernels too), transformers' DiffLlamaForCausalLM and modeling_diff's V1, V2 and DEX (the ~1.1B presets: hidden 2048, 16 layers, MLP 8192, bf16, sdpa, which
-on CUDA routes to the project's fast paths), each model and length in a fresh process:
+since they use those kernels too), transformers' DiffLlamaForCausalLM and modeling_diff's V1, V2 and DEX (the
+~1.1B presets: hidden 2048, 16 layers, MLP 8192, bf16, sdpa, which on CUDA routes to the project's fast paths),
+in one process:
 
 - train:   forward + backward + fused AdamW step on `tokens` tokens (4 x 2048, or 1 x 8192), peak memory;
 - prefill: no-grad forward of the same tokens, logits of the last position only (as generate() does);
-- decode:  64 greedy steps after a prompt of `seq` tokens and 4 warm-up steps: batch 1 and 32 with a
-           StaticCache (the step captured in a CUDA graph and replayed), batch 32 with a DynamicCache
-           (eager steps: at these sizes mostly Python and launch overhead; the median of 3 generations
-           after an untimed one over the same cache lengths).
+- decode:  64 greedy steps after a prompt of `seq` tokens and 4 warm-up steps, batch 1 and 32, with a
+           StaticCache (the step captured in a CUDA graph and replayed), one model at a time;
+- dynamic: the same at batch 32 with a DynamicCache (eager steps: at these sizes mostly Python and launch
+           overhead, so the host CPU sets the pace), all models loaded and taking turns (see
+           `bench_dynamic_interleaved`).
 
 Each row gives tok/s, the ratio to Llama, the work per token relative to Llama (model FLOPs for train and
 prefill, bytes read for decode: weights / batch + the KV cache, counted analytically from the shapes) and
@@ -26,7 +28,6 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -186,31 +187,59 @@ def warm_up_steps(step, steps: int) -> None:
 
 
 @torch.no_grad()
-def bench_decode(model, batch, prompt_len, new_tokens, static, rounds: int = 3):
-    """Greedy steps after the prompt. A StaticCache step is captured once in a CUDA graph and replayed (what
-    generate() gets from compiling the static-cache step: no per-step Python and launch overhead). A DynamicCache
-    grows every step, so its steps run eagerly and the host CPU sets their pace: a first generation over the
-    same cache lengths goes untimed (on the H200 the first one in a process ran up to 3x slower for transformers'
-    models, whose cuDNN attention then cost ~1.5 ms of CPU per call), then the median of `rounds` generations,
-    each from a fresh prefill. Returns (tok/s, whether a graph was used)."""
+def bench_static_decode(model, batch, prompt_len, new_tokens) -> float:
+    """tok/s of greedy StaticCache steps after the prompt, the step captured once in a CUDA graph and replayed
+    (what generate() gets from compiling the static-cache step: no per-step Python and launch overhead)."""
     warmup = 4
-    if static:
-        cache = StaticCache(config=model.config, max_cache_len=prompt_len + warmup + new_tokens)
-        step = decoding_step(model, cache, batch, prompt_len)
-        warm_up_steps(step, warmup)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        seconds = cuda_time(graph.replay, new_tokens)
-        del cache, graph
-        return batch / seconds, True
-    times = []
-    for _ in range(1 + rounds):
-        step = decoding_step(model, DynamicCache(config=model.config), batch, prompt_len)
-        warm_up_steps(step, warmup)
-        times.append(cuda_time(step, new_tokens))
-        del step
-    return batch / statistics.median(times[1:]), False
+    cache = StaticCache(config=model.config, max_cache_len=prompt_len + warmup + new_tokens)
+    step = decoding_step(model, cache, batch, prompt_len)
+    warm_up_steps(step, warmup)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    seconds = cuda_time(graph.replay, new_tokens)
+    del cache, graph
+    return batch / seconds
+
+
+@torch.no_grad()
+def dynamic_generation(model, batch, prompt_len, new_tokens) -> float:
+    """tok/s of one generation of eager DynamicCache steps (after a fresh prefill and 4 untimed steps)."""
+    step = decoding_step(model, DynamicCache(config=model.config), batch, prompt_len)
+    warm_up_steps(step, 4)
+    return batch / cuda_time(step, new_tokens)
+
+
+def bench_dynamic_interleaved(names, seq: int, args, batch: int = 32) -> list[dict]:
+    """The `decode b32 dynamic` rows: eager steps, whose pace the host CPU sets, and the H200 machine's host
+    drifted by up to 1.5x within minutes (the same model and steps measured 9.2 and 14.1 ms apart). So all models
+    stay loaded and take turns: each round runs one generation of every model, in an order rotated every round,
+    and a model's row is the median over the rounds after the first (which compiles kernels and builds cuDNN's
+    attention plans, ~1.5 ms of CPU per call on a first generation of transformers' models)."""
+    models = {}
+    for name in names:
+        with kernels_patched(name):
+            models[name] = build(name, max_positions=seq + 128).eval()
+    speeds = {name: [] for name in names}
+    for round_ in tqdm(range(1 + args.rounds), desc=f"seq {seq} dynamic rounds"):
+        order = names[round_ % len(names):] + names[: round_ % len(names)]
+        for name in order:
+            with kernels_patched(name):
+                tok_s = dynamic_generation(models[name], batch, seq, args.new_tokens)
+            if round_ > 0:
+                speeds[name].append(tok_s)
+            gc.collect()
+            torch.cuda.empty_cache()
+    rows = []
+    for name, model in models.items():
+        _, kv_bytes = attention_work(name, model.config)
+        rows.append(dict(seq=seq, model=name, phase=f"decode b{batch} dynamic", tok_s=statistics.median(speeds[name]),
+                         rounds=speeds[name], work=weight_bytes(model) / batch + kv_bytes * (seq + 4 + args.new_tokens / 2)))
+        tqdm.write(json.dumps(rows[-1]))
+    del models
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows
 
 
 def warm_up_gpu(seconds: float = 3.0):
@@ -241,7 +270,7 @@ def bench_model(name: str, seq: int, phases, args) -> list[dict]:
                 row["tok_s"] = bench_prefill(model, batch, seq, args.repeats)
                 row["work"] = body + head / seq + attn_flops * (seq + 1) / 2
             else:
-                row["tok_s"], row["cuda_graph"] = bench_decode(model, dec_batch, seq, args.new_tokens, "static" in phase)
+                row["tok_s"] = bench_static_decode(model, dec_batch, seq, args.new_tokens)
                 row["work"] = weights / dec_batch + kv_bytes * (seq + 4 + args.new_tokens / 2)
         except (torch.OutOfMemoryError, RuntimeError) as error:  # recorded in the table, the run goes on
             row["error"] = f"{type(error).__name__}: {str(error)[:100]}"
@@ -255,40 +284,22 @@ def bench_model(name: str, seq: int, phases, args) -> list[dict]:
     return rows
 
 
-PHASES = [("train", None), ("prefill", None), ("decode b1 static", 1), ("decode b32 dynamic", 32),
-          ("decode b32 static", 32)]
+PHASES = [("train", None), ("prefill", None), ("decode b1 static", 1), ("decode b32 static", 32)]
 
 
-def measure_in_this_process(args) -> list[dict]:
-    """The rows of args.models at args.seq, measured here."""
+def run(args) -> list[dict]:
     warm_up_gpu()
     phases = [(p, b) for p, b in PHASES if p.split()[0] in args.phases]
     results = []
     for seq in args.seq:
-        for name in args.models:
-            with kernels_patched(name):
-                results += bench_model(name, seq, phases, args)
-    return results
-
-
-def run(args) -> list[dict]:
-    """Every model at every length in a fresh process of its own: on the H200 a process that had measured other
-    models ran eager decoding steps up to 1.5x slower (the same model, the same steps), which would favour
-    whichever model runs first."""
-    results = []
-    with tempfile.TemporaryDirectory() as folder:
-        for seq in args.seq:
+        if phases:
             for name in tqdm(args.models, desc=f"seq {seq}"):
-                rows_file = os.path.join(folder, f"{name}-{seq}.json")
-                subprocess.run(
-                    [sys.executable, os.path.abspath(__file__), "--in-process", "--models", name, "--seq", str(seq),
-                     "--phases", *args.phases, "--tokens", str(args.tokens), "--new-tokens", str(args.new_tokens),
-                     "--repeats", str(args.repeats), "--out", rows_file],
-                    check=True,
-                )
-                with open(rows_file) as f:
-                    results += json.load(f)
-    return results
+                with kernels_patched(name):
+                    results += bench_model(name, seq, phases, args)
+        if "dynamic" in args.phases:
+            results += bench_dynamic_interleaved(args.models, seq, args)
+    order = {p: i for i, p in enumerate(["train", "prefill", "decode b1 static", "decode b32 dynamic", "decode b32 static"])}
+    return sorted(results, key=lambda r: (r["seq"], args.models.index(r["model"]), order[r["phase"]]))
 
 
 def table(results) -> str:
@@ -318,26 +329,22 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seq", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
-    parser.add_argument("--phases", nargs="+", default=["train", "prefill", "decode"], choices=["train", "prefill", "decode"])
+    parser.add_argument("--phases", nargs="+", default=["train", "prefill", "decode", "dynamic"],
+                        choices=["train", "prefill", "decode", "dynamic"],
+                        help="decode: the StaticCache rows; dynamic: the DynamicCache rows, models interleaved")
     parser.add_argument("--tokens", type=int, default=8192, help="tokens per training / prefill batch")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=4, help="timed rounds of the interleaved dynamic rows")
     parser.add_argument("--out", help="write the rows (JSON) and the table (.md beside it) here")
-    parser.add_argument("--in-process", action="store_true",
-                        help="measure in this process and write only the rows to --out (what each worker does)")
     args = parser.parse_args(argv)
-    for name in ("seq", "tokens", "new_tokens", "repeats"):
+    for name in ("seq", "tokens", "new_tokens", "repeats", "rounds"):
         values = getattr(args, name) if isinstance(getattr(args, name), list) else [getattr(args, name)]
         if any(v < 1 for v in values):
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.in_process and not args.out:
-        parser.error("--in-process writes its rows to --out: give one")
     if not torch.cuda.is_available():
         sys.exit("bench.py needs a CUDA GPU")
     torch.backends.cuda.matmul.allow_tf32 = True
-    if args.in_process:  # one worker of `run`: the rows only
-        write_atomically(args.out, json.dumps(measure_in_this_process(args)))
-        return
     results = run(args)
     text = table(results)
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}\n{text}")
