@@ -98,7 +98,8 @@ class DiffAttentionV1(_DiffAttentionBase):
     query head 2i is [Q1_i, 0] and 2i+1 is [0, Q2_i], so [Q1, 0] . [K1, K2] = Q1 . K1 and [0, Q2] . [K1, K2] =
     Q2 . K2. Every backend then sees equal query, key and value widths (FlashAttention accepts it), reads
     K and V once for both maps, and the pair shares a GQA group like V2's. On CUDA the flash-diff kernel
-    replaces that call and the combine: both maps per tile at d-wide Q.K, the combine in its epilogue.
+    replaces that call and the combine: both maps per tile at d-wide Q.K, the combine in its epilogue; in a
+    decoding step the decode kernel does, reading Q1 and Q2 as they are (`fused_attention`).
     """
 
     flash_diff_by_default = True
