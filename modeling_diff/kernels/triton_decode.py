@@ -240,32 +240,28 @@ def combined_decode_kernels(query, key, value, mask, scale: float, combine) -> t
     `decode.combined_decode_attention`, which defines `combine` (V1Combine, V2Combine or DexCombine)."""
     batch, q_heads, length, _ = query.shape
     kv_heads, v_dim = key.shape[1], value.shape[-1]
-    mode = type(combine).MODE
-    heads = q_heads if mode == 2 else q_heads // 2
+    mode = type(combine).MODE  # 0 V1, 1 V2, 2 DEX: the reduce kernel's MODE
+    heads = q_heads if mode == 2 else q_heads // 2  # V1, V2: a head per pair of query heads
     work, splits, parts, block_rows = _partial_softmaxes(query, key, value, mask, scale, _plain)
     out = torch.empty(batch, length, heads, v_dim, dtype=query.dtype, device=query.device)
     unused = out  # a pointer the mode does not read
-    args = dict(
-        logits=(unused, 0, 0, 0), norm=(unused, 0.0, 1.0), vectors=(unused,) * 4, dex=(unused, unused, unused),
-        anneal=(unused, 1.0), lambda_init=0.0, annealed=False, d_lambda=16,
-    )
-    if mode == 0:
-        args.update(norm=(combine.norm_weight, combine.eps, combine.norm_scale), vectors=combine.lambda_vectors,
-                    lambda_init=combine.lambda_init, d_lambda=combine.lambda_vectors[0].shape[0])
-    else:
-        annealed = combine.anneal_steps > 0
-        args.update(anneal=(combine.anneal_step, float(max(combine.anneal_steps, 1))), annealed=annealed)
+    logits, norm, vectors, dex = (unused, 0, 0, 0), (unused, 0.0, 1.0), (unused,) * 4, (unused,) * 3
+    anneal, lambda_init, d_lambda = (unused, 1.0), 0.0, 16
+    if mode == 0:  # V1Combine
+        norm, vectors = (combine.norm_weight, combine.eps, combine.norm_scale), combine.lambda_vectors
+        lambda_init, d_lambda = combine.lambda_init, vectors[0].shape[0]
+    else:  # V2Combine, DexCombine: the anneal step t and T (ANNEALED is False when T = 0: annealing off)
+        anneal = (combine.anneal_step, float(max(combine.anneal_steps, 1)))
         if mode == 1:
-            logits = combine.noise_logits
-            args.update(logits=(logits, logits.stride(0), logits.stride(1), logits.stride(2)))
+            logits = (combine.noise_logits, *combine.noise_logits.stride())
         else:
-            args.update(dex=(combine.operator, combine.head_mask, combine.lambda_learn),
-                        lambda_init=combine.lambda_init)
+            dex = (combine.operator.contiguous(), combine.head_mask, combine.lambda_learn)
+            lambda_init = combine.lambda_init
     _decode_reduce_combined[(batch * kv_heads,)](
         work, out, out.stride(0), out.stride(1), out.stride(2), kv_heads, length, splits, parts,
-        *args["logits"], *args["norm"], *args["vectors"], *args["dex"], *args["anneal"], args["lambda_init"],
+        *logits, *norm, *vectors, *dex, *anneal, lambda_init,
         G=q_heads // kv_heads, BLOCK_R=block_rows, DV=v_dim, MAX_SPLITS=triton.next_power_of_2(splits),
-        MODE=mode, ANNEALED=args["annealed"], D_LAMBDA=args["d_lambda"],
+        MODE=mode, ANNEALED=mode != 0 and combine.anneal_steps > 0, D_LAMBDA=d_lambda,
     )
     return out
 
