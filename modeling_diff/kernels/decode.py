@@ -49,7 +49,6 @@ def decode_attention(query, key, value, mask, scale: float) -> torch.Tensor:
     return decode_attention_kernels(query, key, value, mask, float(scale))
 
 
-
 class V1Combine(NamedTuple):
     """V1: norm_scale * subln(O1 - lambda O2), lambda from (lambda_q1, lambda_k1, lambda_q2, lambda_k2)."""
 
