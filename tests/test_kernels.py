@@ -494,6 +494,33 @@ def test_lora_model_on_the_flash_diff_kernel_equals_eager(monkeypatch):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_lora_model_decoding_on_the_kernel_equals_eager(mode, monkeypatch):
+    """Under PEFT the differential modules are trained copies (`modules_to_save`): V1's decode kernel reads the copy's
+    subln weight, V2's the copy's lambda_proj output; DEX's wrapped f_D takes the plain path. Greedy decoding with
+    the adapter active equals eager decoding of the same LoRA model."""
+    import modeling_diff.diff_attention as attention
+    from modeling_diff.lora import get_lora_model, lora_config
+
+    kernel_calls = []
+    kernel = attention.combined_decode_attention
+    monkeypatch.setattr(attention, "combined_decode_attention", lambda *a: kernel_calls.append(1) or kernel(*a))
+    eager, _ = model_pair(mode, FAST)
+    model = get_lora_model(eager, lora_config(lora_dropout=0.0)).eval()
+    with torch.no_grad():  # a trained adapter and trained copies: none of them at their initial values
+        for name, p in model.named_parameters():
+            if "lora_B" in name or "modules_to_save" in name:
+                p.add_(0.05 * torch.randn_like(p))
+    ids, mask = padded_batch(eager.config.vocab_size, length=40)  # prefill: SDPA (more rows than the kernel's)
+    steps = torch.randint(3, eager.config.vocab_size, (ids.shape[0], 2), device=DEVICE)
+    logits = []
+    for implementation in ("eager", FAST):
+        model.base_model.model.set_attn_implementation(implementation)
+        logits.append(decode(model, DynamicCache, ids, mask, steps))
+    assert rel_err(logits[1], logits[0]) < TOL
+    assert len(kernel_calls) == (0 if mode == "dex" else steps.shape[1] * eager.config.num_hidden_layers)
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("length", [5, 40])  # the decode kernel; the flash-diff kernel (V1) or SDPA
 def test_static_cache_prefill_without_mask_equals_eager(mode, length):
     """A StaticCache prefill gets no mask from transformers although the keys are the whole (longer) buffer."""
