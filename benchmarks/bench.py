@@ -119,6 +119,13 @@ def weight_bytes(model) -> float:
     return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
 
 
+def decode_work(name: str, model, batch: int, seq: int, new_tokens: int) -> float:
+    """Bytes a decoding step reads per token, on average over the generation: the weights / batch + the KV cache
+    (4 warm-up steps, then `new_tokens` timed ones, after a prompt of `seq`)."""
+    _, kv_bytes = attention_work(name, model.config)
+    return weight_bytes(model) / batch + kv_bytes * (seq + 4 + new_tokens / 2)
+
+
 def cuda_time(fn, repeats: int) -> float:
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -214,8 +221,8 @@ def bench_dynamic_interleaved(names, seq: int, args, batch: int = 32) -> list[di
     """The `decode b32 dynamic` rows: eager steps, whose pace the host CPU sets, and the H200 machine's host
     drifted by up to 1.5x within minutes (the same model and steps measured 9.2 and 14.1 ms apart). So all models
     stay loaded and take turns: each round runs one generation of every model, in an order rotated every round,
-    and a model's row is the median over the rounds after the first (which compiles kernels and builds cuDNN's
-    attention plans, ~1.5 ms of CPU per call on a first generation of transformers' models)."""
+    and a model's row is the median over the rounds after the first (which compiles kernels, and where transformers'
+    models measured ~1.5 ms of CPU per cuDNN attention call: a first generation in a process)."""
     models = {}
     for name in names:
         with kernels_patched(name):
@@ -232,9 +239,8 @@ def bench_dynamic_interleaved(names, seq: int, args, batch: int = 32) -> list[di
             torch.cuda.empty_cache()
     rows = []
     for name, model in models.items():
-        _, kv_bytes = attention_work(name, model.config)
         rows.append(dict(seq=seq, model=name, phase=f"decode b{batch} dynamic", tok_s=statistics.median(speeds[name]),
-                         rounds=speeds[name], work=weight_bytes(model) / batch + kv_bytes * (seq + 4 + args.new_tokens / 2)))
+                         rounds=speeds[name], work=decode_work(name, model, batch, seq, args.new_tokens)))
         tqdm.write(json.dumps(rows[-1]))
     del models
     gc.collect()
@@ -257,8 +263,7 @@ def bench_model(name: str, seq: int, phases, args) -> list[dict]:
     batch = max(1, args.tokens // seq)
     model = build(name, max_positions=seq + 128)
     body, head = linear_flops(model, name)
-    attn_flops, kv_bytes = attention_work(name, model.config)
-    weights = weight_bytes(model)
+    attn_flops, _ = attention_work(name, model.config)
     rows = []
     for phase, dec_batch in phases:
         row = dict(seq=seq, model=name, phase=phase)
@@ -271,7 +276,7 @@ def bench_model(name: str, seq: int, phases, args) -> list[dict]:
                 row["work"] = body + head / seq + attn_flops * (seq + 1) / 2
             else:
                 row["tok_s"] = bench_static_decode(model, dec_batch, seq, args.new_tokens)
-                row["work"] = weights / dec_batch + kv_bytes * (seq + 4 + args.new_tokens / 2)
+                row["work"] = decode_work(name, model, dec_batch, seq, args.new_tokens)
         except (torch.OutOfMemoryError, RuntimeError) as error:  # recorded in the table, the run goes on
             row["error"] = f"{type(error).__name__}: {str(error)[:100]}"
         rows.append(row)
@@ -284,22 +289,26 @@ def bench_model(name: str, seq: int, phases, args) -> list[dict]:
     return rows
 
 
-PHASES = [("train", None), ("prefill", None), ("decode b1 static", 1), ("decode b32 static", 32)]
+# (row name, decoding batch) in table order; the --phases choice of each is its first word ("dynamic" for the
+# DynamicCache row)
+PHASES = [("train", None), ("prefill", None), ("decode b1 static", 1), ("decode b32 dynamic", 32),
+          ("decode b32 static", 32)]
 
 
 def run(args) -> list[dict]:
     warm_up_gpu()
-    phases = [(p, b) for p, b in PHASES if p.split()[0] in args.phases]
+    one_at_a_time = [(p, b) for p, b in PHASES if "dynamic" not in p and p.split()[0] in args.phases]
     results = []
     for seq in args.seq:
-        if phases:
+        if one_at_a_time:
             for name in tqdm(args.models, desc=f"seq {seq}"):
                 with kernels_patched(name):
-                    results += bench_model(name, seq, phases, args)
+                    results += bench_model(name, seq, one_at_a_time, args)
         if "dynamic" in args.phases:
-            results += bench_dynamic_interleaved(args.models, seq, args)
-    order = {p: i for i, p in enumerate(["train", "prefill", "decode b1 static", "decode b32 dynamic", "decode b32 static"])}
-    return sorted(results, key=lambda r: (r["seq"], args.models.index(r["model"]), order[r["phase"]]))
+            batch = next(b for p, b in PHASES if "dynamic" in p)
+            results += bench_dynamic_interleaved(args.models, seq, args, batch)
+    order = [p for p, _ in PHASES]
+    return sorted(results, key=lambda r: (r["seq"], args.models.index(r["model"]), order.index(r["phase"])))
 
 
 def table(results) -> str:

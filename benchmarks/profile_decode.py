@@ -3,12 +3,13 @@
     python benchmarks/profile_decode.py --seq 2048 --batch 32 --out $OUT/profile
 
 At batch 32 an eager step of the ~1.1B models issues a few hundred kernels for a few ms of GPU work, so the
-host CPU decides its speed (benchmarks/RESULTS.md). Two cautions from the H200 machine: the host's speed drifts
-(the same steps measured up to 1.5x apart within minutes; for tok/s, bench.py's interleaved rounds are the
-measure), and the first model profiled in a process that calls cuDNN attention (transformers' models) pays
-~1.5 ms of CPU per attention call, which a later one does not. For each model of bench.py this prints the wall time of a
+host CPU decides its speed (benchmarks/RESULTS.md). For each model of bench.py this prints the wall time of a
 step, the CPU time spent issuing it, and the GPU busy time (torch.profiler); with --out, one file per model with
 the profiler's tables (top operators by CPU and by GPU time).
+
+Two cautions from the H200 machine: the host's speed drifts (the same steps measured up to 1.5x apart within
+minutes; for tok/s, bench.py's interleaved rounds are the measure), and the first model profiled in a process
+that calls cuDNN attention (transformers' models) pays ~1.5 ms of CPU per attention call, a later one does not.
 """
 
 import argparse

@@ -4,7 +4,7 @@
   fused into one Triton pass forward and backward (`triton_combine.py`).
 - `flash_diff.py`: both softmax maps of a differential head and the combine in one flash-attention kernel
   (`triton_flash_diff.py`), forward and backward, for V1 and V2 prefill and training.
-- `rope.py`: the rotary embedding of queries and keys in one Triton pass per tensor (`triton_rope.py`).
+- `rope.py`: the rotary embedding of queries and keys in one Triton launch for both (`triton_rope.py`).
 - `rmsnorm.py`: the decoder's RMSNorm in one Triton pass forward and one backward (`triton_rmsnorm.py`).
 - `decode.py`: split-KV attention for decoding steps, one read of the KV cache per step, with each mode's
   differential term in its reduce (`triton_decode.py`).
@@ -30,6 +30,7 @@ register()
 
 __all__ = [
     "DIFF_TRITON", "FUSED_DIFF", "DexCombine", "V1Combine", "V2Combine", "apply_rope", "combined_decode_applies",
-    "combined_decode_attention", "diff_triton_attention_forward", "flash_diff_applies", "flash_diff_attention", "has_extra_options", "resolve",
-    "rms_norm", "rms_norm_kernel_applies", "triton_available", "uses_fast_kernels", "v1_combine", "v2_combine",
+    "combined_decode_attention", "diff_triton_attention_forward", "flash_diff_applies", "flash_diff_attention",
+    "has_extra_options", "resolve", "rms_norm", "rms_norm_kernel_applies", "triton_available", "uses_fast_kernels",
+    "v1_combine", "v2_combine",
 ]

@@ -3,8 +3,9 @@
 A program owns one (batch, kv head) and one chunk of the cached sequence. Its rows are every query of the
 kv head's GQA group (G query heads x L tokens), so the K and V tiles it loads serve the whole group; the
 chunks run in parallel (flash-decoding) and a reduce kernel merges their partial softmaxes. For the
-differential modes the reduce also does the combine of each head pair (`_decode_reduce_diff`), and V1's
-queries are read as they come (`PAIRED`: Q1 against K1, Q2 against K2 of the 2d-wide cached key).
+differential modes the reduce also applies the mode's differential term (`_decode_reduce_combined`: V1's and
+V2's combine of each head pair, DEX's operator), and V1's queries are read as they come (`PAIRED`: Q1 against
+K1, Q2 against K2 of the 2d-wide cached key).
 
 Imported only when triton is installed (see `kernels/decode.py` for the reference and the dispatch).
 """
