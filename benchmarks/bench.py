@@ -13,8 +13,8 @@ in one process:
 - decode:  64 greedy steps after a prompt of `seq` tokens and 4 warm-up steps, batch 1 and 32, with a
            StaticCache (the step captured in a CUDA graph and replayed), one model at a time;
 - dynamic: the same at batch 32 with a DynamicCache (eager steps: at these sizes mostly Python and launch
-           overhead, so the host CPU sets the pace), all models loaded and taking turns (see
-           `bench_dynamic_interleaved`).
+           overhead, so the host CPU sets the pace), all models loaded and stepping in lockstep (see
+           `bench_dynamic_lockstep`).
 
 Each row gives tok/s, the ratio to Llama, the work per token relative to Llama (model FLOPs for train and
 prefill, bytes read for decode: weights / batch + the KV cache, counted analytically from the shapes) and
@@ -164,23 +164,30 @@ def bench_prefill(model, batch, seq, repeats):
     return batch * seq / cuda_time(run, repeats)
 
 
-@torch.no_grad()
-def decoding_step(model, cache, batch: int, prompt_len: int):
-    """Prefill `cache` with a random prompt; return step(), one greedy decoding step. The step reads and updates
-    only device tensors, so it can be replayed as a CUDA graph."""
-    prompt = torch.randint(0, model.config.vocab_size, (batch, prompt_len), device="cuda")
-    for chunk in prompt.split(max(1, 65536 // batch), dim=1):  # prefill in pieces of <= 64K tokens
-        logits = model(chunk, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
-    token = logits[:, -1].argmax(-1, keepdim=True)
-    position = torch.full((batch, 1), prompt_len, device="cuda")
+class decoding_step:  # noqa: N801  (used like a function: step = decoding_step(...); step())
+    """Prefill `cache` with a random prompt; each call is then one greedy decoding step. The step reads and updates
+    only device tensors, so it can be replayed as a CUDA graph; `rewind()` takes a DynamicCache back to the prompt."""
 
     @torch.no_grad()
-    def step():
-        logits = model(token, position_ids=position, past_key_values=cache, use_cache=True).logits
-        token.copy_(logits[:, -1].argmax(-1, keepdim=True))
-        position.add_(1)
+    def __init__(self, model, cache, batch: int, prompt_len: int):
+        self.model, self.cache, self.prompt_len = model, cache, prompt_len
+        prompt = torch.randint(0, model.config.vocab_size, (batch, prompt_len), device="cuda")
+        for chunk in prompt.split(max(1, 65536 // batch), dim=1):  # prefill in pieces of <= 64K tokens
+            logits = model(chunk, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        self.token = logits[:, -1].argmax(-1, keepdim=True)
+        self.position = torch.full((batch, 1), prompt_len, device="cuda")
 
-    return step
+    @torch.no_grad()
+    def __call__(self):
+        logits = self.model(self.token, position_ids=self.position, past_key_values=self.cache, use_cache=True).logits
+        self.token.copy_(logits[:, -1].argmax(-1, keepdim=True))
+        self.position.add_(1)
+
+    def rewind(self):
+        extra = self.cache.get_seq_length() - self.prompt_len
+        if extra:
+            self.cache.crop(-extra)  # a negative count: the tokens to drop
+        self.position.fill_(self.prompt_len)
 
 
 def warm_up_steps(step, steps: int) -> None:
@@ -210,39 +217,44 @@ def bench_static_decode(model, batch, prompt_len, new_tokens) -> float:
 
 
 @torch.no_grad()
-def dynamic_generation(model, batch, prompt_len, new_tokens) -> float:
-    """tok/s of one generation of eager DynamicCache steps (after a fresh prefill and 4 untimed steps)."""
-    step = decoding_step(model, DynamicCache(config=model.config), batch, prompt_len)
-    warm_up_steps(step, 4)
-    return batch / cuda_time(step, new_tokens)
-
-
-def bench_dynamic_interleaved(names, seq: int, args, batch: int = 32) -> list[dict]:
-    """The `decode b32 dynamic` rows: eager steps, whose pace the host CPU sets, and the H200 machine's host
-    drifted by up to 1.5x within minutes (the same model and steps measured 9.2 and 14.1 ms apart). So all models
-    stay loaded and take turns: each round runs one generation of every model, in an order rotated every round,
-    and a model's row is the median over the rounds after the first (which compiles kernels, and where transformers'
-    models measured ~1.5 ms of CPU per cuDNN attention call: a first generation in a process)."""
-    models = {}
+def bench_dynamic_lockstep(names, seq: int, args, batch: int = 32) -> list[dict]:
+    """The `decode b32 dynamic` rows: eager DynamicCache steps, whose pace the host CPU sets, and the H200 machine's
+    host drifted by up to 1.5x within minutes. So the models run in lockstep: all are loaded with their own
+    prefilled cache, every step of the generation runs once per model, in an order rotated every step, and each
+    step is timed from a synchronized start to a synchronized end (generate() synchronizes every step too, for
+    its stopping check). A round is one generation per model (4 untimed steps, then `new_tokens` timed ones), the
+    caches rewound to the prompt between rounds. The first round is untimed: it compiles kernels, and
+    transformers' cuDNN attention builds a plan for every new cache length (~4 ms of CPU per call), which later
+    rounds find cached. A row is the median over the timed rounds."""
+    steps = {}
     for name in names:
         with kernels_patched(name):
-            models[name] = build(name, max_positions=seq + 128).eval()
+            model = build(name, max_positions=seq + 128).eval()
+            steps[name] = decoding_step(model, DynamicCache(config=model.config), batch, seq)
+    warmup = 4
     speeds = {name: [] for name in names}
     for round_ in tqdm(range(1 + args.rounds), desc=f"seq {seq} dynamic rounds"):
-        order = names[round_ % len(names):] + names[: round_ % len(names)]
-        for name in order:
-            with kernels_patched(name):
-                tok_s = dynamic_generation(models[name], batch, seq, args.new_tokens)
-            if round_ > 0:
-                speeds[name].append(tok_s)
-            gc.collect()
-            torch.cuda.empty_cache()
+        elapsed = dict.fromkeys(names, 0.0)
+        for step in steps.values():
+            step.rewind()
+        for i in range(warmup + args.new_tokens):
+            for name in names[i % len(names):] + names[: i % len(names)]:
+                with kernels_patched(name):
+                    torch.cuda.synchronize()
+                    start = time.perf_counter()
+                    steps[name]()
+                    torch.cuda.synchronize()
+                    if i >= warmup:
+                        elapsed[name] += time.perf_counter() - start
+        if round_ > 0:
+            for name in names:
+                speeds[name].append(batch * args.new_tokens / elapsed[name])
     rows = []
-    for name, model in models.items():
+    for name, step in steps.items():
         rows.append(dict(seq=seq, model=name, phase=f"decode b{batch} dynamic", tok_s=statistics.median(speeds[name]),
-                         rounds=speeds[name], work=decode_work(name, model, batch, seq, args.new_tokens)))
+                         rounds=speeds[name], work=decode_work(name, step.model, batch, seq, args.new_tokens)))
         tqdm.write(json.dumps(rows[-1]))
-    del models
+    del steps, step
     gc.collect()
     torch.cuda.empty_cache()
     return rows
@@ -306,7 +318,7 @@ def run(args) -> list[dict]:
                     results += bench_model(name, seq, one_at_a_time, args)
         if "dynamic" in args.phases:
             batch = next(b for p, b in PHASES if "dynamic" in p)
-            results += bench_dynamic_interleaved(args.models, seq, args, batch)
+            results += bench_dynamic_lockstep(args.models, seq, args, batch)
     order = [p for p, _ in PHASES]
     return sorted(results, key=lambda r: (r["seq"], args.models.index(r["model"]), order.index(r["phase"])))
 
@@ -340,11 +352,11 @@ def main(argv=None):
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--phases", nargs="+", default=["train", "prefill", "decode", "dynamic"],
                         choices=["train", "prefill", "decode", "dynamic"],
-                        help="decode: the StaticCache rows; dynamic: the DynamicCache rows, models interleaved")
+                        help="decode: the StaticCache rows; dynamic: the DynamicCache rows, models in lockstep")
     parser.add_argument("--tokens", type=int, default=8192, help="tokens per training / prefill batch")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=4, help="timed rounds of the interleaved dynamic rows")
+    parser.add_argument("--rounds", type=int, default=4, help="timed rounds of the dynamic rows (models in lockstep)")
     parser.add_argument("--out", help="write the rows (JSON) and the table (.md beside it) here")
     args = parser.parse_args(argv)
     for name in ("seq", "tokens", "new_tokens", "repeats", "rounds"):

@@ -8,7 +8,7 @@ step, the CPU time spent issuing it, and the GPU busy time (torch.profiler); wit
 the profiler's tables (top operators by CPU and by GPU time).
 
 Two cautions from the H200 machine: the host's speed drifts (the same steps measured up to 1.5x apart within
-minutes; for tok/s, bench.py's interleaved rounds are the measure), and the first model profiled in a process
+minutes; for tok/s, bench.py's lockstep rounds are the measure), and the first model profiled in a process
 that calls cuDNN attention (transformers' models) pays ~1.5 ms of CPU per attention call, a later one does not.
 """
 

@@ -60,29 +60,32 @@ class _DiffAttentionBase(nn.Module):
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
 
-    def attention_interface(self, query: torch.Tensor) -> Callable:
-        implementation = resolve(self.config._attn_implementation, query)  # sdpa on CUDA -> diff_triton
+    def implementation(self, hidden_states: torch.Tensor) -> str:
+        """The attention implementation of this call (`sdpa` on CUDA -> `diff_triton`). Read once per forward:
+        a config attribute costs microseconds, and decoding steps are bound by host work."""
+        return resolve(self.config._attn_implementation, hidden_states)
+
+    def attention_interface(self, implementation: str) -> Callable:
         return ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
 
     def dropout_p(self) -> float:
         return self.attention_dropout if self.training else 0.0
 
-    def flash_diff_applies(self, pairs, key, value, attention_mask, kwargs) -> bool:
+    def flash_diff_applies(self, implementation, pairs, key, value, attention_mask, kwargs) -> bool:
         """Whether both maps and the combine go to the fused flash-diff kernel (`kernels/flash_diff.py`):
         `fused_diff`, or `diff_triton` where the mode prefers it; no extra attention options; shapes it covers."""
-        implementation = resolve(self.config._attn_implementation, pairs)
         return (
             (implementation == FUSED_DIFF or (implementation == DIFF_TRITON and self.flash_diff_by_default))
             and not has_extra_options(kwargs)
             and flash_diff_applies(pairs, key, value, attention_mask, self.dropout_p())
         )
 
-    def combined_decode_applies(self, query, key, value, attention_mask, kwargs) -> bool:
+    def combined_decode_applies(self, implementation, query, key, value, attention_mask, kwargs) -> bool:
         """Whether a decoding step goes to the split-KV kernel with the differential term in its reduce
         (`kernels/decode.py`): on the project's implementations, no extra attention options, shapes it covers.
         query (B, Hq, L, d) as the attention call takes it."""
         return (
-            uses_fast_kernels(self.config._attn_implementation, query)
+            uses_fast_kernels(implementation)
             and not has_extra_options(kwargs)
             and combined_decode_applies(query, key, value, attention_mask, self.dropout_p())
         )
@@ -130,18 +133,18 @@ class DiffAttentionV1(_DiffAttentionBase):
         lambda_2 = torch.exp(torch.dot(self.lambda_q2.float(), self.lambda_k2.float()))
         return lambda_1 - lambda_2 + self.lambda_init
 
-    def fused_attention(self, pairs, key, value, attention_mask, kwargs) -> torch.Tensor | None:
+    def fused_attention(self, implementation, pairs, key, value, attention_mask, kwargs) -> torch.Tensor | None:
         """Both maps and the combine in one kernel where one applies, -> (B, L, h, 2d): flash-diff (prefill,
         training) or the decode kernel (decoding steps); None where the plain path runs."""
         if type(self.subln.weight) is not nn.Parameter:  # a PEFT- or TP-wrapped norm
             return None
-        if self.flash_diff_applies(pairs, key, value, attention_mask, kwargs):
+        if self.flash_diff_applies(implementation, pairs, key, value, attention_mask, kwargs):
             return flash_diff_attention(
                 pairs, key, value, attention_mask, self.differential_lambda(), self.scaling, self.subln,
                 1 - self.lambda_init,
             )
         query = pairs.flatten(2, 3).transpose(1, 2)  # (B, 2h, L, d): heads 2i, 2i+1 = Q1, Q2 of head i
-        if self.combined_decode_applies(query, key, value, attention_mask, kwargs):
+        if self.combined_decode_applies(implementation, query, key, value, attention_mask, kwargs):
             combine = V1Combine(
                 (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2), self.lambda_init,
                 self.subln.weight, self.subln.variance_epsilon, 1 - self.lambda_init,
@@ -152,21 +155,22 @@ class DiffAttentionV1(_DiffAttentionBase):
     def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
         input_shape = hidden_states.shape[:-1]  # (B, L)
         d = self.head_dim
+        implementation = self.implementation(hidden_states)
         query_states = self.q_proj(hidden_states).view(*input_shape, -1, d)  # (B, L, 2h, d): (Q1, Q2) per head
         key_states = self.k_proj(hidden_states).view(*input_shape, -1, d)  # (B, L, 2h_kv, d): (K1, K2) per head
         value_states = self.v_proj(hidden_states).view(*input_shape, -1, 2 * d).transpose(1, 2)  # (B, h_kv, L, 2d)
 
         cos, sin = position_embeddings  # (B, L, d), the same rotation for every head and both halves
-        query_states, key_states = apply_rope(
-            query_states, key_states, cos, sin, uses_fast_kernels(self.config._attn_implementation, query_states)
-        )
+        query_states, key_states = apply_rope(query_states, key_states, cos, sin, uses_fast_kernels(implementation))
         query_states = query_states.unflatten(2, (-1, 2))  # (B, L, h, 2, d)
         # The cache holds K as (B, h_kv, S, 2d) = K1|K2 and V as (B, h_kv, S, 2d): a Llama's bytes per token.
         key_states = key_states.unflatten(2, (-1, 2)).flatten(-2).transpose(1, 2)
         if cache is not None:
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
 
-        attn_output = self.fused_attention(query_states, key_states, value_states, attention_mask, kwargs)
+        attn_output = self.fused_attention(
+            implementation, query_states, key_states, value_states, attention_mask, kwargs
+        )
         if attn_output is not None:  # (B, L, h, 2d), combined
             return self.o_proj(attn_output.reshape(*input_shape, -1)), None
 
@@ -174,7 +178,7 @@ class DiffAttentionV1(_DiffAttentionBase):
         halves = torch.eye(2, dtype=query_states.dtype, device=query_states.device)[:, :, None]  # (2, 2, 1)
         query_states = (query_states.unsqueeze(-2) * halves).flatten(-2).flatten(2, 3).transpose(1, 2)
 
-        attn_output, attn_weights = self.attention_interface(query_states)(
+        attn_output, attn_weights = self.attention_interface(implementation)(
             self, query_states, key_states, value_states, attention_mask,
             dropout=self.dropout_p(), scaling=self.scaling, **kwargs,
         )  # (B, L, 2h, 2d): the pair (A1 V, A2 V) of each differential head
@@ -201,7 +205,7 @@ class _LlamaLayoutAttention(_DiffAttentionBase):
         self.v_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * d, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * d, config.hidden_size, bias=bias)
 
-    def project(self, hidden_states, position_embeddings, cache):
+    def project(self, implementation, hidden_states, position_embeddings, cache):
         """-> query (B, query_heads, L, d), key and value (B, h_kv, S, d), RoPE applied and the cache updated."""
         hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
         query_states = self.q_proj(hidden_states).view(hidden_shape)  # (B, L, query_heads, d)
@@ -209,17 +213,15 @@ class _LlamaLayoutAttention(_DiffAttentionBase):
         value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, h_kv, L, d)
 
         cos, sin = position_embeddings
-        query_states, key_states = apply_rope(
-            query_states, key_states, cos, sin, uses_fast_kernels(self.config._attn_implementation, query_states)
-        )
+        query_states, key_states = apply_rope(query_states, key_states, cos, sin, uses_fast_kernels(implementation))
         query_states, key_states = query_states.transpose(1, 2), key_states.transpose(1, 2)
         if cache is not None:
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
         return query_states, key_states, value_states
 
-    def attend(self, query_states, key_states, value_states, attention_mask, **kwargs):
+    def attend(self, implementation, query_states, key_states, value_states, attention_mask, **kwargs):
         """-> per-head outputs (B, L, query_heads, d) and, with eager, maps (B, query_heads, L, S)."""
-        return self.attention_interface(query_states)(
+        return self.attention_interface(implementation)(
             self, query_states, key_states, value_states, attention_mask,
             dropout=self.dropout_p(), scaling=self.scaling, **kwargs,
         )
@@ -245,8 +247,9 @@ class DiffAttentionV2(_LlamaLayoutAttention):
 
     def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
         input_shape = hidden_states.shape[:-1]
-        query_states, key_states, value_states = self.project(hidden_states, position_embeddings, cache)
-        if self.combined_decode_applies(query_states, key_states, value_states, attention_mask, kwargs):
+        implementation = self.implementation(hidden_states)
+        query_states, key_states, value_states = self.project(implementation, hidden_states, position_embeddings, cache)
+        if self.combined_decode_applies(implementation, query_states, key_states, value_states, attention_mask, kwargs):
             combine = V2Combine(self.lambda_proj(hidden_states), self.anneal_step, self.config.anneal_steps)
             attn_output = combined_decode_attention(
                 query_states, key_states, value_states, attention_mask, self.scaling, combine
@@ -255,12 +258,12 @@ class DiffAttentionV2(_LlamaLayoutAttention):
         weight = self.noise_weight(hidden_states)  # (B, L, h)
         # (B, 2h, L, d) -> (B, L, h, 2, d): the pair (signal, noise) of each differential head
         pairs = query_states.unflatten(1, (-1, 2)).permute(0, 3, 1, 2, 4)
-        if self.flash_diff_applies(pairs, key_states, value_states, attention_mask, kwargs):
+        if self.flash_diff_applies(implementation, pairs, key_states, value_states, attention_mask, kwargs):
             attn_output = flash_diff_attention(pairs, key_states, value_states, attention_mask, weight, self.scaling)
             return self.o_proj(attn_output.reshape(*input_shape, -1)), None
 
         attn_output, attn_weights = self.attend(
-            query_states, key_states, value_states, attention_mask, **kwargs
+            implementation, query_states, key_states, value_states, attention_mask, **kwargs
         )  # (B, L, 2h, d)
         attn_output = v2_combine(attn_output, weight)  # (B, L, h, d)
         attn_output = self.o_proj(attn_output.reshape(*input_shape, -1))
@@ -300,9 +303,10 @@ class DexAttention(_LlamaLayoutAttention):
 
     def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
         input_shape = hidden_states.shape[:-1]
-        query_states, key_states, value_states = self.project(hidden_states, position_embeddings, cache)
+        implementation = self.implementation(hidden_states)
+        query_states, key_states, value_states = self.project(implementation, hidden_states, position_embeddings, cache)
         if type(self.dex_proj) is nn.Linear and self.combined_decode_applies(
-            query_states, key_states, value_states, attention_mask, kwargs
+            implementation, query_states, key_states, value_states, attention_mask, kwargs
         ):
             combine = DexCombine(
                 self.dex_proj.weight, self.head_mask, self.lambda_learn, self.anneal_step, self.config.anneal_steps,
@@ -313,7 +317,7 @@ class DexAttention(_LlamaLayoutAttention):
             )  # (B, L, h, d), the operator applied
             return self.o_proj(attn_output.reshape(*input_shape, -1)), None
         attn_output, attn_weights = self.attend(
-            query_states, key_states, value_states, attention_mask, **kwargs
+            implementation, query_states, key_states, value_states, attention_mask, **kwargs
         )  # (B, L, h, d)
         if self.config.dex_heads is None and type(self.dex_proj) is nn.Linear:
             # Every head carries the operator: O - lam O W^T = O (I - lam W)^T, one d x d matmul and no

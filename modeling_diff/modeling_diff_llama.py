@@ -26,7 +26,7 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .configuration import DiffLlamaConfig
 from .diff_attention import ATTENTION_CLASSES, DexAttention, DiffAttentionV1, DiffAttentionV2
-from .kernels import rms_norm, rms_norm_kernel_applies, uses_fast_kernels
+from .kernels import resolve, rms_norm, rms_norm_kernel_applies, uses_fast_kernels
 
 # "cache" (transformers > 5.17) or "past_key_values" (5.17): the keyword of masks and model outputs.
 CACHE_KWARG = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
@@ -45,7 +45,7 @@ class DiffLlamaRMSNorm(LlamaRMSNorm):
         self.config = config
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if uses_fast_kernels(self.config._attn_implementation, hidden_states) and rms_norm_kernel_applies(
+        if uses_fast_kernels(resolve(self.config._attn_implementation, hidden_states)) and rms_norm_kernel_applies(
             hidden_states, self.weight
         ):
             return rms_norm(hidden_states, self.weight, self.variance_epsilon)

@@ -38,7 +38,12 @@ def cdiv(a: int, b: int) -> int:
 
 
 def next_power_of_2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
+    if type(n) is int:
+        return 1 << (n - 1).bit_length()
+    n -= 1  # a SymInt, where torch.compile traces a launch (decode_attention_op): the same, in its arithmetic
+    for shift in (1, 2, 4, 8, 16, 32):
+        n |= n >> shift
+    return n + 1
 
 
 def is_power_of_2(n: int) -> bool:

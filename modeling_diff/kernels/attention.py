@@ -50,10 +50,10 @@ def resolve(implementation: str, query: torch.Tensor) -> str:
     return implementation
 
 
-def uses_fast_kernels(implementation: str, tensor: torch.Tensor) -> bool:
-    """Whether a module on `tensor` runs one of the project's implementations (`diff_triton`, which `sdpa` is on
+def uses_fast_kernels(implementation: str) -> bool:
+    """Whether an implementation as `resolve` gives it is one of the project's (`diff_triton`, which `sdpa` is on
     CUDA, or `fused_diff`): then RoPE and the decoder's RMSNorm take their Triton kernels too where they apply."""
-    return resolve(implementation, tensor) in (NAME, FUSED_DIFF)
+    return implementation in (NAME, FUSED_DIFF)
 
 
 def register() -> None:

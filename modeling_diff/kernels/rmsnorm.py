@@ -9,7 +9,10 @@ take it on the project's fast paths (`modeling_diff_llama.DiffLlamaRMSNorm`).
 
 import torch
 
-from ._triton import cdiv, eager_kernels_run_on, needs_grad, next_power_of_2, promoted_dtype
+from ._triton import TRITON_AVAILABLE, cdiv, eager_kernels_run_on, needs_grad, next_power_of_2, promoted_dtype
+
+if TRITON_AVAILABLE:
+    from .triton_rmsnorm import _rms_norm_bwd, _rms_norm_fwd
 
 BACKWARD_ROWS = 16  # rows per program of the backward (each program writes one partial dw)
 
@@ -24,11 +27,11 @@ def rms_norm_kernel_applies(hidden_states: torch.Tensor, weight: torch.Tensor) -
 
 
 def _forward(x: torch.Tensor, weight: torch.Tensor, eps: float, save: bool):
-    """x (R, N) contiguous -> (y (R, N), rstd (R,) float32, only where `save`: for the backward)."""
-    from .triton_rmsnorm import _rms_norm_fwd
-
-    rows, width = x.shape
-    y = torch.empty(rows, width, dtype=promoted_dtype(weight.dtype, x.dtype), device=x.device)
+    """x (..., N) contiguous -> (y of x's shape, rstd (rows,) float32 only where `save`: for the backward).
+    The rows are x's leading dims flattened, N apart; no reshape or view: decoding steps are bound by host work."""
+    width = x.shape[-1]
+    rows = x.numel() // width
+    y = torch.empty(x.shape, dtype=promoted_dtype(weight.dtype, x.dtype), device=x.device)
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device) if save else None
     _rms_norm_fwd[(rows,)](x, weight, y, y if rstd is None else rstd, rows, width, eps,
                            BLOCK_N=next_power_of_2(width), SAVE=save)
@@ -44,10 +47,9 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
-        from .triton_rmsnorm import _rms_norm_bwd
-
         x, weight, rstd = ctx.saved_tensors
-        rows, width = x.shape
+        width = x.shape[-1]
+        rows = x.numel() // width
         programs = cdiv(rows, BACKWARD_ROWS)
         grad_x = torch.empty_like(x)
         grad_parts = torch.empty(programs, width, dtype=torch.float32, device=x.device)
@@ -60,9 +62,7 @@ class _RMSNorm(torch.autograd.Function):
 
 def rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """LlamaRMSNorm's forward through the kernel (check `rms_norm_kernel_applies` first); any leading dims."""
-    x = hidden_states.reshape(-1, hidden_states.shape[-1]).contiguous()  # (R, N): rows N apart
+    x = hidden_states.contiguous()
     if needs_grad(x, weight):
-        y = _RMSNorm.apply(x, weight, eps)
-    else:
-        y = _forward(x, weight, eps, save=False)[0]  # decoding: no autograd node to build
-    return y.view(*hidden_states.shape[:-1], y.shape[-1])
+        return _RMSNorm.apply(x, weight, eps)
+    return _forward(x, weight, eps, save=False)[0]  # decoding: no autograd node to build

@@ -14,7 +14,12 @@ torch.compile), or under TRITON_INTERPRET=1 (tests).
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from ._triton import cdiv, eager_kernels_run_on, is_power_of_2, needs_grad, next_power_of_2, promoted_dtype
+from ._triton import (
+    TRITON_AVAILABLE, cdiv, eager_kernels_run_on, is_power_of_2, needs_grad, next_power_of_2, promoted_dtype,
+)
+
+if TRITON_AVAILABLE:
+    from .triton_rope import _rope
 
 
 def rope_kernel_applies(query, key, cos, sin) -> bool:
@@ -32,17 +37,14 @@ def rope_kernel_applies(query, key, cos, sin) -> bool:
 def _rotate(query, key, cos, sin, transpose: bool, dtype: torch.dtype):
     """One launch: query (B, L, Hq, d) and key (B, L, Hk, d) -> both rotated, contiguous, in `dtype`; `transpose`
     applies the transposed rotation (the backward)."""
-    from .triton_rope import _rope
-
     batch, length, q_heads, dim = query.shape
     k_heads = key.shape[2]
     out_q = torch.empty(batch, length, q_heads, dim, dtype=dtype, device=query.device)
     out_k = torch.empty(batch, length, k_heads, dim, dtype=dtype, device=query.device)
     block_h = min(next_power_of_2(max(q_heads, k_heads)), max(1, 4096 // dim))  # about 4K elements per program
     _rope[(batch * length, cdiv(q_heads, block_h) + cdiv(k_heads, block_h))](
-        query, key, cos, sin, out_q, out_k, query.stride(0), query.stride(1), query.stride(2),
-        key.stride(0), key.stride(1), key.stride(2), out_q.stride(0), out_q.stride(1), out_q.stride(2),
-        out_k.stride(0), out_k.stride(1), out_k.stride(2), cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1),
+        query, key, cos, sin, out_q, out_k, *query.stride()[:3], *key.stride()[:3], *out_q.stride()[:3],
+        *out_k.stride()[:3], cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1),
         length, q_heads, k_heads, HALF=dim // 2, BLOCK_H=block_h, TRANSPOSE=transpose,
     )
     return out_q, out_k

@@ -15,7 +15,7 @@ import functools
 import torch
 from torch.library import triton_op, wrap_triton
 
-from ._triton import TRITON_INTERPRETING
+from ._triton import TRITON_INTERPRETING, cdiv, next_power_of_2
 from .masks import causal_offset, kernel_mask
 from .triton_combine import anneal_fraction, dex_lambda, differential_lambda, v1_combine_rows
 
@@ -195,26 +195,25 @@ def _plain(kernel):
 
 def _partial_softmaxes(query, key, value, mask, scale: float, launcher):
     """Launch the split-KV kernel; -> (workspace of the partial softmaxes, splits, parts, rows per program).
-    query (B, Hq, L, DQ) any strides; with key (B, H_KV, S, 2 DQ) its heads are read PAIRED (V1)."""
+    query (B, Hq, L, DQ) any strides; with key (B, H_KV, S, 2 DQ) its heads are read PAIRED (V1).
+    Host arithmetic in plain ints: a decoding step is bound by its host work, and triton.cdiv & co. are
+    constexpr functions that cost microseconds per call from Python."""
     batch, q_heads, length, q_dim = query.shape
-    kv_heads, kv_length, k_dim, v_dim = key.shape[1], key.shape[2], key.shape[-1], value.shape[-1]
+    _, kv_heads, kv_length, k_dim = key.shape
+    v_dim = value.shape[-1]
     groups = q_heads // kv_heads
-    block_rows = max(16, triton.next_power_of_2(groups * length))
+    block_rows = max(16, next_power_of_2(groups * length))
     block_n = 64
     # Enough chunks for about two programs per multiprocessor; the chunk length is a power of two (a
     # compile-time constant of the kernel), so a growing cache changes it, and recompiles, rarely.
-    target = max(1, triton.cdiv(2 * _sm_count(query.device), batch * kv_heads))
-    chunk = max(block_n, triton.next_power_of_2(triton.cdiv(kv_length, target)))
-    splits = triton.cdiv(kv_length, chunk)
+    target = max(1, cdiv(2 * _sm_count(query.device), batch * kv_heads))
+    chunk = max(block_n, next_power_of_2(cdiv(kv_length, target)))
+    splits = cdiv(kv_length, chunk)
     parts = batch * kv_heads * splits * block_rows
     work = torch.empty(parts * (v_dim + 2), dtype=torch.float32, device=query.device)  # outputs, maxima, sums
     mask_arg, mask_strides = kernel_mask(mask, query)
     launcher(_decode_partial)[(batch * kv_heads, splits)](
-        query, key, value, mask_arg, work,
-        query.stride(0), query.stride(1), query.stride(2),
-        key.stride(0), key.stride(1), key.stride(2),
-        value.stride(0), value.stride(1), value.stride(2),
-        *mask_strides,
+        query, key, value, mask_arg, work, *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *mask_strides,
         kv_heads, kv_length, length, causal_offset(length, kv_length, mask is not None), splits, parts,
         SCALE=scale, G=groups, HAS_MASK=mask is not None, BLOCK_R=block_rows, BLOCK_N=block_n,
         DQ=q_dim, DK=k_dim, DV=v_dim, CHUNK=chunk, PAIRED=k_dim == 2 * q_dim,
@@ -230,8 +229,8 @@ def decode_attention_kernels(query, key, value, mask, scale: float, launcher=_pl
     work, splits, parts, block_rows = _partial_softmaxes(query, key, value, mask, scale, launcher)
     out = torch.empty(batch, length, q_heads, v_dim, dtype=query.dtype, device=query.device)
     launcher(_decode_reduce)[(batch * kv_heads,)](
-        work, out, out.stride(0), out.stride(1), out.stride(2), kv_heads, length, splits, parts, G=q_heads // kv_heads, BLOCK_R=block_rows, DV=v_dim,
-        MAX_SPLITS=triton.next_power_of_2(splits),
+        work, out, *out.stride()[:3], kv_heads, length, splits, parts, G=q_heads // kv_heads, BLOCK_R=block_rows,
+        DV=v_dim, MAX_SPLITS=next_power_of_2(splits),
     )
     return out
 
@@ -259,9 +258,9 @@ def combined_decode_kernels(query, key, value, mask, scale: float, combine) -> t
             dex = (combine.operator.contiguous(), combine.head_mask, combine.lambda_learn)
             lambda_init = combine.lambda_init
     _decode_reduce_combined[(batch * kv_heads,)](
-        work, out, out.stride(0), out.stride(1), out.stride(2), kv_heads, length, splits, parts,
+        work, out, *out.stride()[:3], kv_heads, length, splits, parts,
         *logits, *norm, *vectors, *dex, *anneal, lambda_init,
-        G=q_heads // kv_heads, BLOCK_R=block_rows, DV=v_dim, MAX_SPLITS=triton.next_power_of_2(splits),
+        G=q_heads // kv_heads, BLOCK_R=block_rows, DV=v_dim, MAX_SPLITS=next_power_of_2(splits),
         MODE=mode, ANNEALED=mode != 0 and combine.anneal_steps > 0, D_LAMBDA=d_lambda,
     )
     return out
