@@ -224,7 +224,7 @@ def bench_dynamic_lockstep(names, seq: int, args, batch: int = 32) -> list[dict]
     step is timed from a synchronized start to a synchronized end (generate() synchronizes every step too, for
     its stopping check). A round is one generation per model (4 untimed steps, then `new_tokens` timed ones), the
     caches rewound to the prompt between rounds. The first round is untimed: it compiles kernels, and
-    transformers' cuDNN attention builds a plan for every new cache length (~4 ms of CPU per call), which later
+    transformers' cuDNN attention builds a plan for every new cache length (3-4 ms of CPU per call), which later
     rounds find cached. A row is the median over the timed rounds."""
     steps = {}
     for name in names:
