@@ -17,6 +17,7 @@ from conftest import MODES, tiny_model  # conftest sets TRITON_INTERPRET=1 where
 from transformers import DynamicCache, StaticCache
 
 from modeling_diff import preset_config
+from modeling_diff.kernels._triton import next_power_of_2
 from modeling_diff.kernels.combine import v1_combine_triton, v2_combine_triton
 from modeling_diff.kernels.decode import decode_attention
 from modeling_diff.kernels.flash_diff import flash_diff_attention
@@ -162,6 +163,17 @@ def test_rms_norm_and_rope_kernels_take_zero_tokens():
     q_out, k_out = apply_rope(query, key, cos, cos, fused=True)
     q_out.sum().backward()
     assert q_out.shape == query.shape and k_out.shape == key.shape and query.grad.shape == query.shape
+
+
+def test_launch_arithmetic_next_power_of_2():
+    """The smallest power of two >= n, for ints and for int-like values (what torch.compile traces: SymInts)."""
+
+    class IntLike(int):  # not `int` itself: takes the branch SymInts take
+        pass
+
+    for n in (1, 2, 3, 15, 16, 17, 1000, 4096, 4097, 2**33 + 5):
+        want = 2 ** math.ceil(math.log2(n))
+        assert next_power_of_2(n) == want and next_power_of_2(IntLike(n)) == want
 
 
 def causally_visible(length, kv_length, masked):
