@@ -13,7 +13,10 @@ on CUDA the Triton kernels do each combine in one pass forward and one pass back
 import torch
 from torch import nn
 
-from ._triton import cdiv, is_power_of_2, needs_grad, triton_available
+from ._triton import TRITON_AVAILABLE, cdiv, is_power_of_2, needs_grad, triton_available
+
+if TRITON_AVAILABLE:
+    from .triton_combine import _v1_combine_bwd, _v1_combine_fwd, _v2_combine_bwd, _v2_combine_fwd
 
 
 def v1_combine_reference(attn: torch.Tensor, lam: torch.Tensor, subln: nn.Module, scale: float) -> torch.Tensor:
@@ -35,8 +38,6 @@ def v1_combine_backward(pairs, lam, weight, rstd, grad_out, scale: float, for_fl
     Returns (grad of the pairs (R, 2, D), grad of lam, grad of the norm weight, None); with `for_flash`, the first
     is the grad of A1 V alone (R, D) (that of A2 V is -lam times it) and the last the D terms (R, 2) of the flash
     backward, rowsum(dO_m * O_m) for the two maps m."""
-    from .triton_combine import _v1_combine_bwd
-
     rows, _, width = pairs.shape
     block = _rows_per_program(width)
     programs = cdiv(rows, block)
@@ -55,8 +56,6 @@ def v2_combine_backward(pairs, row_weight, grad_out, for_flash: bool = False):
     """Backward of the fused V2 combine. pairs (R, 2, D), row_weight (R,), grad_out (R, D). Returns (grad of the
     pairs (R, 2, D), grad of row_weight (R,), None); with `for_flash` the first is None (the grad of the signal
     head is grad_out itself) and the last the D terms (R, 2), as in `v1_combine_backward`."""
-    from .triton_combine import _v2_combine_bwd
-
     rows, _, width = pairs.shape
     block = _rows_per_program(width)
     grad_pairs = None if for_flash else torch.empty_like(pairs)
@@ -71,8 +70,6 @@ def v2_combine_backward(pairs, row_weight, grad_out, for_flash: bool = False):
 
 def _v1_combine_forward(attn, lam, weight, eps, scale):
     """-> (out (B, L, h, D), pairs (R, 2, D), rstd (R,)): one launch of the fused V1 combine."""
-    from .triton_combine import _v1_combine_fwd
-
     batch, length, two_h, width = attn.shape
     pairs = attn.contiguous().view(-1, 2, width)  # (R, 2, D), R = B * L * h
     rows = pairs.shape[0]
@@ -85,8 +82,6 @@ def _v1_combine_forward(attn, lam, weight, eps, scale):
 
 def _v2_combine_forward(attn, weight):
     """-> (out (B, L, h, D), pairs (R, 2, D), row_weight (R,)): one launch of the fused V2 combine."""
-    from .triton_combine import _v2_combine_fwd
-
     batch, length, two_h, width = attn.shape
     pairs = attn.contiguous().view(-1, 2, width)  # (R, 2, D)
     row_weight = weight.contiguous().view(-1)  # (R,)

@@ -19,9 +19,14 @@ formula).
 import torch
 from torch import nn
 
-from ._triton import TRITON_INTERPRETING, cdiv, eager_kernels_run_on, is_power_of_2, needs_grad
+from ._triton import TRITON_AVAILABLE, TRITON_INTERPRETING, cdiv, eager_kernels_run_on, is_power_of_2, needs_grad
 from .combine import v1_combine_backward, v2_combine_backward
 from .masks import causal_offset, kernel_mask
+
+if TRITON_AVAILABLE:
+    from .triton_flash_diff import (
+        DKDV_FIXED, DQ_FIXED, FWD_FIXED, flash_diff_bwd_dkdv, flash_diff_bwd_dq, flash_diff_fwd,
+    )
 
 LONG_KEYS = 4096  # above this many keys the dK/dV kernel gives each query head its own programs
 MIN_QUERY_TOKENS = 16  # fewer new tokens without gradients: a decoding step, for the split-KV decode kernel
@@ -53,13 +58,7 @@ def _static_bounds(length: int, kv_length: int) -> dict:
     return dict(S_STATIC=kv_length, L_STATIC=length) if TRITON_INTERPRETING else {}
 
 
-def _strides(t: torch.Tensor, dims: int = 3):
-    return tuple(t.stride(i) for i in range(dims))
-
-
 def _forward(query, key, value, mask, mu, norm_weight, eps, norm_scale, scale, save):
-    from .triton_flash_diff import FWD_FIXED, flash_diff_fwd
-
     batch, length, heads, _, dqk = query.shape
     kv_heads, kv_length, dv = key.shape[1], key.shape[2], value.shape[-1]
     rows = batch * length * heads
@@ -72,7 +71,7 @@ def _forward(query, key, value, mask, mu, norm_weight, eps, norm_scale, scale, s
     grid = lambda meta: (cdiv(length, meta["BLOCK_M"]), batch * heads)  # noqa: E731
     flash_diff_fwd[grid](
         query, key, value, mask_arg, mu, query if norm_weight is None else norm_weight, y, pairs, lse, rstd,
-        *_strides(query, 4), *_strides(key), *_strides(value), *mask_strides,
+        *query.stride()[:4], *key.stride()[:3], *value.stride()[:3], *mask_strides,
         heads, length, kv_length, causal_offset(length, kv_length, mask is not None), eps, norm_scale,
         SCALE=scale, GROUP=heads // kv_heads, DQK=dqk, DV=dv, SPLIT_K=key.shape[-1] == 2 * dqk, V1=norm_weight is not None,
         HAS_MASK=mask is not None, SAVE=save, **FWD_FIXED, **_static_bounds(length, kv_length),
@@ -90,8 +89,6 @@ class _FlashDiff(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
-        from .triton_flash_diff import DKDV_FIXED, DQ_FIXED, flash_diff_bwd_dkdv, flash_diff_bwd_dq
-
         query, key, value, mask, mu, norm_weight, pairs, lse, rstd = ctx.saved_tensors
         batch, length, heads, _, dqk = query.shape
         kv_heads, kv_length, dv = key.shape[1], key.shape[2], value.shape[-1]
@@ -120,11 +117,12 @@ class _FlashDiff(torch.autograd.Function):
             SCALE=ctx.scale, GROUP=heads // kv_heads, DQK=dqk, DV=dv, SPLIT_K=key.shape[-1] == 2 * dqk,
             V1=norm_weight is not None, HAS_MASK=mask is not None, **_static_bounds(length, kv_length),
         )
-        q_strides = _strides(query, 4)
+        q_strides = query.stride()[:4]
         offset = causal_offset(length, kv_length, mask is not None)
         flash_diff_bwd_dkdv[lambda meta: (cdiv(kv_length, meta["BLOCK_N"]), batch * heads // heads_per_program)](
             query, key, value, mask_arg, row_mu, grad_o1, lse, delta, dk_out, dv_out,
-            *q_strides, *_strides(key), *_strides(value), *mask_strides, *_strides(dk_out), *_strides(dv_out),
+            *q_strides, *key.stride()[:3], *value.stride()[:3], *mask_strides,
+            *dk_out.stride()[:3], *dv_out.stride()[:3],
             heads, length, kv_length, offset, HEADS=heads_per_program, **common, **DKDV_FIXED,
         )
         if heads_per_program != heads // kv_heads:
@@ -132,8 +130,8 @@ class _FlashDiff(torch.autograd.Function):
             grad_v = dv_out.unflatten(1, (kv_heads, -1)).sum(2).to(value.dtype)
         flash_diff_bwd_dq[lambda meta: (cdiv(length, meta["BLOCK_M"]), batch * heads)](
             query, key, value, mask_arg, row_mu, grad_o1, lse, delta, grad_q,
-            *q_strides, *_strides(key), *_strides(value), *mask_strides,
-            *_strides(grad_q, 4),
+            *q_strides, *key.stride()[:3], *value.stride()[:3], *mask_strides,
+            *grad_q.stride()[:4],
             heads, length, kv_length, offset, **common, **DQ_FIXED,
         )
         return grad_q, grad_k, grad_v, None, grad_mu, grad_norm, None, None, None
