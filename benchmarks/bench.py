@@ -164,7 +164,7 @@ def bench_prefill(model, batch, seq, repeats):
     return batch * seq / cuda_time(run, repeats)
 
 
-class decoding_step:  # noqa: N801  (used like a function: step = decoding_step(...); step())
+class DecodingSteps:
     """Prefill `cache` with a random prompt; each call is then one greedy decoding step. The step reads and updates
     only device tensors, so it can be replayed as a CUDA graph; `rewind()` takes a DynamicCache back to the prompt."""
 
@@ -206,7 +206,7 @@ def bench_static_decode(model, batch, prompt_len, new_tokens) -> float:
     (what generate() gets from compiling the static-cache step: no per-step Python and launch overhead)."""
     warmup = 4
     cache = StaticCache(config=model.config, max_cache_len=prompt_len + warmup + new_tokens)
-    step = decoding_step(model, cache, batch, prompt_len)
+    step = DecodingSteps(model, cache, batch, prompt_len)
     warm_up_steps(step, warmup)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -230,7 +230,7 @@ def bench_dynamic_lockstep(names, seq: int, args, batch: int = 32) -> list[dict]
     for name in names:
         with kernels_patched(name):
             model = build(name, max_positions=seq + 128).eval()
-            steps[name] = decoding_step(model, DynamicCache(config=model.config), batch, seq)
+            steps[name] = DecodingSteps(model, DynamicCache(config=model.config), batch, seq)
     warmup = 4
     speeds = {name: [] for name in names}
     for round_ in tqdm(range(1 + args.rounds), desc=f"seq {seq} dynamic rounds"):

@@ -23,14 +23,14 @@ from torch.profiler import ProfilerActivity, profile
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from bench import MODELS, build, decoding_step, kernels_patched, warm_up_gpu
+from bench import MODELS, DecodingSteps, build, kernels_patched, warm_up_gpu
 
 
 @torch.no_grad()
 def profile_model(name: str, seq: int, batch: int, steps: int, out: str | None) -> dict:
     model = build(name, max_positions=seq + 2 * steps + 16).eval()
     cache = DynamicCache(config=model.config)
-    step = decoding_step(model, cache, batch, seq)
+    step = DecodingSteps(model, cache, batch, seq)
     for _ in range(4):  # warm-up: compiles the Triton kernels
         step()
     torch.cuda.synchronize()
