@@ -15,6 +15,7 @@ from .modeling_diff_llama import (
     DiffLlamaPreTrainedModel,
     set_anneal_step,
 )
+from .liger import apply_liger_kernel_to_diff_llama  # registers "diff_llama" with Liger's dispatch when installed
 
 __version__ = "0.1.0"
 
@@ -27,6 +28,7 @@ AutoModelForSequenceClassification.register(DiffLlamaConfig, DiffLlamaForSequenc
 __all__ = [
     "DIFF_MODES",
     "PRESETS",
+    "apply_liger_kernel_to_diff_llama",
     "DiffLlamaConfig",
     "DiffLlamaForCausalLM",
     "DiffLlamaForSequenceClassification",

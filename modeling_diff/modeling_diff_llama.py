@@ -176,6 +176,9 @@ class DiffLlamaForCausalLM(DiffLlamaPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+    # (hidden_states, labels, **loss_kwargs) -> loss without materialising the logits, a method: set by
+    # `modeling_diff.liger.apply_liger_kernel_to_diff_llama` (Liger's fused linear cross-entropy); None = lm_head + loss
+    fused_linear_loss = None
 
     def __init__(self, config: DiffLlamaConfig):
         super().__init__(config)
@@ -196,10 +199,13 @@ class DiffLlamaForCausalLM(DiffLlamaPreTrainedModel, GenerationMixin):
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         past_key_values: Cache | None = None,
+        skip_logits: bool | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         """`labels` gives the shifted causal-LM loss (Trainer's `num_items_in_batch` is honoured);
-        `logits_to_keep`: an int keeps the last that many positions (0 = all), a tensor gives the indices."""
+        `logits_to_keep`: an int keeps the last that many positions (0 = all), a tensor gives the indices.
+        `skip_logits` (Liger's argument; default: in training, when labels are given): with a `fused_linear_loss`
+        set, the loss comes from the hidden states and `logits` is None."""
         outputs: BaseModelOutputWithPast = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -209,13 +215,19 @@ class DiffLlamaForCausalLM(DiffLlamaPreTrainedModel, GenerationMixin):
             use_cache=use_cache,
             **kwargs,
         )
-        hidden_states = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.lm_head(hidden_states[:, keep, :])
-
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        hidden_states = outputs.last_hidden_state[:, keep, :]
+        if skip_logits and labels is None:
+            raise ValueError("skip_logits=True needs labels: without logits the loss is the only output")
+        logits = loss = None
+        if self.fused_linear_loss is not None and labels is not None and (
+            self.training if skip_logits is None else skip_logits
+        ):
+            loss = self.fused_linear_loss(hidden_states, labels, **kwargs)
+        else:
+            logits = self.lm_head(hidden_states)
+            if labels is not None:
+                loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,

@@ -1,0 +1,116 @@
+"""Liger Kernel (linkedin/Liger-Kernel, `pip install "modeling-diff[liger]"`) for DiffLlama, the way Llama gets it.
+
+    from modeling_diff.liger import apply_liger_kernel_to_diff_llama
+    apply_liger_kernel_to_diff_llama()             # every DiffLlama built afterwards, as apply_liger_kernel_to_llama()
+    apply_liger_kernel_to_diff_llama(model=model)  # one model already built
+
+`import modeling_diff` registers the function in Liger's model-type dispatch (`MODEL_TYPE_TO_APPLY_LIGER_FN`
+["diff_llama"]) when liger-kernel is installed, so `TrainingArguments(use_liger_kernel=True)` (and TRL's
+`use_liger_kernel`, which goes through the same dispatch) apply it to a DiffLlama as they do to a Llama, with
+`liger_kernel_config` passed on as keyword arguments.
+
+What it replaces (Liger's kernels are Triton: CUDA tensors, or Triton's interpreter):
+- `fused_linear_cross_entropy` (default): in training with labels, the loss of `DiffLlamaForCausalLM` through
+  Liger's fused linear cross-entropy, which runs lm_head and the cross-entropy over chunks of rows, so the
+  (tokens x vocab) logits are never materialised; `logits` is then None. `labels` with -100,
+  `num_items_in_batch` (Trainer's gradient accumulation), `shift_labels` and `logits_to_keep` mean what they mean
+  on the plain path; in eval, or with `skip_logits=False`, the forward is the plain one.
+- `cross_entropy`: Liger's cross-entropy on materialised logits (as for Llama, Liger replaces
+  `torch.nn.functional.cross_entropy` for the whole process); exclusive with `fused_linear_cross_entropy`.
+- `rms_norm`: the decoder's RMSNorms (input, post-attention and final) through Liger's RMSNorm (Llama's
+  casting: only the inverse RMS in float32). V1's per-head `subln` stays the project's (it lives in the
+  attention's combine).
+- `swiglu`: the MLP's silu(gate) * up through Liger's SwiGLU kernel (one pass forward, one backward).
+- `rope`: accepted so that configurations naming it apply unchanged; RoPE stays the attention's own (on the fast
+  paths one Triton launch for queries and keys, `kernels/rope.py`), since the differential layouts (V1's Q1/Q2,
+  V2's 2h query heads) are rotated there in one call. benchmarks/RESULTS.md compares it with Liger's kernel.
+"""
+
+from types import MethodType
+
+import torch
+
+from . import modeling_diff_llama
+from .configuration import DiffLlamaConfig
+from .modeling_diff_llama import DiffLlamaForCausalLM, DiffLlamaRMSNorm
+
+try:
+    from liger_kernel.transformers.functional import liger_cross_entropy
+    from liger_kernel.transformers.model.llama import lce_maybe_trainable_lm_head
+    from liger_kernel.transformers.model.loss_utils import unpack_cross_entropy_result
+    from liger_kernel.transformers.monkey_patch import (
+        MODEL_TYPE_TO_APPLY_LIGER_FN, _patch_rms_norm_module, _patch_swiglu_module,
+    )
+    from liger_kernel.transformers.rms_norm import LigerRMSNorm
+    from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
+except ImportError:  # the optional extra [liger] is not installed: everything else works without it
+    LIGER_AVAILABLE = False
+else:
+    LIGER_AVAILABLE = True
+
+    class LigerDiffLlamaRMSNorm(LigerRMSNorm):
+        """What `apply_liger_kernel_to_diff_llama()` builds in place of DiffLlamaRMSNorm: Liger's RMSNorm with
+        DiffLlama's constructor (the same `weight`, so checkpoints load either way)."""
+
+        def __init__(self, config: DiffLlamaConfig):
+            super().__init__(config.hidden_size, eps=config.rms_norm_eps)
+
+
+def liger_fused_linear_loss(self: DiffLlamaForCausalLM, hidden_states, labels, **loss_kwargs) -> torch.Tensor:
+    """`DiffLlamaForCausalLM.fused_linear_loss`: the shifted causal-LM loss of lm_head(hidden_states) (B, L, hidden)
+    against `labels` (B, L), through Liger's fused linear cross-entropy (which unwraps a PEFT `modules_to_save`
+    lm_head and gathers an FSDP-sharded one, as for Llama)."""
+    shift_labels = loss_kwargs.pop("shift_labels", None)
+    result = lce_maybe_trainable_lm_head(
+        self, hidden_states=hidden_states, hidden_size=self.config.hidden_size, labels=labels,
+        shift_labels=shift_labels, **loss_kwargs,
+    )
+    return unpack_cross_entropy_result(result)[0]
+
+
+def apply_liger_kernel_to_diff_llama(
+    rope: bool = True,
+    cross_entropy: bool = False,
+    fused_linear_cross_entropy: bool = True,
+    rms_norm: bool = True,
+    swiglu: bool = True,
+    model: DiffLlamaForCausalLM | None = None,
+) -> None:
+    """Liger's kernels in DiffLlama (see the module docstring); the arguments are `apply_liger_kernel_to_llama`'s.
+    Without `model` the classes are patched (models built afterwards); with it, that model's modules."""
+    if not LIGER_AVAILABLE:
+        raise ImportError('apply_liger_kernel_to_diff_llama needs liger-kernel: pip install "modeling-diff[liger]"')
+    if cross_entropy and fused_linear_cross_entropy:
+        raise ValueError("cross_entropy and fused_linear_cross_entropy cannot both be True: the fused loss "
+                         "computes the cross-entropy itself, from the hidden states")
+    if swiglu and model is not None and model.config.hidden_act not in ("silu", "swish"):
+        raise ValueError(f"swiglu=True needs hidden_act 'silu' (Liger's SwiGLU kernel); config.hidden_act is "
+                         f"{model.config.hidden_act!r}")
+    if cross_entropy:  # as apply_liger_kernel_to_llama does: transformers' loss functions call it
+        from transformers.loss.loss_utils import nn
+
+        nn.functional.cross_entropy = liger_cross_entropy
+
+    if model is None:
+        if rms_norm:
+            modeling_diff_llama.DiffLlamaRMSNorm = LigerDiffLlamaRMSNorm
+        if swiglu:
+            modeling_diff_llama.LlamaMLP = LigerSwiGLUMLP
+        if fused_linear_cross_entropy:
+            DiffLlamaForCausalLM.fused_linear_loss = liger_fused_linear_loss
+        return
+
+    base_model = getattr(model, model.base_model_prefix, model)
+    if rms_norm:
+        for module in base_model.modules():
+            if isinstance(module, DiffLlamaRMSNorm):  # not V1's subln: the attention's combine reads it
+                _patch_rms_norm_module(module)
+    if swiglu:
+        for layer in base_model.layers:
+            _patch_swiglu_module(layer.mlp, LigerSwiGLUMLP)
+    if fused_linear_cross_entropy and isinstance(model, DiffLlamaForCausalLM):
+        model.fused_linear_loss = MethodType(liger_fused_linear_loss, model)
+
+
+if LIGER_AVAILABLE:  # what TrainingArguments(use_liger_kernel=True) and TRL look config.model_type up in
+    MODEL_TYPE_TO_APPLY_LIGER_FN[DiffLlamaConfig.model_type] = apply_liger_kernel_to_diff_llama
