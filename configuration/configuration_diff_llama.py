@@ -5,13 +5,40 @@ caches, mask creation, accelerate, PEFT) reads ours unchanged. `model_type` is `
 from transformers' built-in V1-only `"diffllama"`.
 """
 
+import math
+
 from huggingface_hub.dataclasses import strict
+from huggingface_hub.errors import StrictDataclassClassValidationError, StrictDataclassFieldValidationError
+from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
 
 DIFF_MODES = ("v1", "v2", "dex")
 
 
+def _plain_value_errors(cls):
+    """`@strict` wraps the errors of its type checks and validators in its own exception types; users, the CLI and
+    DESIGN.md expect a plain ValueError naming the field (a wrong type included)."""
+    strict_setattr, strict_validate = cls.__setattr__, cls.validate
+
+    def __setattr__(self, name, value):
+        try:
+            strict_setattr(self, name, value)
+        except StrictDataclassFieldValidationError as error:
+            raise ValueError(f"{name} has the wrong type: {error.__cause__}") from error
+
+    def validate(self):
+        try:
+            strict_validate(self)
+        except StrictDataclassClassValidationError as error:
+            raise ValueError(str(error.__cause__)) from error
+
+    validate.__is_defined_by_strict_decorator__ = True  # lets a @strict subclass replace it, as strict's own
+    cls.__setattr__, cls.validate = __setattr__, validate
+    return cls
+
+
+@_plain_value_errors
 @strict
 class DiffLlamaConfig(PreTrainedConfig):
     r"""
@@ -112,9 +139,28 @@ class DiffLlamaConfig(PreTrainedConfig):
         """Part of `@strict` validation: every rule names the field it checks."""
         if self.diff_mode not in DIFF_MODES:
             raise ValueError(f"diff_mode must be one of {DIFF_MODES}, got {self.diff_mode!r}")
-        for field in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim"):
-            if getattr(self, field) < 1:
-                raise ValueError(f"{field} must be a positive integer, got {getattr(self, field)}")
+        for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                      "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or value < 1:
+                raise ValueError(f"{field} must be a positive integer, got {value!r}")
+        if self.hidden_act not in ACT2FN:
+            raise ValueError(f"hidden_act must be one of transformers' activations ({', '.join(sorted(ACT2FN))}), "
+                             f"got {self.hidden_act!r}")
+        _check_range("rms_norm_eps", self.rms_norm_eps, 0, math.inf, "> 0 and finite", low_open=True)
+        _check_range("initializer_range", self.initializer_range, 0, math.inf, ">= 0 and finite")
+        _check_range("attention_dropout", self.attention_dropout or 0.0, 0, 1, "in [0, 1)", high_open=True)
+        rope_theta = self.rope_parameters.get("rope_theta") if isinstance(self.rope_parameters, dict) else None
+        if rope_theta is not None:
+            _check_range("rope_parameters['rope_theta']", rope_theta, 0, math.inf, "> 0 and finite", low_open=True)
+        # lambda_std_dev > 1 gives lambda = exp(q1 . k1) - ... of order exp(sqrt(head_dim)): no usable start.
+        _check_range("lambda_std_dev", self.lambda_std_dev, 0, 1, "in [0, 1]")
+        if self.lambda_init is not None:
+            if self.diff_mode == "v2":
+                raise ValueError("lambda_init is not used by diff_mode='v2' (its lambda is sigmoid(lambda_proj(x))); "
+                                 f"leave it None, got {self.lambda_init!r}")
+            # (1 - lambda_init) scales V1's output: 1 would zero every attention output.
+            _check_range("lambda_init", self.lambda_init, 0, 1, "in [0, 1)", high_open=True)
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -122,25 +168,39 @@ class DiffLlamaConfig(PreTrainedConfig):
             )
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-        if self.lambda_std_dev < 0:
-            raise ValueError(f"lambda_std_dev must be >= 0, got {self.lambda_std_dev}")
-        if self.anneal_steps < 0:
-            raise ValueError(f"anneal_steps must be >= 0, got {self.anneal_steps}")
+        if isinstance(self.anneal_steps, bool) or self.anneal_steps < 0:
+            raise ValueError(f"anneal_steps must be an integer >= 0, got {self.anneal_steps!r}")
+        if self.anneal_steps and self.diff_mode == "v1":
+            raise ValueError(f"anneal_steps is not used by diff_mode='v1' (only V2 and DEX anneal); leave it 0, got "
+                             f"{self.anneal_steps}")
         if self.dex_heads is not None:
             if self.diff_mode != "dex":
                 raise ValueError(f"dex_heads is only used with diff_mode='dex', got diff_mode={self.diff_mode!r}")
-            if len(self.dex_heads) != self.num_hidden_layers:
+            if not isinstance(self.dex_heads, (list, tuple)) or len(self.dex_heads) != self.num_hidden_layers:
                 raise ValueError(
-                    f"dex_heads must hold one list per layer ({self.num_hidden_layers}), got {len(self.dex_heads)}"
+                    f"dex_heads must hold one list per layer ({self.num_hidden_layers}), got {self.dex_heads!r}"
                 )
             for layer_idx, heads in enumerate(self.dex_heads):
+                if not isinstance(heads, (list, tuple)):
+                    raise ValueError(f"dex_heads must hold one list of head indices per layer "
+                                     f"({self.num_hidden_layers}), got {self.dex_heads!r}")
                 if len(set(heads)) != len(heads) or any(
-                    not isinstance(h, int) or not 0 <= h < self.num_attention_heads for h in heads
+                    isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < self.num_attention_heads
+                    for h in heads
                 ):
                     raise ValueError(
                         f"dex_heads[{layer_idx}] must hold distinct head indices in [0, {self.num_attention_heads}), "
                         f"got {heads}"
                     )
+
+
+def _check_range(field: str, value, low: float, high: float, rule: str, low_open=False, high_open=False) -> None:
+    """`field` must be a real number (not a bool, not NaN) between `low` and `high` (`rule` says it in words)."""
+    number = not isinstance(value, bool) and isinstance(value, (int, float))
+    if not number or math.isnan(value) or value < low or value > high or (low_open and value == low) or (
+        high_open and value == high
+    ):
+        raise ValueError(f"{field} must be {rule}, got {value!r}")
 
 
 __all__ = ["DiffLlamaConfig", "DIFF_MODES"]

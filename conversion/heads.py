@@ -34,19 +34,47 @@ def resolve_heads(heads, num_layers: int, num_heads: int) -> list[list[int]] | N
         if heads not in HEAD_CHOICES:
             raise ValueError(f"heads must be one of {HEAD_CHOICES} or a list of head indices, got {heads!r}")
         return None if heads == "entropy" else [list(range(num_heads)) for _ in range(num_layers)]
+    if not isinstance(heads, (list, tuple)):
+        raise ValueError(f"heads must be one of {HEAD_CHOICES}, a list of head indices or one such list per layer, "
+                         f"got {heads!r}")
     heads = list(heads)
-    if all(isinstance(h, int) for h in heads):
-        heads = [heads] * num_layers
+    if not any(isinstance(layer, (list, tuple)) for layer in heads):
+        heads = [heads] * num_layers  # one list for every layer
     if len(heads) != num_layers or not all(isinstance(layer, (list, tuple)) for layer in heads):
         raise ValueError(
             f"heads must be a list of head indices or one such list per layer ({num_layers}), got {heads!r}"
         )
     for layer_idx, layer in enumerate(heads):
-        if len(set(layer)) != len(layer) or any(not isinstance(h, int) or not 0 <= h < num_heads for h in layer):
+        if len(set(layer)) != len(layer) or not all(is_head_index(h, num_heads) for h in layer):
             raise ValueError(
-                f"heads[{layer_idx}] must hold distinct head indices in [0, {num_heads}), got {list(layer)}"
+                f"heads[{layer_idx}] must hold distinct head indices in [0, {num_heads}) (integers, not booleans), "
+                f"got {list(layer)}"
             )
+    if not any(heads):
+        raise ValueError("heads selects no head: a DEX conversion needs at least one head; pass 'all', 'entropy' "
+                         "or a non-empty list")
     return [sorted(layer) for layer in heads]
+
+
+def is_head_index(h, num_heads: int) -> bool:
+    """An int (a bool is not a head) in [0, num_heads)."""
+    return isinstance(h, int) and not isinstance(h, bool) and 0 <= h < num_heads
+
+
+def check_calibration_ids(ids: torch.Tensor, vocab_size: int) -> None:
+    """Calibration ids must be integer token ids of shape (batch, length >= 2), each in [0, vocab_size)."""
+    if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise ValueError(f"calibration must be integer token ids, got {getattr(ids, 'dtype', type(ids).__name__)}")
+    if ids.ndim != 2 or ids.shape[0] < 1 or ids.shape[1] < 2:
+        raise ValueError(f"calibration_ids must have shape (batch, length >= 2), got {tuple(ids.shape)}")
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise ValueError(f"calibration token ids must lie in [0, vocab_size={vocab_size}), got ids from "
+                         f"{int(ids.min())} to {int(ids.max())}")
+
+
+def check_head_fraction(fraction) -> None:
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+        raise ValueError(f"head_fraction must be in (0, 1], got {fraction!r}")
 
 
 @torch.no_grad()
@@ -61,8 +89,7 @@ def attention_entropy(
     `get_tensor(name)` returns a source tensor; `mapping` is the DEX mapping of the source, whose layers (with
     f_D = 0) compute the source's attention exactly.
     """
-    if calibration_ids.ndim != 2 or calibration_ids.shape[1] < 2:
-        raise ValueError(f"calibration_ids must have shape (batch, length >= 2), got {tuple(calibration_ids.shape)}")
+    check_calibration_ids(calibration_ids, mapping.config.vocab_size)
     config = copy.deepcopy(mapping.config)
     config._attn_implementation = "eager"  # the only backend that materialises the softmax maps
     hidden = torch.nn.functional.embedding(calibration_ids, get_tensor("model.embed_tokens.weight").float())
@@ -91,7 +118,6 @@ def attention_entropy(
 
 def top_entropy_heads(entropy: torch.Tensor, fraction: float = 0.5) -> list[list[int]]:
     """Per layer, the ceil(fraction * h) heads of highest entropy, sorted by index."""
-    if not 0 < fraction <= 1:
-        raise ValueError(f"head_fraction must be in (0, 1], got {fraction}")
+    check_head_fraction(fraction)
     count = math.ceil(fraction * entropy.shape[1])
     return [sorted(row.topk(count).indices.tolist()) for row in entropy]

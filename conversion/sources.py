@@ -3,6 +3,12 @@
 A checkpoint directory holds `config.json` and either `model.safetensors` or shards listed in
 `model.safetensors.index.json` (`{"weight_map": {tensor name: shard file}}`). Only headers are read to list
 and check tensors; tensor data is read when asked for, so memory stays near one shard.
+
+Every file name read from the checkpoint (the shards of the index) must be a plain `.safetensors` file name,
+and every file must lie inside the checkpoint: a crafted index cannot make the converter read or write elsewhere.
+"Inside" is the checkpoint directory itself or, for a snapshot of the Hugging Face cache
+(`models--org--name/snapshots/<revision>/`, whose files are links to `models--org--name/blobs/`), that repository's
+cache folder.
 """
 
 import json
@@ -15,6 +21,39 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 
+def checkpoint_root(path: Path) -> Path:
+    """The folder every file of checkpoint `path` must resolve into: the repository folder of a Hub cache snapshot
+    (`models--*/snapshots/<revision>` -> `models--*`, which holds the blobs), else `path` itself."""
+    path = path.resolve()
+    if path.parent.name == "snapshots" and path.parent.parent.name.startswith(("models--", "datasets--")):
+        return path.parent.parent
+    return path
+
+
+def is_inside(path: Path, root: Path) -> bool:
+    """Whether `path`, with every link followed, lies inside `root` (already resolved)."""
+    target = path.resolve()
+    return target == root or root in target.parents
+
+
+def read_json_object(path: Path) -> dict:
+    """The JSON object in file `path`; a ValueError naming the file for anything else (garbage, empty, `null`)."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path.name} in {str(path.parent)!r} is not valid JSON: {error}") from error
+    if not isinstance(value, dict):
+        raise ValueError(f"{path.name} in {str(path.parent)!r} must hold a JSON object, got {json.dumps(value)[:40]}")
+    return value
+
+
+def _check_shard_name(file, tensor) -> None:
+    if (not isinstance(file, str) or not file.endswith(".safetensors") or file != Path(file).name
+            or "\\" in file or "\0" in file or file.startswith(".")):
+        raise ValueError(f"{INDEX_FILE}: the shard of tensor {tensor!r} must be a plain .safetensors file name "
+                         f"inside the checkpoint (no directory, no '..', not hidden), got {file!r}")
+
+
 class CheckpointDir:
     """The safetensors files of checkpoint directory `path` and which tensor lives in which file."""
 
@@ -22,11 +61,15 @@ class CheckpointDir:
         self.path = Path(path)
         if not (self.path / "config.json").is_file():
             raise ValueError(f"source {str(self.path)!r} must be a directory with a config.json (or a .gguf file)")
+        self.root = checkpoint_root(self.path)
+        self.config = read_json_object(self.path / "config.json")
         if (self.path / INDEX_FILE).is_file():
-            try:
-                weight_map = json.loads((self.path / INDEX_FILE).read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as error:
-                raise ValueError(f"{INDEX_FILE} in {self.path} must be JSON with a 'weight_map' object") from error
+            weight_map = read_json_object(self.path / INDEX_FILE).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{INDEX_FILE} in {self.path} must be JSON with a 'weight_map' object "
+                                 f"(tensor name -> shard file), got {type(weight_map).__name__}")
+            for tensor, file in weight_map.items():
+                _check_shard_name(file, tensor)
             self.files = list(dict.fromkeys(weight_map.values()))  # shard order of first appearance
         elif (self.path / SINGLE_FILE).is_file():
             self.files = [SINGLE_FILE]
@@ -49,6 +92,9 @@ class CheckpointDir:
     def _open(self, file: str):
         if not (self.path / file).is_file():
             raise ValueError(f"shard {file!r} listed in {INDEX_FILE} is missing from {self.path}")
+        if not is_inside(self.path / file, self.root):
+            raise ValueError(f"shard {file!r} in {self.path} is a link to {str((self.path / file).resolve())!r}, "
+                             f"outside the checkpoint {str(self.root)!r}")
         try:
             return safe_open(self.path / file, framework="pt")
         except Exception as error:  # safetensors raises its own error types for corrupt headers

@@ -1,41 +1,187 @@
 """Directories written all at once: into a temporary sibling, renamed into place only when complete, so a
-reader never sees a half-written checkpoint, export or result (and a failure leaves the old one untouched)."""
+reader never sees a half-written checkpoint, export or result (and a failure leaves the old one untouched).
+
+What `atomic_directory` guarantees, and how:
+- nothing is replaced without `overwrite`: the final rename itself refuses a destination that became non-empty
+  while the work ran (rename(2) does not replace a non-empty directory), not only a check at the start;
+- one writer per destination: a lock file `.<name>.lock` next to it, held (`flock`) from the checks to the
+  rename, so a second writer is refused at once instead of racing the first;
+- no leftovers: staging directories are named `.<name>.<pid>.<random>.tmp` (`.old` for the output being
+  replaced); a failure, Ctrl-C or SIGTERM removes
+  its own, and the next writer to the same destination removes those of processes that no longer run (SIGKILL);
+- an `overwrite` replaces only what looks like an earlier output (holds one of `expected`) unless it is
+  `"force"`, and never the current working directory or a protected source.
+"""
 
 import contextlib
+import errno
+import fcntl
 import os
+import re
 import shutil
+import signal
 import tempfile
+import threading
 from pathlib import Path
+
+FORCE = "force"
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"terminated by signal {signal.Signals(signum).name}")
 
 
 @contextlib.contextmanager
-def atomic_directory(dst: str | os.PathLike, overwrite: bool = False, protect: tuple = (), name: str = "destination"):
-    """Yield an empty temporary directory next to `dst`; when the block succeeds it replaces `dst` (renames), when
-    it fails it is removed. An existing non-empty `dst` is replaced only with `overwrite=True`; `dst` may not be,
-    contain or lie inside any path of `protect` (a source that is only read). `name` names `dst` in errors."""
+def _sigterm_as_interrupt():
+    """SIGTERM unwinds like Ctrl-C (so the cleanup below runs); the previous handler is restored afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by another user
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def _exclusive_lock(dst: Path, name: str):
+    """Hold `.<dst name>.lock` next to `dst` (flock, exclusive, not waiting); removed when released."""
+    path = dst.parent / f".{dst.name}.lock"
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as error:  # a read-only or foreign parent: found before any work is done
+            raise ValueError(f"{name} {str(dst)!r} cannot be written: {error}") from error
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise ValueError(f"{name} {str(dst)!r} is being written by another process (pid {holder}, lock "
+                             f"{str(path)!r}); wait for it to finish or choose another {name}") from None
+        # The holder before us may have removed the file after we opened it: then lock the new one instead.
+        try:
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        yield
+    finally:
+        path.unlink(missing_ok=True)  # while still locked, so no other writer holds a lock on an unlinked file
+        os.close(fd)
+
+
+def _remove_stale_staging(dst: Path) -> None:
+    """Remove the `.<name>.<pid>.<random>.tmp` (staging) and `.old` (replaced output) directories of `dst` whose
+    process no longer runs (killed with SIGKILL, or a power cut)."""
+    pattern = re.compile(rf"\.{re.escape(dst.name)}\.(\d+)\.[A-Za-z0-9_]+\.(?:tmp|old)")
+    for path in dst.parent.iterdir():
+        match = pattern.fullmatch(path.name)
+        if match and path.is_dir() and not path.is_symlink() and not _pid_alive(int(match.group(1))):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def check_destination(dst: str | os.PathLike, overwrite: bool | str = False, protect: tuple = (),
+                      name: str = "destination", expected: tuple[str, ...] = ()) -> Path:
+    """Refuse, before any work, a `dst` that `atomic_directory` would refuse; returns it resolved."""
     dst = Path(dst).resolve()
-    for path in map(lambda p: Path(p).resolve(), protect):
+    for path in (Path(p).resolve() for p in protect):
         if dst == path or path in dst.parents or dst in path.parents:
             raise ValueError(f"{name} {str(dst)!r} must not be, contain or lie inside the source {str(path)!r}")
-    if dst.exists() and not dst.is_dir():
-        raise ValueError(f"{name} {str(dst)!r} exists and is not a directory")
-    if dst.exists() and any(dst.iterdir()) and not overwrite:
-        raise ValueError(f"{name} {str(dst)!r} exists and is not empty; pass overwrite=True (--overwrite) to replace it")
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent))
+    cwd = Path.cwd().resolve()
+    if dst == cwd or dst in cwd.parents:
+        raise ValueError(f"{name} {str(dst)!r} is (or contains) the current working directory: the output "
+                         f"replaces it by a rename, which would leave this shell in a deleted directory; "
+                         f"run from another directory")
+    existing = next((p for p in [dst, *dst.parents] if p.exists() or p.is_symlink()), None)
+    if existing is not None and not existing.is_dir():
+        what = "exists" if existing == dst else f"lies under {str(existing)!r}, which exists"
+        raise ValueError(f"{name} {str(dst)!r} {what} and is not a directory")
+    if dst.is_dir() and any(dst.iterdir()):
+        if not overwrite:
+            raise ValueError(f"{name} {str(dst)!r} exists and is not empty; pass overwrite=True (--overwrite) "
+                             f"to replace it")
+        if expected and overwrite != FORCE and not any((dst / file).exists() for file in expected):
+            raise ValueError(f"{name} {str(dst)!r} is not empty and holds no {' or '.join(expected)}, so it is not "
+                             f"an earlier output: refusing to replace it; pass overwrite='force' (--overwrite "
+                             f"twice) to replace it anyway")
+    return dst
+
+
+@contextlib.contextmanager
+def atomic_directory(dst: str | os.PathLike, overwrite: bool | str = False, protect: tuple = (),
+                     name: str = "destination", expected: tuple[str, ...] = ()):
+    """Yield an empty temporary directory next to `dst`; when the block succeeds it replaces `dst` (renames), when
+    it fails (or is interrupted, SIGTERM included) it is removed. An existing non-empty `dst` is replaced only with
+    `overwrite=True`, and then only if it holds one of the files `expected` (when given) or `overwrite="force"`;
+    `dst` may not be, contain or lie inside any path of `protect` (a source that is only read), nor be the working
+    directory. `name` names `dst` in errors. Raises ValueError (naming `dst`) for every refusal."""
+    dst = check_destination(dst, overwrite, protect, name, expected)
+    created = [p for p in [dst.parent, *dst.parent.parents] if not p.exists()]
     try:
-        yield staging
+        dst.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"{name} {str(dst)!r}: cannot create its parent directory: {error}") from error
+    try:
+        with _sigterm_as_interrupt(), _exclusive_lock(dst, name):
+            _remove_stale_staging(dst)
+            dst = check_destination(dst, overwrite, protect, name, expected)  # again, now that we hold the lock
+            staging = Path(tempfile.mkdtemp(prefix=f".{dst.name}.{os.getpid()}.", suffix=".tmp", dir=dst.parent))
+            try:
+                yield staging
+                staging.chmod(0o755)  # mkdtemp makes it private to the user
+                _replace(staging, dst, overwrite, name)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)  # gone already after a successful rename
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        for path in created:  # parents this call created, if still empty
+            with contextlib.suppress(OSError):
+                path.rmdir()
         raise
-    staging.chmod(0o755)  # mkdtemp makes it private to the user
-    if dst.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old.", dir=dst.parent))
-        dst.rename(old / dst.name)
-        staging.rename(dst)
+
+
+def _replace(staging: Path, dst: Path, overwrite: bool | str, name: str) -> None:
+    """Rename `staging` to `dst`. Without `overwrite` the rename itself refuses a non-empty `dst`."""
+    if not overwrite or not dst.exists():
+        try:
+            staging.rename(dst)  # replaces at most an empty directory, atomically
+        except OSError as error:
+            if error.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+                raise ValueError(f"{name} {str(dst)!r} was created by someone else while this one was being "
+                                 f"written; it was left as it is and this output discarded (pass overwrite=True "
+                                 f"to replace it)") from error
+            raise ValueError(f"{name} {str(dst)!r} could not be written: {error}") from error
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.{os.getpid()}.", suffix=".old", dir=dst.parent))
+    try:
+        try:
+            dst.rename(old / dst.name)
+        except OSError as error:
+            hint = " (is it a mount point?)" if error.errno in (errno.EBUSY, errno.EXDEV) else ""
+            raise ValueError(f"{name} {str(dst)!r} could not be replaced{hint}: {error}; it was left as "
+                             f"it is") from error
+        try:
+            staging.rename(dst)
+        except OSError as error:
+            (old / dst.name).rename(dst)  # put the old one back: it was only moved aside
+            raise ValueError(f"{name} {str(dst)!r} could not be replaced: {error}; it was left as it is") from error
+    finally:
         shutil.rmtree(old, ignore_errors=True)
-    else:
-        staging.rename(dst)
 
 
-__all__ = ["atomic_directory"]
+__all__ = ["FORCE", "atomic_directory", "check_destination"]

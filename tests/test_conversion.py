@@ -117,8 +117,8 @@ def test_dex_adds_zero_f_d_lambda_init_and_step_zero():
     for layer_idx, layer in enumerate(converted.model.layers):
         attention = layer.self_attn
         assert not attention.dex_proj.weight.any() and attention.anneal_step.item() == 0
-        assert attention.lambda_learn.dtype == torch.float32
-        assert attention.lambda_learn.item() == pytest.approx(0.8 - 0.6 * math.exp(-0.3 * layer_idx))
+        assert attention.dex_lambda.lambda_learn.dtype == attention.q_proj.weight.dtype  # one dtype for FSDP2
+        assert attention.dex_lambda.lambda_learn.item() == pytest.approx(0.8 - 0.6 * math.exp(-0.3 * layer_idx))
 
 
 def test_converted_model_round_trips_through_auto_model(tmp_path):
@@ -185,6 +185,17 @@ def test_resolve_heads():
         (dict(heads=[[0], [4], [1]]), r"heads\[1\] must hold distinct head indices in \[0, 4\)"),
         (dict(heads=[0, 0]), "distinct head indices"),
         (dict(calibration=token_ids(), head_fraction=0.0), r"head_fraction must be in \(0, 1\]"),
+        (dict(calibration=token_ids(), head_fraction=1.5), r"head_fraction must be in \(0, 1\]"),
+        (dict(calibration=token_ids(), head_fraction=math.nan), r"head_fraction must be in \(0, 1\], got nan"),
+        (dict(heads=[True]), r"heads\[0\] must hold distinct head indices .* not booleans"),
+        (dict(heads=[[True], [1], [0]]), r"heads\[0\] must hold distinct head indices .* not booleans"),
+        (dict(heads=[[0], 1, [2]]), r"one such list per layer \(3\)"),
+        (dict(heads=[]), "heads selects no head"),
+        (dict(heads=[[], [], []]), "heads selects no head"),
+        (dict(heads=3), "heads must be one of"),
+        (dict(calibration=token_ids() + 300), r"calibration token ids must lie in \[0, vocab_size=300\)"),
+        (dict(calibration=token_ids() - 10), r"calibration token ids must lie in \[0, vocab_size=300\)"),
+        (dict(calibration=token_ids().float()), "calibration must be integer token ids"),
         (dict(calibration=torch.ones(2, 1, dtype=torch.long)), "calibration_ids must have shape"),
         (dict(calibration="text"), "calibration text needs a tokenizer"),
     ],
