@@ -1,0 +1,66 @@
+"""`modeling-diff eval ...` (lm-evaluation-harness with the package registered) and `modeling-diff export SRC DST`
+(a checkpoint -> a self-contained remote-code folder, `modeling_diff.hub.save_for_hub`)."""
+
+import argparse
+import json
+from pathlib import Path
+
+EVAL = "eval"
+EXPORT = "export"
+
+
+def add_commands(commands) -> None:
+    """Add `eval` and `export` to the subparsers `commands` of the `modeling-diff` parser."""
+    commands.add_parser(
+        EVAL, add_help=False, help="lm-evaluation-harness's CLI with the package's Auto classes registered",
+        description="modeling-diff eval ARGS = lm_eval ARGS with `import modeling_diff` done first, e.g. "
+        "`modeling-diff eval --model hf --model_args pretrained=DIR --tasks hellaswag`. Every argument is lm_eval's "
+        "(`modeling-diff eval --help` prints its help). Needs pip install 'modeling-diff[eval]'.",
+    )
+    export = commands.add_parser(
+        EXPORT, help="write a DiffLlama checkpoint as a self-contained remote-code folder (for the Hub)",
+        description="Load the DiffLlama checkpoint SRC and write DST with save_for_hub: weights, config with "
+        "auto_map, the model code as flat files, a model card and SRC's tokenizer. DST then loads with "
+        "AutoModelForCausalLM.from_pretrained(DST, trust_remote_code=True) without modeling_diff installed; "
+        "upload it with `huggingface-cli upload REPO DST` (or use modeling_diff.hub.push_to_hub).",
+    )
+    export.add_argument("src", type=Path, help="DiffLlama checkpoint directory (only read)")
+    export.add_argument("dst", type=Path, help="output folder (written to a temporary directory, then renamed)")
+    export.add_argument("--repo-id", help="owner/name named in the model card's loading snippet")
+    export.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+
+
+def run_eval(argv: list[str]) -> int:
+    """`modeling-diff eval ARGS`: lm_eval's own command line, which parses ARGS (so they bypass argparse here)."""
+    from modeling_diff.lm_eval import main
+
+    main(argv)
+    return 0
+
+
+def run_export(args: argparse.Namespace) -> str:
+    """`modeling-diff export SRC DST`; returns the summary to print. ValueError for a source that is not ours."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from modeling_diff.configuration import DiffLlamaConfig
+    from modeling_diff.hub import save_for_hub
+
+    config_file = args.src / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"src {str(args.src)!r} must be a checkpoint directory with a config.json")
+    model_type = json.loads(config_file.read_text()).get("model_type")
+    if model_type != DiffLlamaConfig.model_type:
+        raise ValueError(f"src must be a {DiffLlamaConfig.model_type!r} checkpoint (convert a Llama first with "
+                         f"`modeling-diff convert`), got model_type {model_type!r} in {config_file}")
+    model = AutoModelForCausalLM.from_pretrained(args.src, dtype="auto", local_files_only=True)
+    has_tokenizer = any((args.src / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
+    tokenizer = AutoTokenizer.from_pretrained(args.src, local_files_only=True) if has_tokenizer else None
+    dst = save_for_hub(model, args.dst, tokenizer=tokenizer, repo_id=args.repo_id, overwrite=args.overwrite)
+    files = sorted(path.name for path in dst.iterdir())
+    return "\n".join([f"output     {dst}", f"model      {model.config.diff_mode}, {model.num_parameters():,} parameters",
+                      f"tokenizer  {'carried' if tokenizer is not None else 'none in src'}",
+                      f"files      {' '.join(files)}",
+                      f"load with  AutoModelForCausalLM.from_pretrained({str(dst)!r}, trust_remote_code=True)"])
+
+
+__all__ = ["EVAL", "EXPORT", "add_commands", "run_eval", "run_export"]
