@@ -4,9 +4,11 @@
 
 Per sequence length, for transformers' LlamaForCausalLM (the reference), the same Llama with modeling_diff's
 RMSNorm and RoPE kernels patched in (`llama-fused`: what the differential modes are compared with like for like,
-since they use those kernels too), transformers' DiffLlamaForCausalLM and modeling_diff's V1, V2 and DEX (the
-~1.1B presets: hidden 2048, 16 layers, MLP 8192, bf16, sdpa, which on CUDA routes to the project's fast paths),
-in one process:
+since they use those kernels too), the same Llama with Liger's kernels (`llama-liger`: `apply_liger_kernel_to_llama()`
+before it is built, as a user who trains with `use_liger_kernel=True` gets it), transformers' DiffLlamaForCausalLM
+and modeling_diff's V1, V2 and DEX (the ~1.1B presets: hidden 2048, 16 layers, MLP 8192, bf16, sdpa, which on CUDA
+routes to the project's fast paths), and V1, V2, DEX with `apply_liger_kernel_to_diff_llama(model=...)`
+(`v1-liger`, ...), each model in a fresh process (Liger's patches are process-wide):
 
 - train:   forward + backward + fused AdamW step on `tokens` tokens (4 x 2048, or 1 x 8192), peak memory;
 - prefill: no-grad forward of the same tokens, logits of the last position only (as generate() does);
@@ -19,18 +21,23 @@ in one process:
 Each row gives tok/s, the ratio to Llama, the work per token relative to Llama (model FLOPs for train and
 prefill, bytes read for decode: weights / batch + the KV cache, counted analytically from the shapes) and
 the efficiency = (tok/s ratio) x (work ratio): the share of Llama's useful FLOP/s (or bytes/s) reached, and
-the tok/s ratio to `llama-fused`.
+the tok/s ratio to `llama-fused`. A second table gives the training rows against `llama-liger`: MFU (the model's
+FLOPs per token x tok/s over the bf16 matmul peak measured at the start of the same run), tok/s and peak memory
+ratios.
 """
 
 import argparse
 import contextlib
 import gc
 import json
+import multiprocessing
 import os
 import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 
 import torch
 from tqdm import tqdm
@@ -39,10 +46,11 @@ from transformers import DiffLlamaConfig as HFDiffLlamaConfig
 from transformers import DiffLlamaForCausalLM as HFDiffLlamaForCausalLM
 from transformers.models.llama import modeling_llama
 
-from modeling_diff import DiffLlamaForCausalLM, preset_config
+from modeling_diff import DiffLlamaForCausalLM, apply_liger_kernel_to_diff_llama, preset_config
 from modeling_diff.kernels import apply_rope, rms_norm
 
-MODELS = ("llama", "llama-fused", "hf-diffllama", "v1", "v2", "dex")
+MODELS = ("llama", "llama-fused", "llama-liger", "hf-diffllama", "v1", "v2", "dex", "v1-liger", "v2-liger", "dex-liger")
+LLAMAS = ("llama", "llama-fused", "llama-liger")
 SHAPE = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16)
 
 
@@ -64,15 +72,25 @@ def kernels_patched(name: str):
         modeling_llama.apply_rotary_pos_emb = original
 
 
+def mode_of(name: str) -> str:
+    """The architecture behind a model name: "v1-liger" -> "v1", "llama-fused" -> "llama"."""
+    return "llama" if name in LLAMAS else name.removesuffix("-liger")
+
+
 def build(name: str, max_positions: int):
     """The model `name` in bf16 on the GPU; Llama and transformers' DiffLlama: 32 heads of 64, 8 kv heads."""
     common = dict(SHAPE, max_position_embeddings=max_positions)
-    if name in ("llama", "llama-fused"):
+    if name == "llama-liger":  # Liger's RMSNorm, SwiGLU MLP, RoPE and fused linear cross-entropy in Llama's classes
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama()
+    if name in LLAMAS:
         cls, config = LlamaForCausalLM, LlamaConfig(**common, num_attention_heads=32, num_key_value_heads=8, head_dim=64)
     elif name == "hf-diffllama":
         cls, config = HFDiffLlamaForCausalLM, HFDiffLlamaConfig(**common, num_attention_heads=32, num_key_value_heads=8)
     else:
-        cls, config = DiffLlamaForCausalLM, preset_config(f"1.1b-{name}", max_position_embeddings=max_positions)
+        config = preset_config(f"1.1b-{mode_of(name)}", max_position_embeddings=max_positions)
+        cls = DiffLlamaForCausalLM
     config._attn_implementation = "sdpa"
     torch.set_default_dtype(torch.bfloat16)
     try:
@@ -84,12 +102,14 @@ def build(name: str, max_positions: int):
         for module in model.modules():
             if isinstance(module, modeling_llama.LlamaRMSNorm):
                 module.forward = lambda x, m=module: rms_norm(x, m.weight, m.variance_epsilon)
+    if name.endswith("-liger") and name != "llama-liger":
+        apply_liger_kernel_to_diff_llama(model=model)
     return model.to("cuda")  # parameters created outside the device context (V1's lambdas) follow
 
 
 def attention_work(name: str, config) -> tuple[float, float]:
     """(FLOPs per token per cached position, KV bytes per position), summed over layers, forward only."""
-    layers = config.num_hidden_layers
+    layers, name = config.num_hidden_layers, mode_of(name)
     if name in ("v1", "hf-diffllama"):  # h differential heads (2h heads of d in transformers' config): 2 maps each
         h = config.num_attention_heads if name == "v1" else config.num_attention_heads // 2
         d = config.head_dim
@@ -270,6 +290,14 @@ def warm_up_gpu(seconds: float = 3.0):
         torch.cuda.synchronize()
 
 
+def matmul_peak(n: int = 8192, repeats: int = 50) -> float:
+    """FLOP/s of a bf16 (n x n) @ (n x n) product on random data, after the clocks are up: MFU's denominator."""
+    torch.backends.cuda.matmul.allow_tf32 = True
+    warm_up_gpu()
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    return statistics.median(2 * n**3 / cuda_time(lambda: a @ b, repeats) for _ in range(5))
+
+
 def bench_model(name: str, seq: int, phases, args) -> list[dict]:
     """The rows of one model at one sequence length."""
     batch = max(1, args.tokens // seq)
@@ -278,7 +306,7 @@ def bench_model(name: str, seq: int, phases, args) -> list[dict]:
     attn_flops, _ = attention_work(name, model.config)
     rows = []
     for phase, dec_batch in phases:
-        row = dict(seq=seq, model=name, phase=phase)
+        row = dict(seq=seq, model=name, phase=phase, batch=batch if phase in ("train", "prefill") else dec_batch)
         try:
             if phase == "train":
                 row["tok_s"], row["peak_gib"] = bench_train(model, batch, seq, args.repeats)
@@ -307,20 +335,45 @@ PHASES = [("train", None), ("prefill", None), ("decode b1 static", 1), ("decode 
           ("decode b32 static", 32)]
 
 
-def run(args) -> list[dict]:
+def bench_model_all_lengths(name: str, phases, args) -> list[dict]:
+    """Every length's rows of one model, in this (fresh) process."""
+    torch.backends.cuda.matmul.allow_tf32 = True
     warm_up_gpu()
+    rows = []
+    for seq in args.seq:
+        with kernels_patched(name):
+            rows += bench_model(name, seq, phases, args)
+    return rows
+
+
+def in_fresh_process(fn, *args):
+    """fn(*args) in a new Python process: `apply_liger_kernel_to_llama()` patches transformers' Llama for the rest of
+    its process, and every model starts with an empty CUDA allocator."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
+
+
+def run(args) -> tuple[list[dict], float]:
+    """The rows, sorted, and the matmul peak (FLOP/s) measured first."""
+    peak = in_fresh_process(matmul_peak)
+    tqdm.write(f"bf16 matmul peak: {peak / 1e12:.0f} TFLOP/s")
     one_at_a_time = [(p, b) for p, b in PHASES if "dynamic" not in p and p.split()[0] in args.phases]
     results = []
-    for seq in args.seq:
-        if one_at_a_time:
-            for name in tqdm(args.models, desc=f"seq {seq}"):
-                with kernels_patched(name):
-                    results += bench_model(name, seq, one_at_a_time, args)
-        if "dynamic" in args.phases:
-            batch = next(b for p, b in PHASES if "dynamic" in p)
-            results += bench_dynamic_lockstep(args.models, seq, args, batch)
+    if one_at_a_time:
+        for name in tqdm(args.models, desc="models"):
+            try:
+                results += in_fresh_process(bench_model_all_lengths, name, one_at_a_time, args)
+            except BrokenProcessPool as error:  # the process died (not an exception it could catch): noted, go on
+                results += [dict(seq=seq, model=name, phase=p, error=f"process died: {error}")
+                            for seq in args.seq for p, _ in one_at_a_time]
+    lockstep = [name for name in args.models if not name.endswith("-liger")]  # Liger's patches are process-wide
+    if "dynamic" in args.phases:
+        batch = next(b for p, b in PHASES if "dynamic" in p)
+        for seq in args.seq:
+            results += in_fresh_process(bench_dynamic_lockstep, lockstep, seq, args, batch)
     order = [p for p, _ in PHASES]
-    return sorted(results, key=lambda r: (r["seq"], args.models.index(r["model"]), order.index(r["phase"])))
+    key = lambda r: (r["seq"], args.models.index(r["model"]), order.index(r["phase"]))  # noqa: E731
+    return sorted(results, key=key), peak
 
 
 def table(results) -> str:
@@ -346,6 +399,26 @@ def table(results) -> str:
     return "\n".join(lines)
 
 
+def train_table(results, peak: float) -> str:
+    """Markdown table of the training rows: MFU = FLOPs per token (`work`) x tok/s / the measured matmul peak, and
+    tok/s and peak memory against `llama-liger` at the same length."""
+    train = [r for r in results if r["phase"] == "train"]
+    liger = {r["seq"]: r for r in train if r["model"] == "llama-liger" and "tok_s" in r}
+    lines = [f"| seq x batch | model | train tok/s | MFU (of {peak / 1e12:.0f} TFLOP/s) | tok/s vs llama-liger | "
+             "peak GiB | memory vs llama-liger |", "|---|---|---|---|---|---|---|"]
+    for r in train:
+        shape = f"{r['seq']} x {r['batch']}"
+        if "tok_s" not in r:
+            lines.append(f"| {shape} | {r['model']} | {r.get('error', 'n/a')} | | | | |")
+            continue
+        ref = liger.get(r["seq"])
+        speed = f"{r['tok_s'] / ref['tok_s']:.2f}x" if ref else ""
+        memory = f"{r['peak_gib'] / ref['peak_gib']:.2f}x" if ref else ""
+        lines.append(f"| {shape} | {r['model']} | {r['tok_s'] / 1000:.1f}k | {r['mfu']:.2f} | {speed} | "
+                     f"{r['peak_gib']:.1f} | {memory} |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seq", type=int, nargs="+", default=[2048, 8192])
@@ -365,9 +438,13 @@ def main(argv=None):
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if not torch.cuda.is_available():
         sys.exit("bench.py needs a CUDA GPU")
-    torch.backends.cuda.matmul.allow_tf32 = True
-    results = run(args)
+    results, peak = run(args)
+    for r in results:
+        if r["phase"] == "train" and "tok_s" in r:
+            r["mfu"], r["matmul_peak_tflops"] = r["work"] * r["tok_s"] / peak, peak / 1e12
     text = table(results)
+    if "train" in args.phases:
+        text += "\n\nTraining against llama-liger:\n\n" + train_table(results, peak)
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}\n{text}")
     if args.out:
         write_atomically(args.out, json.dumps(results, indent=1))

@@ -61,8 +61,9 @@ def liger_fused_linear_loss(self: DiffLlamaForCausalLM, hidden_states, labels, *
     against `labels` (B, L), through Liger's fused linear cross-entropy (which unwraps a PEFT `modules_to_save`
     lm_head and gathers an FSDP-sharded one, as for Llama)."""
     shift_labels = loss_kwargs.pop("shift_labels", None)
+    # Liger views the rows flat: logits_to_keep's slice is copied (keeping all positions, it is a no-op)
     result = lce_maybe_trainable_lm_head(
-        self, hidden_states=hidden_states, hidden_size=self.config.hidden_size, labels=labels,
+        self, hidden_states=hidden_states.contiguous(), hidden_size=self.config.hidden_size, labels=labels,
         shift_labels=shift_labels, **loss_kwargs,
     )
     return unpack_cross_entropy_result(result)[0]

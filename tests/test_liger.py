@@ -1,0 +1,311 @@
+"""Liger Kernel in DiffLlama (`modeling_diff.liger`): losses and gradients against the plain path and the formula.
+
+Liger's kernels are Triton: on a GPU they run compiled, at the ~1.1B model's lm_head shape for the loss; on a CPU
+(CI) through Triton's interpreter (TRITON_INTERPRET=1, set by conftest) on tiny shapes, with the three shims of
+`liger_runs_on_the_interpreter` (the interpreter of triton 3.6 under numpy >= 2.3 differs from compiled Triton in
+ways Liger's kernels meet; none changes their arithmetic).
+"""
+
+import copy
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import MODES, tiny_model
+from transformers import Trainer, TrainingArguments
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from modeling_diff import DiffLlamaConfig, DiffLlamaForCausalLM, apply_liger_kernel_to_diff_llama, modeling_diff_llama
+
+pytest.importorskip("liger_kernel", reason="liger-kernel (the [liger] extra) is not installed")
+from liger_kernel.transformers.rms_norm import LigerRMSNorm  # noqa: E402
+from liger_kernel.transformers.swiglu import LigerSwiGLUMLP  # noqa: E402
+
+GPU = torch.cuda.is_available()
+DEVICE = "cuda" if GPU else "cpu"
+TOL = 1e-4  # relative error ||got - want|| / ||want||, float32 models
+
+
+@pytest.fixture(autouse=True)
+def liger_runs_on_the_interpreter(monkeypatch):
+    """Where Triton's interpreter runs the kernels: compiled Triton passes a float argument (Liger's eps) as an fp32
+    scalar, the interpreter as a Python float; the interpreter holds scalars as 1-element arrays, of which numpy
+    >= 2.3 refuses int() (`range` over a size); libdevice's rsqrt returns None there."""
+    if GPU:
+        return
+    import liger_kernel.ops.rms_norm as liger_rms_norm
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    implicit_cvt, patch_lang_tensor = interpreter._implicit_cvt, interpreter._patch_lang_tensor
+
+    def float_as_fp32(arg):
+        if isinstance(arg, float):
+            return tl.tensor(interpreter.TensorHandle(np.array([arg], dtype=np.float32), tl.float32), tl.float32)
+        return implicit_cvt(arg)
+
+    def index_of_one_element(tensor, scope):
+        patch_lang_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    monkeypatch.setattr(interpreter, "_implicit_cvt", float_as_fp32)
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", index_of_one_element)
+    monkeypatch.setattr(liger_rms_norm, "rsqrt", lambda x: tl.math.rsqrt(x))  # tl.math's, as patched at run time
+
+
+def rel_err(got, want) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+def plain_and_liger(mode: str, **apply_kwargs):
+    """The same tiny model twice, in training mode, the second with Liger's kernels applied to it."""
+    plain = tiny_model(mode).to(DEVICE).train()
+    liger = copy.deepcopy(plain)
+    apply_liger_kernel_to_diff_llama(model=liger, **apply_kwargs)
+    return plain, liger
+
+
+def masked_batch(vocab_size: int, batch: int = 3, length: int = 12):
+    """Token ids and labels whose rows supervise different numbers of tokens (-100 elsewhere)."""
+    generator = torch.Generator().manual_seed(3)
+    input_ids = torch.randint(3, vocab_size, (batch, length), generator=generator)
+    labels = input_ids.clone()
+    labels[0, :5] = -100
+    labels[1, 8:] = -100
+    return input_ids.to(DEVICE), labels.to(DEVICE)
+
+
+def formula_loss(logits, labels, num_items=None):
+    """Causal-LM loss written out: token t predicts label t + 1; -100 ignored; mean, or sum / num_items."""
+    logits, targets = logits[:, :-1].float(), labels[:, 1:]
+    total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100,
+                            reduction="sum")
+    return total / ((targets != -100).sum() if num_items is None else num_items)
+
+
+def grads(model) -> torch.Tensor:
+    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+
+def assert_same_gradients(plain, liger):
+    names = [n for n, p in plain.named_parameters() if p.grad is not None]
+    assert names == [n for n, p in liger.named_parameters() if p.grad is not None]
+    assert rel_err(grads(liger), grads(plain)) < TOL
+
+
+def test_diff_llama_is_in_liger_model_type_dispatch():
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+    assert MODEL_TYPE_TO_APPLY_LIGER_FN[DiffLlamaConfig.model_type] is apply_liger_kernel_to_diff_llama
+    model = tiny_model("v1")
+    _apply_liger_kernel_to_instance(model=model)  # what Trainer's use_liger_kernel=True calls
+    assert model.fused_linear_loss is not None
+    decoder = model.model
+    norms = [decoder.norm] + [n for layer in decoder.layers for n in (layer.input_layernorm,
+                                                                      layer.post_attention_layernorm)]
+    assert all(n._get_name() == "LigerRMSNorm" for n in norms)
+    assert all(layer.mlp._get_name() == "LigerSwiGLUMLP" for layer in decoder.layers)
+    subln = decoder.layers[0].self_attn.subln  # V1's per-head norm is read by the attention's combine: untouched
+    assert type(subln) is LlamaRMSNorm and "forward" not in vars(subln)
+    assert DiffLlamaForCausalLM.fused_linear_loss is None  # the instance, not the class
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_training_loss_and_gradients_match_the_plain_path_and_the_formula(mode):
+    plain, liger = plain_and_liger(mode)
+    input_ids, labels = masked_batch(plain.config.vocab_size)
+
+    out = liger(input_ids=input_ids, labels=labels)
+    assert out.logits is None  # the fused loss never materialises them
+    out.loss.backward()
+    reference = plain(input_ids=input_ids, labels=labels)
+    reference.loss.backward()
+
+    assert rel_err(out.loss, formula_loss(reference.logits.detach(), labels)) < TOL
+    assert rel_err(out.loss, reference.loss) < TOL
+    assert_same_gradients(plain, liger)
+
+
+def test_num_items_in_batch_accumulates_to_the_full_batch():
+    """Two micro-batches with Trainer's num_items_in_batch (the whole batch's supervised tokens) sum to the full
+    batch's loss and gradients, as on the plain path."""
+    plain, liger = plain_and_liger("v1")
+    input_ids, labels = masked_batch(plain.config.vocab_size, batch=4)
+    num_items = (labels[:, 1:] != -100).sum()
+    with torch.no_grad():
+        full = formula_loss(plain.eval()(input_ids=input_ids).logits, labels)
+    plain.train()
+
+    total = 0.0
+    for part in (slice(0, 1), slice(1, 4)):
+        loss = liger(input_ids=input_ids[part], labels=labels[part], num_items_in_batch=num_items).loss
+        loss.backward()
+        total += loss.detach()
+        plain(input_ids=input_ids[part], labels=labels[part], num_items_in_batch=num_items).loss.backward()
+    assert rel_err(total, full) < TOL
+    assert_same_gradients(plain, liger)
+
+
+def test_logits_to_keep_and_shift_labels():
+    """logits_to_keep=k scores the last k positions against labels of length k; shift_labels are used as given."""
+    plain, liger = plain_and_liger("v2")
+    input_ids, labels = masked_batch(plain.config.vocab_size)
+    keep = 5
+    with torch.no_grad():
+        kept_logits = plain.eval()(input_ids=input_ids).logits[:, -keep:]
+    plain.train()
+    out = liger(input_ids=input_ids, labels=labels[:, -keep:], logits_to_keep=keep)
+    assert out.logits is None
+    assert rel_err(out.loss, formula_loss(kept_logits, labels[:, -keep:])) < TOL
+
+    shift = labels.roll(-1, dims=1)  # the target of every position given directly
+    shift[:, -1] = -100
+    got = liger(input_ids=input_ids, labels=labels, shift_labels=shift).loss
+    want = plain(input_ids=input_ids, labels=labels, shift_labels=shift).loss
+    assert rel_err(got, want) < TOL
+
+
+def test_eval_and_skip_logits():
+    plain, liger = plain_and_liger("dex")
+    input_ids, labels = masked_batch(plain.config.vocab_size)
+    with torch.no_grad():
+        reference = plain.eval()(input_ids=input_ids, labels=labels)
+        evaluated = liger.eval()(input_ids=input_ids, labels=labels)  # eval: the plain forward, logits returned
+        assert rel_err(evaluated.logits, reference.logits) < TOL and rel_err(evaluated.loss, reference.loss) < TOL
+        skipped = liger(input_ids=input_ids, labels=labels, skip_logits=True)  # Trainer's eval with Liger
+        assert skipped.logits is None and rel_err(skipped.loss, reference.loss) < TOL
+    liger.train()
+    kept = liger(input_ids=input_ids, labels=labels, skip_logits=False)
+    assert kept.logits is not None and rel_err(kept.loss, reference.loss) < TOL
+    with pytest.raises(ValueError, match="skip_logits=True needs labels"):
+        liger(input_ids=input_ids, skip_logits=True)
+
+
+def test_class_level_apply_builds_liger_modules_with_the_same_checkpoint(monkeypatch):
+    """apply_liger_kernel_to_diff_llama() without a model (as apply_liger_kernel_to_llama()): models built afterwards
+    hold Liger's modules under the same parameter names, so a plain checkpoint loads into them."""
+    for name in ("DiffLlamaRMSNorm", "LlamaMLP"):  # restored after the test: the patch is process-wide
+        monkeypatch.setattr(modeling_diff_llama, name, getattr(modeling_diff_llama, name))
+    monkeypatch.setattr(DiffLlamaForCausalLM, "fused_linear_loss", None)
+    plain = tiny_model("v1").to(DEVICE).train()
+    apply_liger_kernel_to_diff_llama()
+    liger = DiffLlamaForCausalLM(plain.config).to(DEVICE).train()
+    assert isinstance(liger.model.norm, LigerRMSNorm) and isinstance(liger.model.layers[0].mlp, LigerSwiGLUMLP)
+    assert list(liger.state_dict()) == list(plain.state_dict())
+    liger.load_state_dict(plain.state_dict())
+
+    input_ids, labels = masked_batch(plain.config.vocab_size)
+    out = liger(input_ids=input_ids, labels=labels)
+    assert out.logits is None
+    out.loss.backward()
+    reference = plain(input_ids=input_ids, labels=labels)
+    reference.loss.backward()
+    assert rel_err(out.loss, reference.loss) < TOL
+    assert_same_gradients(plain, liger)
+
+
+def test_liger_cross_entropy_on_materialised_logits(monkeypatch):
+    """cross_entropy=True: Liger's cross-entropy replaces torch's for the whole process, as for Llama (restored
+    after the test), so the plain reference runs before it is applied."""
+    monkeypatch.setattr(F, "cross_entropy", F.cross_entropy)
+    plain = tiny_model("v1").to(DEVICE).train()
+    liger = copy.deepcopy(plain)
+    input_ids, labels = masked_batch(plain.config.vocab_size)
+    reference = plain(input_ids=input_ids, labels=labels)
+    reference.loss.backward()
+    want = formula_loss(reference.logits.detach(), labels)
+
+    apply_liger_kernel_to_diff_llama(model=liger, cross_entropy=True, fused_linear_cross_entropy=False)
+    out = liger(input_ids=input_ids, labels=labels)
+    assert out.logits is not None
+    out.loss.backward()
+    assert rel_err(out.loss, want) < TOL
+    assert_same_gradients(plain, liger)
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="cross_entropy and fused_linear_cross_entropy cannot both be True"):
+        apply_liger_kernel_to_diff_llama(cross_entropy=True, fused_linear_cross_entropy=True)
+    with pytest.raises(ValueError, match="swiglu=True needs hidden_act 'silu'.*'gelu'"):
+        apply_liger_kernel_to_diff_llama(model=tiny_model("v2", hidden_act="gelu"))
+    apply_liger_kernel_to_diff_llama(model=tiny_model("v2", hidden_act="gelu"), swiglu=False)
+
+
+@pytest.mark.skipif(not GPU, reason="the ~1.1B model's lm_head on the GPU")
+def test_fused_linear_loss_at_the_1b_lm_head_in_bf16():
+    """hidden 2048, vocab 32000, 2 x 2048 tokens in bf16 against the formula in float32."""
+    torch.manual_seed(0)
+    config = DiffLlamaConfig(diff_mode="v2", vocab_size=32000, hidden_size=2048, intermediate_size=256,
+                             num_hidden_layers=1, num_attention_heads=16, num_key_value_heads=8)
+    model = DiffLlamaForCausalLM(config).to(DEVICE, torch.bfloat16).train()
+    apply_liger_kernel_to_diff_llama(model=model, rms_norm=False, swiglu=False)
+    hidden = torch.randn(2, 2048, 2048, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, 32000, (2, 2048), device=DEVICE)
+    labels[0, :700] = -100
+    loss = model.fused_linear_loss(hidden, labels)
+    got = torch.autograd.grad(loss, (hidden, model.lm_head.weight))
+
+    h32, w32 = hidden.detach().float().requires_grad_(), model.lm_head.weight.detach().float().requires_grad_()
+    want_loss = formula_loss(h32 @ w32.T, labels)
+    want = torch.autograd.grad(want_loss, (h32, w32))
+    assert rel_err(loss, want_loss) < 1e-2
+    for g, w in zip(got, want):
+        assert rel_err(g, w) < 2e-2
+
+
+def test_trainer_use_liger_kernel_trains_and_evaluates_as_the_plain_path(tmp_path):
+    """TrainingArguments(use_liger_kernel=True) finds DiffLlama in Liger's dispatch: the model is patched, a step
+    with gradient accumulation over masked labels (num_items_in_batch) gives the plain run's weights (plain SGD),
+    and evaluation (Trainer passes skip_logits=True) the plain eval loss."""
+    torch.manual_seed(0)
+    initial = tiny_model("v2").train()
+    input_ids, labels = masked_batch(initial.config.vocab_size, batch=4)
+    data = [{"input_ids": x, "labels": y} for x, y in zip(input_ids.cpu(), labels.cpu())]
+    runs = {}
+    for use_liger in (False, True):
+        model = copy.deepcopy(initial)
+        args = TrainingArguments(output_dir=str(tmp_path / str(use_liger)), use_cpu=not GPU, report_to=[],
+                                 save_strategy="no", disable_tqdm=True, logging_strategy="no", seed=0,
+                                 dataloader_num_workers=0, max_steps=1, per_device_train_batch_size=2,
+                                 gradient_accumulation_steps=2, optim="sgd", learning_rate=0.5,
+                                 lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0,
+                                 per_device_eval_batch_size=4, prediction_loss_only=True,
+                                 use_liger_kernel=use_liger)
+        trainer = Trainer(model=model, args=args, train_dataset=data, eval_dataset=data)
+        loss = trainer.train().training_loss
+        runs[use_liger] = (loss, trainer.evaluate()["eval_loss"],
+                           torch.cat([p.detach().cpu().flatten() for p in model.parameters()]))
+        assert (model.fused_linear_loss is not None) == use_liger
+    start = torch.cat([p.detach().flatten() for p in initial.parameters()])
+    (plain_loss, plain_eval, plain_weights), (loss, eval_loss, weights) = runs[False], runs[True]
+    assert not torch.equal(plain_weights, start)
+    assert loss == pytest.approx(plain_loss, rel=TOL) and eval_loss == pytest.approx(plain_eval, rel=TOL)
+    assert rel_err(weights - start, plain_weights - start) < TOL
+
+
+def test_without_liger_everything_works_and_apply_says_what_to_install():
+    script = """
+import sys
+sys.modules["liger_kernel"] = None  # as if the [liger] extra were not installed
+import torch
+import modeling_diff
+from modeling_diff import DiffLlamaForCausalLM, preset_config
+from modeling_diff.liger import LIGER_AVAILABLE
+assert not LIGER_AVAILABLE
+model = DiffLlamaForCausalLM(preset_config("tiny-v1")).train()
+ids = torch.randint(0, model.config.vocab_size, (2, 8))
+out = model(input_ids=ids, labels=ids)
+assert out.logits.shape == (2, 8, model.config.vocab_size) and torch.isfinite(out.loss)
+try:
+    modeling_diff.apply_liger_kernel_to_diff_llama()
+except ImportError as error:
+    assert 'pip install "modeling-diff[liger]"' in str(error), error
+else:
+    raise AssertionError("no ImportError")
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
