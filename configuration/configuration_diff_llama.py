@@ -15,6 +15,21 @@ from transformers.modeling_rope_utils import RopeParameters
 
 DIFF_MODES = ("v1", "v2", "dex")
 
+# Each mode's own parameters in the tensor-parallel plan. V2's lambda_proj (one output per pair) is column-wise, so
+# each rank computes the weights of its own pairs. The others are held whole by every rank while they act on its
+# heads, and their gradients are summed over the ranks (the styles of `modeling_diff/tensor_parallel.py`).
+MODE_TP_PLANS = {
+    "v1": {
+        "layers.*.self_attn.diff_lambda": "diff_replicated_grad_allreduce",
+        "layers.*.self_attn.subln": "diff_replicated_grad_allreduce",
+    },
+    "v2": {"layers.*.self_attn.lambda_proj": "colwise"},
+    "dex": {
+        "layers.*.self_attn.dex_proj": "diff_replicated_grad_allreduce",
+        "layers.*.self_attn.dex_lambda": "dex_head_slice",
+    },
+}
+
 
 def _plain_value_errors(cls):
     """`@strict` wraps the errors of its type checks and validators in its own exception types; users, the CLI and
@@ -67,15 +82,14 @@ class DiffLlamaConfig(PreTrainedConfig):
 
     model_type = "diff_llama"
     keys_to_ignore_at_inference = ["past_key_values", "cache"]
-    # Column-wise q/k/v and row-wise o shard along whole head pairs as long as the number of ranks divides
-    # num_key_value_heads: V1 keeps Q1/Q2 (and K1/K2) of one head contiguous in q_proj/k_proj rows, V2 keeps
-    # the pair (2i, 2i+1) contiguous, so a pair never straddles two ranks. V2's lambda_proj (one output per
-    # pair) is column-wise too, so each rank computes the weights of its own pairs.
+    # The plan of the projections every mode shares (Llama's). Column-wise q/k/v and row-wise o shard along whole
+    # head pairs as long as the number of ranks divides num_key_value_heads: V1 keeps Q1/Q2 (and K1/K2) of one head
+    # contiguous in q_proj/k_proj rows, V2 keeps the pair (2i, 2i+1) contiguous, so a pair never straddles two
+    # ranks. `__post_init__` adds the mode's own parameters (`MODE_TP_PLANS`).
     base_model_tp_plan = {
         "layers.*.self_attn.q_proj": "colwise",
         "layers.*.self_attn.k_proj": "colwise",
         "layers.*.self_attn.v_proj": "colwise",
-        "layers.*.self_attn.lambda_proj": "colwise",
         "layers.*.self_attn.o_proj": "rowwise",
         "layers.*.mlp.gate_proj": "colwise",
         "layers.*.mlp.up_proj": "colwise",
@@ -128,11 +142,7 @@ class DiffLlamaConfig(PreTrainedConfig):
         # Validate here too: `@strict` wraps errors of its validators in its own exception type, and users
         # (and DESIGN.md) expect a plain ValueError naming the field.
         self.validate_architecture()
-        if self.diff_mode == "dex" and self.dex_heads is not None:
-            # A DEX selection is one mask over all heads of a layer, which a column-wise split would cut: keep
-            # attention replicated on every rank and shard the MLP only. (With every head selected DEX needs no
-            # mask and shards like Llama.)
-            self.base_model_tp_plan = {k: v for k, v in type(self).base_model_tp_plan.items() if ".mlp." in k}
+        self.base_model_tp_plan = {**type(self).base_model_tp_plan, **MODE_TP_PLANS[self.diff_mode]}
         super().__post_init__(**kwargs)
 
     def validate_architecture(self):

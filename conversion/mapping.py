@@ -155,12 +155,12 @@ class TensorMapping:
     def layer_extras(self, layer_idx: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """Tensors layer `layer_idx` gains, set so that the layer computes what the source layer computes."""
         prefix = f"model.layers.{layer_idx}.self_attn."
-        extras = {prefix + "anneal_step": torch.zeros((), dtype=torch.float32)}
+        extras = {prefix + "anneal_step": torch.zeros((), dtype=torch.int64)}
         if self.config.diff_mode == "dex":
             d = self.config.head_dim
             extras[prefix + "dex_proj.weight"] = torch.zeros(d, d, dtype=dtype)
             lambda_init = layer_lambda_init(self.config, layer_idx)
-            extras[prefix + "lambda_learn"] = torch.tensor(lambda_init, dtype=torch.float32)
+            extras[prefix + "dex_lambda.lambda_learn"] = torch.full((1,), lambda_init, dtype=dtype)
         else:
             extras[prefix + "lambda_proj.weight"] = torch.zeros(
                 self.config.num_attention_heads, self.config.hidden_size, dtype=dtype

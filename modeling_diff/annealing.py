@@ -30,7 +30,7 @@ def anneal_state(model: nn.Module) -> dict[str, float]:
         "anneal_fraction": anneal_fraction(first.anneal_step, first.config.anneal_steps).clamp(max=1.0).item(),
     }
     if dex:
-        state["dex_lambda"] = torch.stack([m.dex_lambda() for m in dex]).mean().item()
+        state["dex_lambda"] = torch.cat([m.current_lambda() for m in dex]).mean().item()
     return state
 
 

@@ -178,7 +178,7 @@ def is_differential(model: nn.Module) -> bool:
 def _pair_weight(module: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     """The weight of A2 in the differential map, broadcastable to (B, h, L, S): V1's lambda, V2's per-token one."""
     if isinstance(module, DiffAttentionV1):
-        return module.differential_lambda().reshape(1, 1, 1, 1)
+        return module.diff_lambda().reshape(1, 1, 1, 1)
     return module.noise_weight(hidden_states).transpose(1, 2)[..., None].float()  # (B, h, L, 1)
 
 
@@ -383,12 +383,24 @@ def diagnose(
     if attention_mask is not None and attention_mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, "
                          f"got {tuple(attention_mask.shape)}")
-    was_training = model.training
-    model.eval()
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
     real = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.to(device).bool()
+    if not real.any():
+        raise ValueError("attention_mask marks no real token: the batch is all padding")
+    if not real[:, 1:].any():  # the loss predicts token t + 1 from tokens <= t: there must be a token to predict
+        raise ValueError(f"input_ids must hold a token to predict (a real token after the first position) for the "
+                         f"losses, got shape {tuple(input_ids.shape)} with {int(real.sum())} real token(s)")
     attention_mask = None if attention_mask is None else attention_mask.to(device)
+    was_training = model.training
+    model.eval()
+    try:
+        return _diagnose(model, input_ids, attention_mask, real, bits, num_salient, progress)
+    finally:  # also when a measure fails: the model is left as it was found
+        model.train(was_training)
+
+
+def _diagnose(model, input_ids, attention_mask, real, bits, num_salient, progress) -> NoiseReport:
     differential = is_differential(model)
     steps = tqdm(total=1 + len(bits) + differential, desc="diagnose", disable=not progress)
 
@@ -413,7 +425,6 @@ def diagnose(
     clamped_loss = lm_loss(model, input_ids, attention_mask, clamp_negative=True) if differential else None
     steps.update(int(differential))
     steps.close()
-    model.train(was_training)
 
     return NoiseReport(
         entropy=measures.stacked("entropy"),

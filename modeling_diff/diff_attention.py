@@ -16,7 +16,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.llama.modeling_llama import LlamaRMSNorm, eager_attention_forward
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, eager_attention_forward, repeat_kv
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs
 
 from .configuration import DiffLlamaConfig
 from .kernels import (
@@ -36,10 +38,74 @@ def layer_lambda_init(config: DiffLlamaConfig, layer_idx: int) -> float:
 
 
 def anneal_fraction(anneal_step: torch.Tensor, anneal_steps: int) -> torch.Tensor:
-    """t / T as a float32 scalar tensor; 1 when annealing is off (T = 0)."""
+    """t / T as a float32 scalar tensor (t the integer `anneal_step` buffer); 1 when annealing is off (T = 0)."""
     if anneal_steps == 0:
-        return torch.ones_like(anneal_step)
-    return anneal_step / anneal_steps
+        return torch.ones_like(anneal_step, dtype=torch.float32)
+    return anneal_step.float() / anneal_steps
+
+
+def anneal_step_buffer() -> nn.Buffer:
+    """The step t of the annealing schedule: an integer, so that no dtype cast of the model (`.to(bfloat16)`,
+    mixed precision) rounds it (a bfloat16 257 would be 256)."""
+    return nn.Buffer(torch.zeros((), dtype=torch.int64))
+
+
+def differential_maps_output(maps: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """Eager path: the head outputs computed from the differential maps themselves, (B, h, L, S) @ V -> (B, L, h, D),
+    so that the maps returned with `output_attentions=True` are in the autograd graph of the output. Equal to the
+    combine of the two maps' outputs: A1 V - lambda A2 V = (A1 - lambda A2) V. Head i reads kv head i // (h / h_kv)."""
+    return torch.matmul(maps, repeat_kv(value, maps.shape[1] // value.shape[1])).transpose(1, 2)
+
+
+class DifferentialLambda(nn.Module):
+    """V1's re-parameterised lambda (arXiv 2410.05258, Eq. 2), one per layer:
+    lambda = exp(lambda_q1 . lambda_k1) - exp(lambda_q2 . lambda_k2) + lambda_init.
+
+    A module of its own so that tools that name modules reach the four vectors: PEFT's `modules_to_save`, and the
+    tensor-parallel plan, which all-reduces their gradients (each rank's heads contribute a share). The vectors are
+    in the model's dtype (FSDP2 wants one dtype); the arithmetic is float32."""
+
+    def __init__(self, head_dim: int, lambda_init: float, std_dev: float):
+        super().__init__()
+        self.lambda_init = lambda_init
+        self.lambda_q1 = nn.Parameter(torch.empty(head_dim).normal_(0.0, std_dev))
+        self.lambda_k1 = nn.Parameter(torch.empty(head_dim).normal_(0.0, std_dev))
+        self.lambda_q2 = nn.Parameter(torch.empty(head_dim).normal_(0.0, std_dev))
+        self.lambda_k2 = nn.Parameter(torch.empty(head_dim).normal_(0.0, std_dev))
+
+    def vectors(self) -> tuple[torch.Tensor, ...]:
+        return self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2
+
+    def forward(self) -> torch.Tensor:
+        """The layer's lambda, a float32 scalar."""
+        lambda_1 = torch.exp(torch.dot(self.lambda_q1.float(), self.lambda_k1.float()))
+        lambda_2 = torch.exp(torch.dot(self.lambda_q2.float(), self.lambda_k2.float()))
+        return lambda_1 - lambda_2 + self.lambda_init
+
+
+class DexLambda(nn.Module):
+    """DEX's lambda (arXiv 2505.16333), one per layer: lambda(t) = (1 - a) (t/T) lambda_init + a lambda_learn,
+    a = min(1, t/T) (lambda_learn alone when T = 0), on the selected heads (`head_mask`) and 0 on the others.
+
+    A module of its own for the same reasons as `DifferentialLambda`. `lambda_learn` is a 1-element vector (FSDP2
+    refuses scalars) in the model's dtype; the arithmetic is float32. Under tensor parallelism each rank holds
+    its slice of the heads: `head_slice` (set by the plan's `dex_head_slice` style) selects its part of the mask."""
+
+    def __init__(self, lambda_init: float, num_heads: int):
+        super().__init__()
+        self.lambda_init = lambda_init
+        self.num_heads = num_heads
+        self.lambda_learn = nn.Parameter(torch.full((1,), lambda_init))
+        self.head_slice = slice(None)  # this rank's heads (all of them outside tensor parallelism)
+
+    def forward(self, t_over_T: torch.Tensor) -> torch.Tensor:
+        """The layer's lambda(t), a float32 tensor of shape (1,)."""
+        a = t_over_T.clamp(max=1.0)
+        return (1 - a) * t_over_T * self.lambda_init + a * self.lambda_learn.float()
+
+    def per_head(self, t_over_T: torch.Tensor, head_mask: torch.Tensor) -> torch.Tensor:
+        """lambda(t) on this rank's selected heads (head_mask (h,): 1.0 where selected), 0 elsewhere: (h_local,)."""
+        return self.forward(t_over_T) * head_mask[self.head_slice].float()
 
 
 class _DiffAttentionBase(nn.Module):
@@ -119,19 +185,10 @@ class DiffAttentionV1(_DiffAttentionBase):
         self.v_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * 2 * d, bias=bias)  # (h_kv, 2d)
         self.o_proj = nn.Linear(self.num_heads * 2 * d, config.hidden_size, bias=bias)
         self.lambda_init = layer_lambda_init(config, layer_idx)
-        # fp32 vectors ~ N(0, lambda_std_dev); DiffLlamaPreTrainedModel._init_weights draws them again when a
-        # model is built on the meta device.
-        self.lambda_q1 = nn.Parameter(torch.empty(d, dtype=torch.float32).normal_(0.0, config.lambda_std_dev))
-        self.lambda_k1 = nn.Parameter(torch.empty(d, dtype=torch.float32).normal_(0.0, config.lambda_std_dev))
-        self.lambda_q2 = nn.Parameter(torch.empty(d, dtype=torch.float32).normal_(0.0, config.lambda_std_dev))
-        self.lambda_k2 = nn.Parameter(torch.empty(d, dtype=torch.float32).normal_(0.0, config.lambda_std_dev))
+        # lambda_q1 .. lambda_k2 ~ N(0, lambda_std_dev); DiffLlamaPreTrainedModel._init_weights draws them again
+        # when a model is built on the meta device.
+        self.diff_lambda = DifferentialLambda(d, self.lambda_init, config.lambda_std_dev)
         self.subln = LlamaRMSNorm(2 * d, eps=config.rms_norm_eps)  # one norm shared by all heads
-
-    def differential_lambda(self) -> torch.Tensor:
-        """The layer's scalar lambda, in float32."""
-        lambda_1 = torch.exp(torch.dot(self.lambda_q1.float(), self.lambda_k1.float()))
-        lambda_2 = torch.exp(torch.dot(self.lambda_q2.float(), self.lambda_k2.float()))
-        return lambda_1 - lambda_2 + self.lambda_init
 
     def fused_attention(self, implementation, pairs, key, value, attention_mask, kwargs) -> torch.Tensor | None:
         """Both maps and the combine in one kernel where one applies, -> (B, L, h, 2d): flash-diff (prefill,
@@ -140,19 +197,21 @@ class DiffAttentionV1(_DiffAttentionBase):
             return None
         if self.flash_diff_applies(implementation, pairs, key, value, attention_mask, kwargs):
             return flash_diff_attention(
-                pairs, key, value, attention_mask, self.differential_lambda(), self.scaling, self.subln,
+                pairs, key, value, attention_mask, self.diff_lambda(), self.scaling, self.subln,
                 1 - self.lambda_init,
             )
         query = pairs.flatten(2, 3).transpose(1, 2)  # (B, 2h, L, d): heads 2i, 2i+1 = Q1, Q2 of head i
         if self.combined_decode_applies(implementation, query, key, value, attention_mask, kwargs):
             combine = V1Combine(
-                (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2), self.lambda_init,
+                self.diff_lambda.vectors(), self.lambda_init,
                 self.subln.weight, self.subln.variance_epsilon, 1 - self.lambda_init,
             )
             return combined_decode_attention(query, key, value, attention_mask, self.scaling, combine)
         return None
 
-    def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
+    def forward(
+        self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs: Unpack[TransformersKwargs]
+    ):
         input_shape = hidden_states.shape[:-1]  # (B, L)
         d = self.head_dim
         implementation = self.implementation(hidden_states)
@@ -182,11 +241,13 @@ class DiffAttentionV1(_DiffAttentionBase):
             self, query_states, key_states, value_states, attention_mask,
             dropout=self.dropout_p(), scaling=self.scaling, **kwargs,
         )  # (B, L, 2h, 2d): the pair (A1 V, A2 V) of each differential head
-        lam = self.differential_lambda()
-        attn_output = v1_combine(attn_output, lam, self.subln, 1 - self.lambda_init)  # (B, L, h, 2d)
-        attn_output = self.o_proj(attn_output.reshape(*input_shape, -1))
-        if attn_weights is not None:  # (B, 2h, L, S) -> differential maps (B, h, L, S)
+        lam = self.diff_lambda()
+        if attn_weights is None:
+            attn_output = v1_combine(attn_output, lam, self.subln, 1 - self.lambda_init)  # (B, L, h, 2d)
+        else:  # eager: (B, 2h, L, S) -> differential maps (B, h, L, S), and the output from them
             attn_weights = attn_weights[:, 0::2] - lam.to(attn_weights.dtype) * attn_weights[:, 1::2]
+            attn_output = self.subln(differential_maps_output(attn_weights, value_states)) * (1 - self.lambda_init)
+        attn_output = self.o_proj(attn_output.reshape(*input_shape, -1))
         return attn_output, attn_weights
 
 
@@ -238,14 +299,16 @@ class DiffAttentionV2(_LlamaLayoutAttention):
         # 2h query heads; 2h / h_kv is even, so the pair (2i, 2i+1) never straddles two GQA groups.
         super().__init__(config, layer_idx, query_heads=2 * config.num_attention_heads)
         self.lambda_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False)
-        self.anneal_step = nn.Buffer(torch.zeros((), dtype=torch.float32))
+        self.anneal_step = anneal_step_buffer()
 
     def noise_weight(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Per-token, per-pair weight of the noise head: (B, L, h)."""
         fraction = anneal_fraction(self.anneal_step, self.config.anneal_steps).clamp(max=1.0)
         return torch.sigmoid(self.lambda_proj(hidden_states)) * fraction.to(hidden_states.dtype)
 
-    def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
+    def forward(
+        self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs: Unpack[TransformersKwargs]
+    ):
         input_shape = hidden_states.shape[:-1]
         implementation = self.implementation(hidden_states)
         query_states, key_states, value_states = self.project(implementation, hidden_states, position_embeddings, cache)
@@ -265,10 +328,12 @@ class DiffAttentionV2(_LlamaLayoutAttention):
         attn_output, attn_weights = self.attend(
             implementation, query_states, key_states, value_states, attention_mask, **kwargs
         )  # (B, L, 2h, d)
-        attn_output = v2_combine(attn_output, weight)  # (B, L, h, d)
-        attn_output = self.o_proj(attn_output.reshape(*input_shape, -1))
-        if attn_weights is not None:  # (B, 2h, L, S) -> differential maps (B, h, L, S)
+        if attn_weights is None:
+            attn_output = v2_combine(attn_output, weight)  # (B, L, h, d)
+        else:  # eager: (B, 2h, L, S) -> differential maps (B, h, L, S), and the output from them
             attn_weights = attn_weights[:, 0::2] - weight.transpose(1, 2)[..., None] * attn_weights[:, 1::2]
+            attn_output = differential_maps_output(attn_weights, value_states)
+        attn_output = self.o_proj(attn_output.reshape(*input_shape, -1))
         return attn_output, attn_weights
 
 
@@ -284,8 +349,8 @@ class DexAttention(_LlamaLayoutAttention):
         self.lambda_init = layer_lambda_init(config, layer_idx)
         self.dex_proj = nn.Linear(d, d, bias=False)  # f_D, zero: a fresh DEX layer computes Llama attention
         nn.init.zeros_(self.dex_proj.weight)
-        self.lambda_learn = nn.Parameter(torch.full((), self.lambda_init, dtype=torch.float32))
-        self.anneal_step = nn.Buffer(torch.zeros((), dtype=torch.float32))
+        self.dex_lambda = DexLambda(self.lambda_init, self.num_heads)
+        self.anneal_step = anneal_step_buffer()
         # (h,) 1.0 on the heads that carry the operator; derived from config.dex_heads, so not saved.
         self.head_mask = nn.Buffer(self.selected_head_mask(), persistent=False)
 
@@ -295,22 +360,22 @@ class DexAttention(_LlamaLayoutAttention):
         mask[list(heads)] = 1.0
         return mask
 
-    def dex_lambda(self) -> torch.Tensor:
-        """The layer's lambda(t), in float32."""
-        t_over_T = anneal_fraction(self.anneal_step, self.config.anneal_steps)
-        a = t_over_T.clamp(max=1.0)
-        return (1 - a) * t_over_T * self.lambda_init + a * self.lambda_learn.float()
+    def current_lambda(self) -> torch.Tensor:
+        """The layer's lambda(t) at the stored step t, float32 of shape (1,)."""
+        return self.dex_lambda(anneal_fraction(self.anneal_step, self.config.anneal_steps))
 
-    def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
+    def forward(
+        self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs: Unpack[TransformersKwargs]
+    ):
         input_shape = hidden_states.shape[:-1]
         implementation = self.implementation(hidden_states)
         query_states, key_states, value_states = self.project(implementation, hidden_states, position_embeddings, cache)
-        if type(self.dex_proj) is nn.Linear and self.combined_decode_applies(
+        if type(self.dex_proj.weight) is nn.Parameter and self.combined_decode_applies(
             implementation, query_states, key_states, value_states, attention_mask, kwargs
-        ):
+        ):  # not under PEFT or tensor parallelism
             combine = DexCombine(
-                self.dex_proj.weight, self.head_mask, self.lambda_learn, self.anneal_step, self.config.anneal_steps,
-                self.lambda_init,
+                self.dex_proj.weight, self.head_mask, self.dex_lambda.lambda_learn, self.anneal_step,
+                self.config.anneal_steps, self.lambda_init,
             )
             attn_output = combined_decode_attention(
                 query_states, key_states, value_states, attention_mask, self.scaling, combine
@@ -319,14 +384,16 @@ class DexAttention(_LlamaLayoutAttention):
         attn_output, attn_weights = self.attend(
             implementation, query_states, key_states, value_states, attention_mask, **kwargs
         )  # (B, L, h, d)
-        if self.config.dex_heads is None and type(self.dex_proj) is nn.Linear:
-            # Every head carries the operator: O - lam O W^T = O (I - lam W)^T, one d x d matmul and no
-            # elementwise passes over the attention output (exactly O where lam W = 0, as at conversion).
-            eye = torch.eye(self.head_dim, dtype=self.dex_proj.weight.dtype, device=attn_output.device)
-            lam = self.dex_lambda().to(self.dex_proj.weight.dtype)
-            attn_output = nn.functional.linear(attn_output, eye - lam * self.dex_proj.weight)
+        if self.config.dex_heads is None:
+            # Every head carries the operator: O - lam f_D(O) = O (I - lam f_D(I)), f_D linear: one d x d matmul and
+            # no elementwise passes over the attention output (exactly O where lam f_D = 0, as at conversion).
+            # f_D(I) goes through the module, so that PEFT's trained copy and the tensor-parallel hooks apply.
+            eye = torch.eye(self.head_dim, dtype=attn_output.dtype, device=attn_output.device)
+            lam = self.current_lambda().to(attn_output.dtype)
+            attn_output = torch.matmul(attn_output, eye - lam * self.dex_proj(eye))
         else:
-            head_lambda = (self.dex_lambda() * self.head_mask).to(attn_output.dtype)  # (h,)
+            t_over_T = anneal_fraction(self.anneal_step, self.config.anneal_steps)
+            head_lambda = self.dex_lambda.per_head(t_over_T, self.head_mask).to(attn_output.dtype)  # (h_local,)
             attn_output = attn_output - head_lambda[:, None] * self.dex_proj(attn_output)
         attn_output = self.o_proj(attn_output.reshape(*input_shape, -1))
         return attn_output, attn_weights

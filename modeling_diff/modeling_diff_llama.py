@@ -14,18 +14,22 @@ import torch
 from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
+from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+from transformers.core_model_loading import ConversionOps, WeightConverter, WeightRenaming
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GenericForSequenceClassification, GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
-from transformers.utils import can_return_tuple
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration import DiffLlamaConfig
-from .diff_attention import ATTENTION_CLASSES, DexAttention, DiffAttentionV1, DiffAttentionV2
+from . import tensor_parallel  # noqa: F401  (registers the plan's styles for the differential parameters)
+from .diff_attention import ATTENTION_CLASSES, DexAttention, DexLambda, DifferentialLambda, DiffAttentionV1, DiffAttentionV2
 from .kernels import resolve, rms_norm, rms_norm_kernel_applies, uses_fast_kernels
 
 # "cache" (transformers > 5.17) or "past_key_values" (5.17): the keyword of masks and model outputs.
@@ -61,7 +65,10 @@ class DiffLlamaDecoderLayer(GradientCheckpointingLayer):
         self.input_layernorm = DiffLlamaRMSNorm(config)
         self.post_attention_layernorm = DiffLlamaRMSNorm(config)
 
-    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, cache=None, **kwargs):
+    def forward(
+        self, hidden_states, attention_mask=None, position_embeddings=None, cache=None,
+        **kwargs: Unpack[TransformersKwargs],
+    ):
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
         hidden_states, _ = self.self_attn(
@@ -79,6 +86,46 @@ class DiffLlamaDecoderLayer(GradientCheckpointingLayer):
         return residual + hidden_states
 
 
+class _AsVector(ConversionOps):
+    """A scalar -> a 1-element vector (DEX's lambda_learn was a scalar before FSDP2 support)."""
+
+    def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+        tensors = next(iter(input_dict.values()))
+        tensor = tensors[0] if isinstance(tensors, list) else tensors
+        return {target_patterns[0]: tensor.reshape(1)}
+
+
+class _LegacyLayout:
+    """Loading-only transforms: saving always writes the current layout, so their reverse matches nothing."""
+
+    __slots__ = ()
+
+    def reverse_transform(self):
+        return WeightRenaming(source_patterns=r"\Z_legacy_layout", target_patterns="_legacy_layout")
+
+
+class _LegacyRenaming(_LegacyLayout, WeightRenaming):
+    __slots__ = ()
+
+
+class _LegacyConverter(_LegacyLayout, WeightConverter):
+    __slots__ = ()
+
+
+# Checkpoints saved before the differential parameters had modules of their own (PEFT's `modules_to_save` and the
+# tensor-parallel plan name modules) load unchanged: V1's `self_attn.lambda_q1` -> `self_attn.diff_lambda.lambda_q1`
+# (..k2), DEX's scalar `self_attn.lambda_learn` -> `self_attn.dex_lambda.lambda_learn` of shape (1,).
+register_checkpoint_conversion_mapping(
+    DiffLlamaConfig.model_type,
+    [
+        *(_LegacyRenaming(rf"self_attn\.{name}", f"self_attn.diff_lambda.{name}")
+          for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")),
+        _LegacyConverter(r"self_attn\.lambda_learn", "self_attn.dex_lambda.lambda_learn", operations=[_AsVector()]),
+    ],
+    overwrite=True,
+)
+
+
 class DiffLlamaPreTrainedModel(PreTrainedModel):
     config_class = DiffLlamaConfig
     config: DiffLlamaConfig
@@ -86,25 +133,25 @@ class DiffLlamaPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules = ["DiffLlamaDecoderLayer"]
     _skip_keys_device_placement = ["past_key_values", "cache"]
-    _keep_in_fp32_modules = ["lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2", "lambda_learn"]
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_flex_attn = True
     _can_compile_fullgraph = True
     _supports_attention_backend = True
     _can_record_outputs = {
-        "hidden_states": DiffLlamaDecoderLayer,
-        "attentions": (DiffAttentionV1, DiffAttentionV2, DexAttention),
+        "hidden_states": [DiffLlamaDecoderLayer],
+        "attentions": [DiffAttentionV1, DiffAttentionV2, DexAttention],
     }
 
     def _init_weights(self, module):
         super()._init_weights(module)
-        if isinstance(module, DiffAttentionV1):
-            for vector in (module.lambda_q1, module.lambda_k1, module.lambda_q2, module.lambda_k2):
+        if isinstance(module, DifferentialLambda):
+            for vector in module.vectors():
                 init.normal_(vector, 0.0, self.config.lambda_std_dev)
+        elif isinstance(module, DexLambda):
+            init.constant_(module.lambda_learn, module.lambda_init)
         elif isinstance(module, DexAttention):
             init.zeros_(module.dex_proj.weight)
-            init.constant_(module.lambda_learn, module.lambda_init)
             init.zeros_(module.anneal_step)
             init.copy_(module.head_mask, module.selected_head_mask())
         elif isinstance(module, DiffAttentionV2):
@@ -136,7 +183,7 @@ class DiffLlamaModel(DiffLlamaPreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         past_key_values: Cache | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> BaseModelOutputWithPast:
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
@@ -200,7 +247,7 @@ class DiffLlamaForCausalLM(DiffLlamaPreTrainedModel, GenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         past_key_values: Cache | None = None,
         skip_logits: bool | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithPast:
         """`labels` gives the shifted causal-LM loss (Trainer's `num_items_in_batch` is honoured);
         `logits_to_keep`: an int keeps the last that many positions (0 = all), a tensor gives the indices.
@@ -241,11 +288,14 @@ class DiffLlamaForSequenceClassification(GenericForSequenceClassification, DiffL
     pass
 
 
-def set_anneal_step(model: nn.Module, step: int | float) -> None:
-    """Set the annealing step t of every V2 / DEX attention in `model` (stored in its `anneal_step` buffer)."""
+def set_anneal_step(model: nn.Module, step: int) -> None:
+    """Set the annealing step t (the number of optimizer steps taken) of every V2 / DEX attention in `model`,
+    stored exactly in its integer `anneal_step` buffer."""
+    if isinstance(step, bool) or int(step) != step or step < 0:
+        raise ValueError(f"step must be a non-negative whole number of optimizer steps, got {step!r}")
     for module in model.modules():
         if isinstance(module, (DiffAttentionV2, DexAttention)):
-            module.anneal_step.fill_(float(step))
+            module.anneal_step.fill_(int(step))
 
 
 __all__ = [

@@ -20,7 +20,7 @@ def dex_model(anneal_steps=4, lambda_learn=0.5, seed=3):
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.dex_proj.weight.copy_(torch.randn(16, 16, generator=generator) * 0.3)
-            layer.self_attn.lambda_learn.fill_(lambda_learn)
+            layer.self_attn.dex_lambda.lambda_learn.fill_(lambda_learn)
     return model
 
 
@@ -124,4 +124,4 @@ def test_custom_loop_with_the_plain_function():
         optimizer.zero_grad()
     assert anneal_state(model)["anneal_step"] == 2 and anneal_state(model)["anneal_fraction"] == 1.0
     attention = model.model.layers[0].self_attn
-    assert attention.dex_lambda().item() == pytest.approx(attention.lambda_learn.item())
+    assert attention.current_lambda().item() == pytest.approx(attention.dex_lambda.lambda_learn.item())

@@ -59,8 +59,8 @@ def reference_v1(attn: DiffAttentionV1, x, cos, sin, mask):
     v = (x @ attn.v_proj.weight.T).view(B, L, h_kv, 2 * d)
     lambda_init = 0.8 - 0.6 * math.exp(-0.3 * attn.layer_idx)
     lam = (
-        torch.exp((attn.lambda_q1 * attn.lambda_k1).sum())
-        - torch.exp((attn.lambda_q2 * attn.lambda_k2).sum())
+        torch.exp((attn.diff_lambda.lambda_q1 * attn.diff_lambda.lambda_k1).sum())
+        - torch.exp((attn.diff_lambda.lambda_q2 * attn.diff_lambda.lambda_k2).sum())
         + lambda_init
     )
     heads, maps = [], []
@@ -103,7 +103,7 @@ def reference_dex(attn: DexAttention, x, cos, sin, mask, selected):
         kv = i // (h // h_kv)
         o = softmax_map(q[:, :, i], k[:, :, kv], mask, d**-0.5) @ v[:, :, kv]
         if i in selected:
-            o = o - attn.lambda_learn * (o @ attn.dex_proj.weight.T)
+            o = o - attn.dex_lambda.lambda_learn * (o @ attn.dex_proj.weight.T)
         heads.append(o)
     return torch.cat(heads, dim=-1) @ attn.o_proj.weight.T
 
@@ -139,11 +139,11 @@ def test_dex_matches_reference_on_selected_heads_only():
 def test_dex_lambda_schedule():
     """lambda(t) = (1 - a) (t/T) lambda_init + a lambda_learn, a = min(1, t/T); lambda(0) = 0."""
     attn = build(DexAttention, "dex", anneal_steps=10)
-    lambda_init, lambda_learn = depth_lambda_init(1), attn.lambda_learn.item()
+    lambda_init, lambda_learn = depth_lambda_init(1), attn.dex_lambda.lambda_learn.item()
     for t in (0, 3, 10, 25):
         attn.anneal_step.fill_(t)
         a = min(1.0, t / 10)
-        assert attn.dex_lambda().item() == pytest.approx((1 - a) * (t / 10) * lambda_init + a * lambda_learn)
+        assert attn.current_lambda().item() == pytest.approx((1 - a) * (t / 10) * lambda_init + a * lambda_learn)
 
 
 def test_v2_anneal_factor_scales_the_noise_term():
@@ -174,7 +174,7 @@ def test_lambda_at_initialisation_has_std_016():
     """
     config = tiny_config("v1", hidden_size=8, num_attention_heads=1, num_key_value_heads=1, head_dim=128)
     torch.manual_seed(0)
-    draws = torch.stack([DiffAttentionV1(config, layer_idx=0).differential_lambda() for _ in range(3000)])
+    draws = torch.stack([DiffAttentionV1(config, layer_idx=0).diff_lambda() for _ in range(3000)])
     lambda_init = depth_lambda_init(0)
     assert abs(draws.mean().item() - lambda_init) < 0.01
     assert draws.std().item() == pytest.approx(0.1616, abs=0.012)

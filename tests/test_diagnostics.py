@@ -144,7 +144,7 @@ def test_probe_matches_eager_attention(mode):
         torch.testing.assert_close(torch.where(fully_masked, layer.probs, masked), layer.probs)
         assert layer.paired == (mode in ("v1", "v2"))
         if mode == "v1":
-            lam = D.decoder_layers(model)[layer.layer_idx].self_attn.differential_lambda()
+            lam = D.decoder_layers(model)[layer.layer_idx].self_attn.diff_lambda()
             torch.testing.assert_close(layer.signal - lam * layer.noise, layer.maps, atol=1e-6, rtol=1e-5)
     probed_loss = D.lm_loss(model, ids, mask)
     labels = ids.masked_fill(mask == 0, -100)
@@ -173,8 +173,8 @@ def _with_negative_weights(mode):
         attention = layer.self_attn
         attention.q_proj.weight.data *= 30  # sharp maps, so A2 > A1 on some keys
         if mode == "v1":
-            attention.lambda_q1.data.fill_(0.5)
-            attention.lambda_k1.data.fill_(0.5)  # exp(d / 4) - exp(~0) + lambda_init: well above 1
+            attention.diff_lambda.lambda_q1.data.fill_(0.5)
+            attention.diff_lambda.lambda_k1.data.fill_(0.5)  # exp(d / 4) - exp(~0) + lambda_init: well above 1
         else:
             attention.lambda_proj.weight.data.normal_(0, 1.0)
     return model

@@ -110,7 +110,7 @@ def test_output_attentions_returns_differential_maps(mode):
     if mode == "dex":  # DEX keeps softmax maps: rows sum to 1
         torch.testing.assert_close(maps[0].sum(-1), torch.ones(1, 4, 7))
     elif mode == "v1":  # rows of A1 - lam*A2 sum to 1 - lam
-        lam = model.model.layers[0].self_attn.differential_lambda()
+        lam = model.model.layers[0].self_attn.diff_lambda()
         torch.testing.assert_close(maps[0].sum(-1), (1 - lam).expand(1, 4, 7))
 
 

@@ -13,9 +13,10 @@ from modeling_diff.lora import LORA_TARGET_MODULES, get_lora_model, lora_config,
 MODES = ("v1", "v2", "dex")
 # What differential attention adds, per mode, as parameter-name suffixes of one attention module.
 DIFFERENTIAL = {
-    "v1": ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2", "subln.weight"),
+    "v1": ("diff_lambda.lambda_q1", "diff_lambda.lambda_k1", "diff_lambda.lambda_q2", "diff_lambda.lambda_k2",
+           "subln.weight"),
     "v2": ("lambda_proj.weight",),
-    "dex": ("dex_proj.weight", "lambda_learn"),
+    "dex": ("dex_proj.weight", "dex_lambda.lambda_learn"),
 }
 
 
@@ -89,8 +90,42 @@ def test_lora_trains_adapter_and_differential_parameters_and_reloads(mode, batch
 
 
 def test_differential_parameters_can_stay_frozen():
-    model = get_lora_model(base_model("v1"), lora_config(modules_to_save=None), train_differential=False)
+    model = get_lora_model(base_model("v1"), lora_config(modules_to_save=None))
     assert all("lora_" in name for name, p in model.named_parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_plain_peft_and_trainer_train_save_and_resume_every_differential_parameter(mode, batches, tmp_path):
+    """PEFT's own API (no helper of ours) with the recommended config, trained by Trainer: every differential
+    parameter trains, `save_model` and the checkpoints hold it, and `resume_from_checkpoint` restores it."""
+    from peft import get_peft_model
+    from transformers import Trainer, TrainingArguments
+
+    data = [{"input_ids": b, "labels": b} for b in torch.cat(batches)]
+
+    def trainer(max_steps):
+        model = get_peft_model(base_model(mode), lora_config(r=4, lora_alpha=8, lora_dropout=0.0))
+        args = TrainingArguments(str(tmp_path / "run"), max_steps=max_steps, per_device_train_batch_size=4,
+                                 learning_rate=1e-2, save_strategy="steps", save_steps=2, report_to=[],
+                                 use_cpu=True, disable_tqdm=True, seed=0, data_seed=0)
+        return Trainer(model=model, args=args, train_dataset=data)
+
+    before = {s: active_value(trainer(1).model, 0, s) for s in DIFFERENTIAL[mode]}
+    full = trainer(4)
+    full.train()
+    trained = {s: active_value(full.model, 0, s) for s in DIFFERENTIAL[mode]}
+    for suffix in DIFFERENTIAL[mode]:
+        assert not torch.equal(trained[suffix], before[suffix]), f"{suffix} was not trained"
+    full.save_model(str(tmp_path / "saved"))
+    for folder in (tmp_path / "saved", tmp_path / "run" / "checkpoint-4"):
+        reloaded = PeftModel.from_pretrained(base_model(mode), folder)
+        for suffix in DIFFERENTIAL[mode]:
+            torch.testing.assert_close(active_value(reloaded, 0, suffix), trained[suffix])
+
+    resumed = trainer(4)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+    for suffix in DIFFERENTIAL[mode]:
+        torch.testing.assert_close(active_value(resumed.model, 0, suffix), trained[suffix])
 
 
 def test_readme_peft_snippet(tmp_path, monkeypatch):

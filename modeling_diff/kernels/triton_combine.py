@@ -22,7 +22,7 @@ except ImportError as error:
 
 @triton.jit
 def differential_lambda(LambdaQ1, LambdaK1, LambdaQ2, LambdaK2, lambda_init, D: tl.constexpr):
-    """V1's lambda from its four D-long vectors, fp32 (`DiffAttentionV1.differential_lambda`)."""
+    """V1's lambda from its four D-long vectors, fp32 (`diff_attention.DifferentialLambda`)."""
     d = tl.arange(0, D)
     dot_1 = tl.sum(tl.load(LambdaQ1 + d).to(tl.float32) * tl.load(LambdaK1 + d).to(tl.float32), axis=0)
     dot_2 = tl.sum(tl.load(LambdaQ2 + d).to(tl.float32) * tl.load(LambdaK2 + d).to(tl.float32), axis=0)
@@ -40,7 +40,7 @@ def anneal_fraction(AnnealStep, anneal_steps, ANNEALED: tl.constexpr):
 
 @triton.jit
 def dex_lambda(LambdaLearn, fraction, lambda_init):
-    """DEX's lambda(t) = (1 - a) (t/T) lambda_init + a lambda_learn, a = min(1, t/T) (`DexAttention.dex_lambda`)."""
+    """DEX's lambda(t) = (1 - a) (t/T) lambda_init + a lambda_learn, a = min(1, t/T) (`diff_attention.DexLambda`)."""
     a = tl.minimum(fraction, 1.0)
     return (1 - a) * fraction * lambda_init + a * tl.load(LambdaLearn).to(tl.float32)
 
