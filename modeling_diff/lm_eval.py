@@ -12,16 +12,13 @@ import sys
 
 import modeling_diff  # noqa: F401  (registers the Auto classes, through which lm_eval's `hf` model loads)
 
-INSTALL_HINT = "lm-eval is not installed: pip install 'modeling-diff[eval]' (or pip install 'lm-eval[hf]')"
+from .extras import require
 
 
 def main(argv: list[str] | None = None) -> None:
     """Run lm_eval's command line with `argv` (default: this process's arguments). lm_eval reads `sys.argv`
     itself, so it is set for the call and restored after it."""
-    try:
-        from lm_eval.__main__ import cli_evaluate
-    except ImportError as error:
-        raise SystemExit(INSTALL_HINT) from error
+    cli_evaluate = require("lm_eval.__main__", "modeling-diff eval").cli_evaluate
     argv = sys.argv[1:] if argv is None else list(argv)
     saved, sys.argv = sys.argv, ["lm-eval", *argv]
     try:

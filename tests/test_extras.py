@@ -1,0 +1,55 @@
+"""Optional dependencies: where one is missing, the error names the extra that installs it."""
+
+import sys
+
+import pytest
+
+from modeling_diff.conversion import convert_checkpoint
+from modeling_diff.needle import NeedleResult, plot_needle_heatmap
+
+
+def hide(monkeypatch, *modules):
+    """Make `import module` fail as for a package that is not installed."""
+    for module in modules:
+        monkeypatch.setitem(sys.modules, module, None)
+
+
+def test_plot_needle_heatmap_names_the_needle_extra(monkeypatch):
+    hide(monkeypatch, "matplotlib", "matplotlib.pyplot")
+    result = NeedleResult([64], [0.0], 1, 1, 1, [[1.0]], [[0.0]])
+    with pytest.raises(ModuleNotFoundError, match=r"plot_needle_heatmap needs the 'matplotlib' package: "
+                                                  r"pip install 'modeling-diff\[needle\]'"):
+        plot_needle_heatmap(result)
+
+
+def test_a_gguf_source_names_the_gguf_extra(monkeypatch, tmp_path):
+    hide(monkeypatch, "gguf")
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'modeling-diff\[gguf\]'"):
+        convert_checkpoint(tmp_path / "model.gguf", tmp_path / "out", heads="all", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_load_smollm2_names_the_gguf_extra(monkeypatch, tmp_path):
+    from modeling_diff.data import load_smollm2
+
+    hide(monkeypatch, "gguf")
+    with pytest.raises(ModuleNotFoundError, match=r"load_smollm2 .* pip install 'modeling-diff\[gguf\]'"):
+        load_smollm2(cache_dir=tmp_path)
+
+
+def test_modeling_diff_eval_names_the_eval_extra(monkeypatch):
+    from modeling_diff.lm_eval import main
+
+    hide(monkeypatch, "lm_eval", "lm_eval.__main__")
+    with pytest.raises(ModuleNotFoundError, match=r"modeling-diff eval needs the 'lm_eval' package: "
+                                                  r"pip install 'modeling-diff\[eval\]'"):
+        main(["--help"])
+
+
+def test_a_missing_module_inside_an_installed_package_keeps_its_own_error():
+    from modeling_diff.extras import require
+
+    with pytest.raises(ModuleNotFoundError, match="matplotlib.no_such_module") as error:
+        require("matplotlib.no_such_module", "a plot")
+    assert "modeling-diff[" not in str(error.value)
