@@ -1,20 +1,22 @@
-"""Distributed training support: real data-parallel training (2 processes, gloo, CPU), a tensor-parallel plan that
-keeps differential head pairs on one rank, the shipped FSDP config, and device_map loading."""
+"""Distributed training on real engines (2 processes, gloo, CPU): FSDP2, HSDP, DDP and tensor parallelism give one
+process's loss and gradients for every mode; sharded save -> from_pretrained; Trainer with DDP; the shipped FSDP
+config and training script; device_map loading."""
 
-import copy
 import fnmatch
 import json
+import math
 import subprocess
 
 import pytest
 import torch
 from accelerate import infer_auto_device_map
 from accelerate.commands.config.config_args import load_config_from_file
+from conftest import tiny_model
 from ecosystem_helpers import PYTHON, REPO, offline_env, tiny_config
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from modeling_diff import DiffLlamaConfig, DiffLlamaForCausalLM
+from modeling_diff import DiffLlamaForCausalLM, set_anneal_step
 
 
 def test_data_parallel_training_two_processes_end_identical(tmp_path):
@@ -42,55 +44,105 @@ def test_data_parallel_training_two_processes_end_identical(tmp_path):
                            initial["model.layers.0.self_attn.lambda_proj.weight"])
 
 
-def shard(linear: torch.nn.Linear, style: str, rank: int, world: int) -> torch.nn.Linear:
-    """The part of `linear` that `rank` holds under transformers' "colwise" (output features) or "rowwise"
-    (input features) tensor parallelism; a row-wise bias is added once, after the sum over ranks."""
-    local = copy.deepcopy(linear)
-    dim = {"colwise": 0, "rowwise": 1}[style]
-    local.weight = torch.nn.Parameter(linear.weight.detach().chunk(world, dim=dim)[rank].clone())
-    if linear.bias is not None:
-        local.bias = torch.nn.Parameter(linear.bias.detach().chunk(world)[rank].clone()) if style == "colwise" else None
-    return local
+# ------------------------------------------------------------------ FSDP2, HSDP, DDP and TP on 2 gloo ranks
+# Every variant a user trains: V1, V2, DEX with every head, DEX with a head selection (annealing mid-way) and a
+# V2 being annealed in (t = 3 of T = 8, as after a conversion).
+VARIANTS = {
+    "v1": dict(mode="v1"),
+    "v2": dict(mode="v2"),
+    "dex": dict(mode="dex"),
+    "dex-selected": dict(mode="dex", dex_heads=[[0, 2], [1]], anneal_steps=8),
+    "v2-annealed": dict(mode="v2", anneal_steps=8),
+}
+ENGINES = ("fsdp2", "hsdp", "ddp", "tp")
 
 
-def tensor_parallel_outputs(module: torch.nn.Module, prefix: str, plan: dict, world: int, *inputs) -> list:
-    """Each rank's output of `module` with its Linear children sharded as `plan` says."""
-    outputs = []
-    for rank in range(world):
-        local = copy.deepcopy(module)
-        for name, child in module.named_children():
-            styles = [style for pattern, style in plan.items() if fnmatch.fnmatchcase(f"{prefix}.{name}", pattern)]
-            if styles:
-                setattr(local, name, shard(child, styles[0], rank, world))
-        output = local(*inputs)
-        outputs.append(output[0] if isinstance(output, tuple) else output)
-    return outputs
+def variant_model(name: str) -> DiffLlamaForCausalLM:
+    fields = dict(VARIANTS[name])
+    model = tiny_model(fields.pop("mode"), **fields)
+    if model.config.anneal_steps:
+        set_anneal_step(model, 3)
+    return model
 
 
-@pytest.mark.parametrize("mode", ["v1", "v2", "dex"])
-def test_tensor_parallel_plan_keeps_head_pairs_together(mode):
-    """Shard every planned Linear over 2 ranks: each rank computes attention on its own heads only, and the
-    row-wise o_proj partial outputs sum to the unsharded output. A V1 Q1/Q2 or V2 (2i, 2i+1) pair split across
-    ranks, or a replicated V2 lambda_proj, would break the sum (or the shapes)."""
-    torch.manual_seed(0)
-    model = DiffLlamaForCausalLM(tiny_config(mode)).eval()
-    plan = model.config.base_model_tp_plan
-    world = 2
-    assert model.config.num_key_value_heads % world == 0
-    hidden = torch.randn(2, 7, model.config.hidden_size)
-    position_embeddings = model.model.rotary_emb(hidden, torch.arange(7)[None])
-    layer = model.model.layers[0]
+@pytest.fixture(scope="module")
+def scale_out(tmp_path_factory):
+    """One torchrun launch (2 processes) runs every engine on every variant (`tests/scale_out_worker.py`)."""
+    root = tmp_path_factory.mktemp("scale_out")
+    for name in VARIANTS:
+        variant_model(name).save_pretrained(root / name)
+    (root / "variants.json").write_text(json.dumps(list(VARIANTS)))
+    torch.manual_seed(5)
+    batch = torch.randint(3, 97, (4, 12))  # (global batch, length): every rank of a data-parallel engine gets 2
+    torch.save(batch, root / "batch.pt")
+    out = subprocess.run(
+        [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         str(REPO / "tests" / "scale_out_worker.py"), str(root)],
+        cwd=root, env=offline_env(root), capture_output=True, text=True, timeout=400,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    return root, batch, {name: json.loads((root / f"{name}-rank0.json").read_text()) for name in VARIANTS}
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_two_ranks_give_the_loss_and_gradients_of_one_process(scale_out, variant, engine):
+    """Every parameter's gradient, the differential ones included (V1's lambda vectors and subln, DEX's f_D and
+    lambda, replicated under TP), equals one process's on the same global batch. HSDP accumulates two
+    micro-batches per rank with gradient sync on the last only."""
+    root, batch, results = scale_out
+    model = variant_model(variant)
+    loss = model.train()(input_ids=batch, labels=batch).loss  # the independent reference, in this process
+    loss.backward()
+    expected = {name: p.grad for name, p in model.named_parameters()}
+    got = results[variant][engine]
+    assert got["grads"].keys() == expected.keys()
+    for name, grad in expected.items():
+        torch.testing.assert_close(torch.tensor(got["grads"][name]).view_as(grad), grad, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m: f"{engine} {name}: {m}")
+    if got["loss"] is not None:
+        assert got["loss"] == pytest.approx(loss.item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_sharded_training_saves_a_plain_model_and_bf16_shards_in_one_dtype(scale_out, variant):
+    root, batch, results = scale_out
+    # The FSDP2 model after one SGD step, gathered and saved by save_pretrained, reloads with the sharded logits.
+    assert results[variant]["saved"]["max_abs_diff"] == 0.0
+    saved = AutoModelForCausalLM.from_pretrained(root / f"{variant}-rank0" / "saved")
+    trained = dict(saved.named_parameters())
+    assert any(not torch.equal(trained[n], p) for n, p in variant_model(variant).named_parameters())
+    if saved.config.anneal_steps:
+        assert saved.model.layers[0].self_attn.anneal_step.item() == 3  # the step travels with the weights
+    # fully_shard of the bfloat16-loaded model: every parameter in one dtype (FSDP2 refuses mixed ones).
+    assert results[variant]["fsdp2_bf16"]["dtypes"] == ["torch.bfloat16"]
+    assert math.isfinite(results[variant]["fsdp2_bf16"]["loss"])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_tensor_parallel_generation_equals_one_process(scale_out, variant):
+    root, batch, results = scale_out
     with torch.no_grad():
-        expected = layer.self_attn(hidden, position_embeddings)[0]
-        parts = tensor_parallel_outputs(layer.self_attn, "layers.0.self_attn", plan, world, hidden,
-                                        position_embeddings)
-        torch.testing.assert_close(sum(parts), expected, rtol=1e-5, atol=1e-6)
-        parts = tensor_parallel_outputs(layer.mlp, "layers.0.mlp", plan, world, hidden)
-        torch.testing.assert_close(sum(parts), layer.mlp(hidden), rtol=1e-5, atol=1e-6)
-    planned = {name for name, _ in layer.self_attn.named_children()
-               if any(fnmatch.fnmatchcase(f"layers.0.self_attn.{name}", p) for p in plan)}
-    assert {"q_proj", "k_proj", "v_proj", "o_proj"} <= planned
-    assert mode != "v2" or "lambda_proj" in planned
+        expected = variant_model(variant).generate(batch[:1, :4], max_new_tokens=4, do_sample=False)
+    assert results[variant]["tp_generate"] == expected.tolist()
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_tensor_parallel_plan_names_only_the_mode_s_own_modules(variant):
+    """Every pattern of the plan matches a module of this mode (V2's lambda_proj only in V2's plan), and every
+    differential parameter is either sharded with its heads or replicated with its gradient all-reduced."""
+    model = variant_model(variant)
+    plan = model.config.base_model_tp_plan
+    modules = [name.removeprefix("model.") for name, _ in model.named_modules()]
+    for pattern in plan:
+        assert any(fnmatch.fnmatchcase(name, pattern) for name in modules), pattern
+    planned = {name for name in modules if any(fnmatch.fnmatchcase(name, p) for p in plan)}
+    attention = "layers.0.self_attn."
+    own = {"v1": ["diff_lambda", "subln"], "v2": ["lambda_proj"], "dex": ["dex_proj", "dex_lambda"]}
+    assert {attention + m for m in own[model.config.diff_mode]} <= planned
+    assert (attention + "lambda_proj" in planned) == (model.config.diff_mode == "v2")
+    assert all(p.dim() >= 1 for p in model.parameters())  # fully_shard refuses scalars
+    assert len({p.dtype for p in model.parameters()}) == 1
 
 
 def test_device_map_loading_splits_at_decoder_layers(tmp_path):
@@ -124,24 +176,3 @@ def test_fsdp_config_wraps_the_no_split_layer():
     assert config.fsdp_config["fsdp_transformer_layer_cls_to_wrap"] in DiffLlamaForCausalLM._no_split_modules
     assert DiffLlamaForCausalLM._no_split_modules == ["DiffLlamaDecoderLayer"]
     assert "accelerate launch --config_file configuration/fsdp.yaml" in (REPO / "configuration" / "fsdp.yaml").read_text()
-
-def test_tensor_parallel_plan_keeps_a_dex_head_selection_whole():
-    """With an explicit dex_heads selection the attention is replicated (every rank computes the whole layer's
-    attention) and only the MLP is sharded; the partial MLP outputs sum to the unsharded one."""
-    torch.manual_seed(0)
-    model = DiffLlamaForCausalLM(tiny_config("dex", dex_heads=[[0, 2], [1]])).eval()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.dex_proj.weight.normal_(0.0, 0.3)  # a live operator on the selected heads
-    plan = model.config.base_model_tp_plan
-    assert not any(".self_attn." in pattern for pattern in plan)
-    hidden = torch.randn(2, 7, model.config.hidden_size)
-    position_embeddings = model.model.rotary_emb(hidden, torch.arange(7)[None])
-    layer = model.model.layers[0]
-    with torch.no_grad():
-        expected = layer.self_attn(hidden, position_embeddings)[0]
-        for part in tensor_parallel_outputs(layer.self_attn, "layers.0.self_attn", plan, 2, hidden, position_embeddings):
-            torch.testing.assert_close(part, expected)
-        parts = tensor_parallel_outputs(layer.mlp, "layers.0.mlp", plan, 2, hidden)
-        torch.testing.assert_close(sum(parts), layer.mlp(hidden), rtol=1e-5, atol=1e-6)
-    assert DiffLlamaConfig.base_model_tp_plan["layers.*.self_attn.q_proj"] == "colwise"  # the class plan is untouched
