@@ -5,6 +5,11 @@ import json
 import sys
 from pathlib import Path
 
+from safetensors import SafetensorError
+
+from modeling_diff.atomic import FORCE
+
+from . import diffllama, ecosystem
 from .convert import DEFAULT_ANNEAL_STEPS, convert_checkpoint
 
 
@@ -20,6 +25,17 @@ def _heads(value: str):
         ) from error
 
 
+def _read_calibration(parser: argparse.ArgumentParser, path: Path | None) -> str | None:
+    if path is None:
+        return None
+    if not path.is_file():
+        parser.error(f"--calibration-file {str(path)!r} is not a file")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        parser.error(f"--calibration-file {str(path)!r} is not UTF-8 text: {error}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="modeling-diff", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -30,31 +46,39 @@ def build_parser() -> argparse.ArgumentParser:
     )
     convert.add_argument("src", type=Path, help="source checkpoint directory or .gguf file (only read)")
     convert.add_argument("dst", type=Path, help="output directory (written to a temporary directory, then renamed)")
-    convert.add_argument("--method", choices=("dex", "v2"), default="dex",
-                         help="dex: DEX operator on selected heads (default); v2: every head -> a signal/noise pair")
+    convert.add_argument("--method", choices=("dex", "v2"), default=None,
+                         help="dex: DEX operator on selected heads (default); v2: every head -> a signal/noise pair. "
+                         "Not for a transformers diffllama source, which converts to an exact V1")
     convert.add_argument("--heads", type=_heads, default=None,
-                         help="dex only: 'entropy' (default; needs --calibration-file), 'all', '0,3,5' "
-                         "or '[[0,1],[2],...]'")
+                         help="dex only: 'entropy' (default; on --calibration-file or the packaged text), 'all', "
+                         "'0,3,5' or '[[0,1],[2],...]'")
     convert.add_argument("--head-fraction", type=float, default=0.5,
                          help="fraction of heads per layer selected by entropy (default 0.5, rounded up)")
     convert.add_argument("--calibration-file", type=Path,
-                         help="text file for entropy head selection (first 512 tokens are used)")
+                         help="text file for entropy head selection (first 512 tokens are used; default: the "
+                         "packaged calibration.txt, the opening of Hamlet, public domain)")
     convert.add_argument("--anneal-steps", type=int, default=None,
                          help="T of the annealing schedule stored in the config (default 1000)")
     convert.add_argument("--noise-init", choices=("copy", "zeros"), default="copy",
                          help="v2 only: the noise head starts as a copy of the signal head, or with zero query weights")
-    convert.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    convert.add_argument("--overwrite", action="count", default=0,
+                         help="replace DST if it holds a checkpoint (a config.json); twice: replace any directory")
     convert.add_argument("--quiet", action="store_true", help="no progress bars")
+    convert.add_argument("--to", choices=diffllama.TARGETS, default=diffllama.TARGETS[0],
+                         help="diff_llama: this package's model (default); diffllama: transformers' built-in "
+                         "DiffLlama, from a V1 checkpoint (subln folded into o_proj; refused where not exact)")
+    ecosystem.add_commands(commands)
     return parser
 
 
 def _summary(dst: Path) -> str:
     config = json.loads((dst / "config.json").read_text())
     size = sum(p.stat().st_size for p in dst.glob("*.safetensors"))
-    lines = [f"output     {dst}", f"method     {config['diff_mode']}",
+    mode = config.get("diff_mode", f"v1 as transformers' {config['model_type']}")
+    lines = [f"output     {dst}", f"method     {mode}",
              f"layers     {config['num_hidden_layers']} x {config['num_attention_heads']} heads "
              f"of {config['head_dim']}",
-             f"anneal     T = {config['anneal_steps']} steps",
+             *([f"anneal     T = {config['anneal_steps']} steps"] if mode in ("v2", "dex") else []),
              f"weights    {len(list(dst.glob('*.safetensors')))} file(s), {size / 2**20:.1f} MiB"]
     if config.get("dex_heads") is not None:
         selected = sum(len(layer) for layer in config["dex_heads"])
@@ -65,20 +89,28 @@ def _summary(dst: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == [ecosystem.EVAL]:  # lm_eval parses its own arguments
+        return ecosystem.run_eval(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.calibration_file is not None and not args.calibration_file.is_file():
-        parser.error(f"--calibration-file {str(args.calibration_file)!r} is not a file")
-    calibration = args.calibration_file.read_text() if args.calibration_file is not None else None
+    if args.command == ecosystem.EXPORT:
+        try:
+            print(ecosystem.run_export(args))
+        except ValueError as error:
+            parser.error(str(error))
+        return 0
+    calibration = _read_calibration(parser, args.calibration_file)
     try:
         dst = convert_checkpoint(
             args.src, args.dst, method=args.method, heads=args.heads, head_fraction=args.head_fraction,
             calibration=calibration,
             anneal_steps=DEFAULT_ANNEAL_STEPS if args.anneal_steps is None else args.anneal_steps,
-            noise_init=args.noise_init, overwrite=args.overwrite, progress=not args.quiet,
+            noise_init=args.noise_init, overwrite=FORCE if args.overwrite > 1 else bool(args.overwrite),
+            progress=not args.quiet, to=args.to,
         )
-    except ValueError as error:
-        parser.error(str(error))  # exits with status 2
+    except (ValueError, OSError, SafetensorError) as error:  # a refused input, or the disk (full, read-only)
+        parser.error(" ".join(str(error).split()))  # one line; exits with status 2
     print(_summary(dst))
     return 0
 

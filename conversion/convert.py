@@ -7,6 +7,7 @@ GGUF file (`convert_checkpoint`, dequantised by transformers, then converted in 
 
 import copy
 import json
+import logging
 import shutil
 import time
 from pathlib import Path
@@ -17,26 +18,34 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.initialization import no_init_weights
 
-from modeling_diff.atomic import atomic_directory
+from modeling_diff.atomic import atomic_directory, check_destination
+from modeling_diff.extras import require
 from modeling_diff.modeling_diff_llama import DiffLlamaForCausalLM
 
-from .heads import attention_entropy, resolve_heads, top_entropy_heads
-from .mapping import TensorMapping
-from .sources import INDEX_FILE, CheckpointDir
+from . import diffllama
+from .calibration import with_default_calibration
+from .heads import attention_entropy, check_calibration_ids, check_head_fraction, resolve_heads, top_entropy_heads
+from .mapping import TensorMapping, check_method
+from .sources import INDEX_FILE, CheckpointDir, is_inside
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_ANNEAL_STEPS = 1000
 # Files of a checkpoint directory that are rewritten, not copied: weights and config.
 _REWRITTEN = ("config.json", INDEX_FILE)
+# An output directory that `overwrite` may replace holds one of these (an earlier conversion, a checkpoint).
+_EXPECTED = ("config.json",)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
 
 
 def save_model(model: PreTrainedModel, dst: str | Path, tokenizer=None, overwrite: bool = False) -> Path:
     """`model.save_pretrained(dst)` (and the tokenizer's), written to a temporary directory and renamed."""
-    with atomic_directory(dst, overwrite) as tmp:
+    with atomic_directory(dst, overwrite, expected=_EXPECTED) as tmp:
         model.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-    return Path(dst)
+    return Path(dst).resolve()
 
 
 def calibration_ids_from(calibration, tokenizer=None, max_tokens: int = 512) -> torch.Tensor:
@@ -50,34 +59,49 @@ def calibration_ids_from(calibration, tokenizer=None, max_tokens: int = 512) -> 
     raise ValueError(f"calibration must be text or a tensor of token ids, got {type(calibration).__name__}")
 
 
-def _choose_heads(method, heads, head_fraction, calibration, mapping, get_tensor, progress) -> list[list[int]] | None:
-    """dex_heads of the converted config: the explicit choice, all heads, or the entropy calibration."""
-    config = mapping.config
-    if method != "dex":
-        if heads is not None:
-            raise ValueError(f"heads applies to method='dex' only; method={method!r} converts every head")
-        return None
-    heads = "entropy" if heads is None else heads
-    resolved = resolve_heads(heads, config.num_hidden_layers, config.num_attention_heads)
-    if resolved is not None:
-        return resolved
-    if calibration is None:
-        raise ValueError("heads='entropy' (the default for method='dex') needs calibration text or token ids: "
-                         "pass calibration=... (--calibration-file), or choose heads='all' or a list")
-    return top_entropy_heads(attention_entropy(get_tensor, mapping, calibration, progress), head_fraction)
+def check_arguments(method, heads, head_fraction, anneal_steps, noise_init) -> None:
+    """The checks that need no model: method, noise_init, anneal_steps and (for an entropy selection) head_fraction."""
+    check_method(method, anneal_steps, noise_init)
+    if method == "dex" and (heads is None or heads == "entropy"):
+        check_head_fraction(head_fraction)
 
 
-def _plan(source_config, method, heads, head_fraction, calibration, anneal_steps, noise_init, get_tensor, progress,
-          source_tensors, source_name: str) -> TensorMapping:
-    """Check every source tensor, then choose the heads: the TensorMapping of the converted model.
+class _Plan:
+    """A conversion checked before any expensive work: every argument validated, every source tensor checked
+    against the source config, the heads chosen unless an entropy calibration is still to run (in `mapping`)."""
 
-    `source_tensors` yields (name, shape, dtype, where) for every tensor of the source.
-    """
-    unselected = TensorMapping.for_source(source_config, method, None, anneal_steps, noise_init)
-    kept = [name for name, shape, dtype, where in source_tensors if unselected.check(name, shape, dtype, where)]
-    unselected.check_complete(kept, source_name)
-    dex_heads = _choose_heads(method, heads, head_fraction, calibration, unselected, get_tensor, progress)
-    return TensorMapping.for_source(source_config, method, dex_heads, anneal_steps, noise_init)
+    def __init__(self, source_config, method, heads, head_fraction, calibration, anneal_steps, noise_init,
+                 source_tensors, source_name: str):
+        """`source_tensors` yields (name, shape, dtype, where) for every tensor of the source."""
+        check_arguments(method, heads, head_fraction, anneal_steps, noise_init)
+        self.args = (source_config, method, anneal_steps, noise_init)
+        self.unselected = TensorMapping.for_source(source_config, method, None, anneal_steps, noise_init)
+        kept = [name for name, shape, dtype, where in source_tensors if self.unselected.check(name, shape, dtype, where)]
+        self.unselected.check_complete(kept, source_name)
+        config = self.unselected.config
+        self.calibration, self.head_fraction, self.dex_heads = None, head_fraction, None
+        if method != "dex":
+            if heads is not None:
+                raise ValueError(f"heads applies to method='dex' only; method={method!r} converts every head")
+            return
+        self.dex_heads = resolve_heads("entropy" if heads is None else heads, config.num_hidden_layers,
+                                       config.num_attention_heads)
+        if self.dex_heads is not None:
+            return
+        if calibration is None:
+            raise ValueError("heads='entropy' (the default for method='dex') needs calibration text or token ids: "
+                             "pass calibration=... (--calibration-file), or choose heads='all' or a list")
+        check_calibration_ids(calibration, config.vocab_size)
+        self.calibration = calibration
+
+    def mapping(self, get_tensor, progress: bool) -> TensorMapping:
+        """The TensorMapping of the converted model, after the entropy calibration if one is needed (the
+        expensive step: it runs the source model layer by layer)."""
+        if self.dex_heads is None and self.calibration is not None:
+            entropy = attention_entropy(get_tensor, self.unselected, self.calibration, progress)
+            self.dex_heads = top_entropy_heads(entropy, self.head_fraction)
+        source_config, method, anneal_steps, noise_init = self.args
+        return TensorMapping.for_source(source_config, method, self.dex_heads, anneal_steps, noise_init)
 
 
 def convert_model(
@@ -106,9 +130,9 @@ def convert_model(
     state = model.state_dict()
     if calibration is not None:
         calibration = calibration_ids_from(calibration, tokenizer)
-    mapping = _plan(model.config, method, heads, head_fraction, calibration, anneal_steps, noise_init,
-                    state.__getitem__, progress, ((n, t.shape, t.dtype, "the source model") for n, t in state.items()),
-                    "the source model")
+    plan = _Plan(model.config, method, heads, head_fraction, calibration, anneal_steps, noise_init,
+                 ((n, t.shape, t.dtype, "the source model") for n, t in state.items()), "the source model")
+    mapping = plan.mapping(state.__getitem__, progress)
     converted = {}
     for name, tensor in state.items():
         if mapping.check(name, tensor.shape, tensor.dtype, "the source model"):
@@ -153,55 +177,114 @@ def _convert_directory(source: CheckpointDir, tmp: Path, mapping: TensorMapping,
 def convert_checkpoint(
     src: str | Path,
     dst: str | Path,
-    method: str = "dex",
+    method: str | None = None,
     heads=None,
     head_fraction: float = 0.5,
     calibration: torch.Tensor | str | None = None,
     anneal_steps: int = DEFAULT_ANNEAL_STEPS,
     noise_init: str = "copy",
-    overwrite: bool = False,
+    overwrite: bool | str = False,
     progress: bool = True,
+    to: str = "diff_llama",
 ) -> Path:
-    """Convert the checkpoint at `src` and write the DiffLlama checkpoint to directory `dst`; returns `dst`.
+    """Convert the checkpoint at `src` and write the DiffLlama checkpoint to directory `dst`; returns `dst`
+    (absolute).
 
     `src` is a local transformers directory (config.json + model.safetensors, or shards with
     model.safetensors.index.json), converted shard by shard so that memory stays near the largest shard, or a
-    `.gguf` file (dequantised to float32 in memory). Tokenizer and generation files are carried over. Every
-    source tensor is checked against config.json before anything is written; the output is written to a
-    temporary directory renamed to `dst` at the end; `dst` is replaced only with `overwrite=True`; `src` is only
-    read. Other arguments as in `convert_model` (text `calibration` is tokenised with the source's tokenizer).
+    `.gguf` file (dequantised to float32 in memory). Tokenizer and generation files are carried over (links that
+    lead out of `src` are skipped with a warning). Every argument and every source tensor is checked before the
+    calibration runs or anything is written; the output is written to a temporary directory renamed to `dst` at the
+    end (`modeling_diff.atomic.atomic_directory`); a non-empty `dst` is replaced only with `overwrite=True` when it
+    holds a config.json, any with `overwrite="force"`; `src` is only read. Other arguments as in `convert_model`
+    (`method` None: "dex"; text `calibration` is tokenised with the source's tokenizer; without any, DEX's entropy
+    heads are chosen on the packaged text, `calibration.py`).
+
+    A transformers `diffllama` checkpoint converts to an exact V1, and our V1 with `to="diffllama"` to transformers'
+    DiffLlama (`diffllama.py`); `method` and `heads` are then left unset.
     """
     src = Path(src)
     started = time.perf_counter()
+    between_diffllamas = diffllama.applies(src, to)
+    if not between_diffllamas:
+        method = method or "dex"
+        calibration = with_default_calibration(method, heads, calibration, progress)
+        check_arguments(method, heads, head_fraction, anneal_steps, noise_init)
     if src.is_file() and src.suffix == ".gguf":
-        with atomic_directory(dst, overwrite, protect=(src,)) as tmp:
-            model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
-            tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+        require("gguf", f"converting the .gguf file {src.name}")
+        dst = check_destination(dst, overwrite, protect=(src,), expected=_EXPECTED)  # before loading the model
+        with atomic_directory(dst, overwrite, protect=(src,), expected=_EXPECTED) as tmp:
+            model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32,
+                                                         local_files_only=True)
+            tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name, local_files_only=True)
             converted = convert_model(model, method, heads, head_fraction, calibration, tokenizer, anneal_steps,
                                       noise_init, progress)
             converted.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
-        return Path(dst)
+        return dst
 
+    # Everything that can be refused is refused here, before the destination is touched or the calibration runs.
     source = CheckpointDir(src)
-    source_config = AutoConfig.from_pretrained(src, local_files_only=True)
+    source_config = _source_config(src)
     if isinstance(calibration, str):
-        calibration = calibration_ids_from(calibration, AutoTokenizer.from_pretrained(src, local_files_only=True))
-    # Check every tensor (headers only) and choose the heads before the destination is touched.
+        calibration = calibration_ids_from(calibration, _source_tokenizer(src))
     headers = ((name, shape, dtype, file)
                for file in source.files for name, (shape, dtype) in source.headers(file).items())
-    mapping = _plan(source_config, method, heads, head_fraction, calibration, anneal_steps, noise_init,
-                    source.get, progress, headers, str(src))
+    if between_diffllamas:
+        plan = diffllama.DiffLlamaPlan(source_config, to, method, heads, headers, str(src))
+    else:
+        plan = _Plan(source_config, method, heads, head_fraction, calibration, anneal_steps, noise_init, headers,
+                     str(src))
+    carried = _carried_files(source)
+    dst = check_destination(dst, overwrite, protect=(src,), expected=_EXPECTED)
 
-    with atomic_directory(dst, overwrite, protect=(src,)) as tmp:
+    with atomic_directory(dst, overwrite, protect=(src,), expected=_EXPECTED) as tmp:
+        mapping = plan.mapping(source.get, progress)
         _convert_directory(source, tmp, mapping, progress)
+        # Our class's name, and transformers' own (the to="diffllama" target): loaders such as TRL's read it.
+        mapping.config.architectures = [DiffLlamaForCausalLM.__name__]
         mapping.config.save_pretrained(tmp)
-        for path in src.iterdir():  # tokenizer, generation config, chat template, ...
-            if path.is_file() and path.name not in _REWRITTEN and not path.name.endswith(_WEIGHT_SUFFIXES):
-                shutil.copy2(path, tmp / path.name)
+        for path in carried:
+            shutil.copy2(path, tmp / path.name)
     if progress:
-        tqdm.write(f"converted {src} -> {dst} ({method}) in {time.perf_counter() - started:.1f} s")
-    return Path(dst)
+        target = getattr(mapping.config, "diff_mode", mapping.config.model_type)
+        tqdm.write(f"converted {src} -> {dst} ({target}) in {time.perf_counter() - started:.1f} s")
+    return dst
+
+
+def _source_config(src: Path):
+    try:
+        return AutoConfig.from_pretrained(src, local_files_only=True)
+    except Exception as error:  # transformers raises ValueError, KeyError, TypeError or @strict's own errors here
+        raise ValueError(f"config.json in {str(src)!r} is not a valid transformers config: {error}") from error
+
+
+def _source_tokenizer(src: Path):
+    """The source's tokenizer, for calibration text; a ValueError saying what is missing otherwise."""
+    if not any((src / name).is_file() for name in _TOKENIZER_FILES):
+        raise ValueError(f"calibration text needs the source's tokenizer, but {str(src)!r} holds none of "
+                         f"{', '.join(_TOKENIZER_FILES)}: add the tokenizer files or pass token ids")
+    try:
+        return AutoTokenizer.from_pretrained(src, local_files_only=True)
+    except Exception as error:  # tokenizers fail in many ways (missing sentencepiece, a broken file, ...)
+        raise ValueError(f"the tokenizer in {str(src)!r} could not be loaded for the calibration text: "
+                         f"{error}") from error
+
+
+def _carried_files(source: CheckpointDir) -> list[Path]:
+    """The files copied unchanged (tokenizer, generation config, chat template, ...). A link that leads out of the
+    checkpoint is skipped with a warning: what it points to is not part of the checkpoint (`tokenizer.json ->
+    /etc/passwd`). Links inside it (a Hub cache snapshot's links to its blobs) are followed."""
+    carried = []
+    for path in sorted(source.path.iterdir()):
+        if not path.is_file() or path.name in _REWRITTEN or path.name.endswith(_WEIGHT_SUFFIXES):
+            continue
+        if not is_inside(path, source.root):
+            logger.warning(f"skipped {path.name}: it is a link to {str(path.resolve())!r}, outside the source "
+                           f"checkpoint {str(source.root)!r}")
+            continue
+        carried.append(path)
+    return carried
 
 
 __all__ = ["calibration_ids_from", "convert_checkpoint", "convert_model",

@@ -225,8 +225,8 @@ def model_card(model, repo_id: str | None = None) -> ModelCard:
 # {repo_id.split("/")[-1] if repo_id else "DiffLlama"}
 
 A Llama-architecture causal language model with differential attention: {variant}.
-Exported by [`modeling_diff`](https://pypi.org/project/modeling-diff/); the model code is included in this
-repository, so loading it needs only `transformers` and `trust_remote_code=True`.
+Exported by `modeling_diff` (distribution `modeling-diff`, not published on PyPI); the model code is included in
+this repository, so loading it needs only `transformers` and `trust_remote_code=True`.
 
 | field | value |
 |---|---|
@@ -244,8 +244,9 @@ from transformers import AutoModelForCausalLM
 model = AutoModelForCausalLM.from_pretrained("{name}", trust_remote_code=True)
 ```
 
-With `modeling_diff` installed, `import modeling_diff` and load without `trust_remote_code` to use the
-package's classes instead of the code in this repository.
+With `modeling_diff` installed from its source tree (`pip install .` in a checkout of the repository),
+`import modeling_diff` and load without `trust_remote_code` to use the package's classes instead of the code in
+this repository.
 """
     return ModelCard(content)
 

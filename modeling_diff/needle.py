@@ -6,8 +6,10 @@ decoding would produce exactly its value: every value token is the argmax given 
 tokens before it (teacher forcing, one forward pass per query instead of a generate loop). The R queried
 needles sit together at the swept depth, the N - R others (distractors) at random depths, as in the
 multi-needle evaluation of DIFF Transformer (arXiv 2410.05258, Sec. 3.4). Depth d puts the queried needles
-after a fraction d of the filler text. The grid is context length (tokens of context and question) x depth;
-each cell holds the share of queries retrieved over `trials` random draws of keys, values and filler offset.
+after a fraction d of the filler text. The grid is context length (every token the model reads for a query:
+context, question and the answer tokens fed back by teacher forcing, so a model with learned positions is never
+asked beyond its `max_position_embeddings`) x depth; each cell holds the share of queries retrieved over `trials`
+random draws of keys, values and filler offset.
 
     result = evaluate_needles(model, tokenizer, lengths=[1024, 2048], depths=[0, 0.5, 1], num_needles=4, num_queries=2)
     print(result.summary()); plot_needle_heatmap(result)
@@ -29,6 +31,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .data import shakespeare
+from .extras import require
 
 # A needle is NEEDLE_HEAD + " <value>." and a question ends with NEEDLE_HEAD, so the answer " <value>" is
 # tokenized the same way in the context and after the question.
@@ -54,7 +57,8 @@ class Needle:
 
 @dataclass
 class NeedlePrompt:
-    """One query: `input_ids` is the context and the question; `answer_ids` should follow it."""
+    """One query: `input_ids` is the context and the question; `answer_ids` should follow it. The model reads
+    `input_ids + answer_ids[:-1]` (teacher forcing)."""
 
     input_ids: list[int]
     answer_ids: list[int]
@@ -62,10 +66,14 @@ class NeedlePrompt:
     value_span: tuple[int, int]  # [start, end) of the queried needle's value tokens inside input_ids
 
 
-def make_needles(count: int, rng: random.Random) -> list[Needle]:
-    """`count` needles with distinct keys and random VALUE_DIGITS-digit values."""
+def _check_num_needles(count: int) -> None:
     if not 1 <= count <= len(KEYS):
         raise ValueError(f"num_needles must be in [1, {len(KEYS)}], got {count}")
+
+
+def make_needles(count: int, rng: random.Random) -> list[Needle]:
+    """`count` needles with distinct keys and random VALUE_DIGITS-digit values."""
+    _check_num_needles(count)
     keys = rng.sample(KEYS, count)
     return [Needle(key, str(rng.randrange(10 ** (VALUE_DIGITS - 1), 10**VALUE_DIGITS))) for key in keys]
 
@@ -88,15 +96,17 @@ class NeedlePromptBuilder:
     def build(
         self, length: int, depth: float, needles: list[Needle], num_queries: int, rng: random.Random
     ) -> list[NeedlePrompt]:
-        """Prompts of at most `length` tokens for the first `num_queries` needles; those sit together at `depth`
-        (0 = start of the filler, 1 = end), the others at random depths."""
+        """Prompts for the first `num_queries` needles, each read with its answer in at most `length` tokens
+        (`input_ids + answer_ids[:-1]`); the queried needles sit together at `depth` (0 = start of the filler,
+        1 = end), the others at random depths."""
         # (head, value, tail) token pieces of each needle; the value span is known exactly by construction.
         pieces = [
             (self._encode(" " + NEEDLE_HEAD.format(key=n.key)), self._encode(" " + n.value), self._encode("."))
             for n in needles
         ]
         questions = [self._encode("\n\n" + QUESTION_TEMPLATE.format(key=n.key)) for n in needles[:num_queries]]
-        fixed = len(self.prefix_ids) + sum(len(h) + len(v) + len(t) for h, v, t in pieces) + max(map(len, questions))
+        read_after_context = max(len(q) + len(pieces[i][1]) - 1 for i, q in enumerate(questions))  # question, answer
+        fixed = len(self.prefix_ids) + sum(len(h) + len(v) + len(t) for h, v, t in pieces) + read_after_context
         filler_length = length - fixed
         if filler_length < 1:
             raise ValueError(f"lengths must leave room for filler text: {length} tokens hold no more than the "
@@ -126,9 +136,10 @@ def score_prompt(model, prompt: NeedlePrompt) -> tuple[bool, float]:
     """(retrieved, log-probability of the answer): greedy decoding would emit the answer iff every answer token
     is the argmax after the prompt and the answer tokens before it."""
     device = next(model.parameters()).device
-    ids = torch.tensor([prompt.input_ids + prompt.answer_ids], device=device)
+    ids = torch.tensor([prompt.input_ids + prompt.answer_ids[:-1]], device=device)
     n = len(prompt.answer_ids)
-    logits = model(input_ids=ids, logits_to_keep=n + 1, use_cache=False).logits[0, :-1].float()  # (n, V)
+    logits = model(input_ids=ids, logits_to_keep=n, use_cache=False).logits[0].float()  # (n, V): answer token i
+    # is predicted after the prompt and answer tokens < i
     answer = torch.tensor(prompt.answer_ids, device=device)
     retrieved = bool((logits.argmax(-1) == answer).all())
     logprob = float(logits.log_softmax(-1).gather(-1, answer[:, None]).sum())
@@ -174,6 +185,22 @@ def default_lengths(model, start: int = 1024) -> list[int]:
     return lengths
 
 
+def check_grid(lengths: list[int] | None, depths, num_needles: int, num_queries: int, trials: int) -> None:
+    """The arguments of `evaluate_needles` that need no model (`lengths` None: the model's default), each refused
+    with a ValueError naming it."""
+    if lengths is not None and (
+        not lengths or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in lengths)
+    ):
+        raise ValueError(f"lengths must be a non-empty list of positive integers, got {lengths}")
+    if not depths or any(not 0.0 <= d <= 1.0 for d in depths):  # NaN fails both comparisons
+        raise ValueError(f"depths must be a non-empty list of fractions in [0, 1], got {depths}")
+    _check_num_needles(num_needles)
+    if not 1 <= num_queries <= num_needles:
+        raise ValueError(f"num_queries must be in [1, num_needles={num_needles}], got {num_queries}")
+    if trials < 1:
+        raise ValueError(f"trials must be >= 1, got {trials}")
+
+
 def evaluate_needles(
     model,
     tokenizer,
@@ -190,18 +217,11 @@ def evaluate_needles(
     `haystack` to Hamlet."""
     lengths = list(default_lengths(model) if lengths is None else lengths)
     depths = list(depths)
-    if not lengths or any(not isinstance(n, int) or n < 1 for n in lengths):
-        raise ValueError(f"lengths must be a non-empty list of positive integers, got {lengths}")
+    check_grid(lengths, depths, num_needles, num_queries, trials)
     limit = context_limit(model)
     if limit is not None and max(lengths) > limit:
         raise ValueError(f"lengths must not exceed max_position_embeddings ({limit}), "
                          f"got {max(lengths)}")
-    if not depths or any(not 0.0 <= d <= 1.0 for d in depths):
-        raise ValueError(f"depths must be a non-empty list of fractions in [0, 1], got {depths}")
-    if not 1 <= num_queries <= num_needles:
-        raise ValueError(f"num_queries must be in [1, num_needles={num_needles}], got {num_queries}")
-    if trials < 1:
-        raise ValueError(f"trials must be >= 1, got {trials}")
     builder = NeedlePromptBuilder(tokenizer, shakespeare("hamlet") if haystack is None else haystack)
     # Refuse too-short lengths before any cell runs (the longest keys make the longest needles and questions).
     longest = [Needle(key, "9" * VALUE_DIGITS) for key in sorted(KEYS, key=len)[-num_needles:]]
@@ -212,21 +232,24 @@ def evaluate_needles(
     accuracy = [[0.0] * len(depths) for _ in lengths]
     logprob = [[0.0] * len(depths) for _ in lengths]
     cells = [(i, j) for i in range(len(lengths)) for j in range(len(depths))]
-    for i, j in tqdm(cells, desc="needle cells", disable=not progress):
-        for trial in range(trials):
-            rng = random.Random(f"{seed}-{lengths[i]}-{depths[j]}-{trial}")
-            prompts = builder.build(lengths[i], depths[j], make_needles(num_needles, rng), num_queries, rng)
-            for prompt in prompts:
-                retrieved, answer_logprob = score_prompt(model, prompt)
-                accuracy[i][j] += retrieved / (trials * num_queries)
-                logprob[i][j] += answer_logprob / (trials * num_queries)
-    model.train(was_training)
+    try:
+        for i, j in tqdm(cells, desc="needle cells", disable=not progress):
+            for trial in range(trials):
+                rng = random.Random(f"{seed}-{lengths[i]}-{depths[j]}-{trial}")
+                prompts = builder.build(lengths[i], depths[j], make_needles(num_needles, rng), num_queries, rng)
+                for prompt in prompts:
+                    retrieved, answer_logprob = score_prompt(model, prompt)
+                    accuracy[i][j] += retrieved / (trials * num_queries)
+                    logprob[i][j] += answer_logprob / (trials * num_queries)
+    finally:  # an interrupted evaluation leaves the model as it found it
+        model.train(was_training)
     return NeedleResult(lengths, depths, num_needles, num_queries, trials, accuracy, logprob)
 
 
 def plot_needle_heatmap(result: NeedleResult, ax=None, title: str | None = None):
-    """Accuracy heatmap: context length (rows) x answer depth (columns). Returns the matplotlib Axes."""
-    import matplotlib.pyplot as plt
+    """Accuracy heatmap: context length (rows) x answer depth (columns). Returns the matplotlib Axes.
+    Needs matplotlib: pip install 'modeling-diff[needle]'."""
+    plt = require("matplotlib.pyplot", "plot_needle_heatmap")
 
     if ax is None:
         _, ax = plt.subplots(figsize=(1.2 * len(result.depths) + 2, 0.6 * len(result.lengths) + 1.5))
@@ -256,9 +279,24 @@ def main(argv: list[str] | None = None) -> NeedleResult:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True, help="directory for needle.json and needle.png")
     args = parser.parse_args(argv)
+    # Everything that can be refused without the model is refused before it loads.
+    model_dir = Path(args.model)
+    if not model_dir.is_dir():  # never taken for a Hub repository id: this command does not reach the network
+        parser.error(f"model {args.model!r} is not a local directory")
+    if args.gguf_file and not (model_dir / args.gguf_file).is_file():
+        parser.error(f"--gguf-file {args.gguf_file!r} is not a file in {args.model!r}")
+    blocker = next((p for p in [args.out, *args.out.parents] if p.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        parser.error(f"--out {str(args.out)!r} must be a directory; {str(blocker)!r} is a file")
+    try:
+        check_grid(args.lengths, args.depths, args.needles, args.queries, args.trials)
+        haystack = args.haystack.read_text(encoding="utf-8") if args.haystack else None
+    except (ValueError, OSError) as error:  # UnicodeDecodeError is a ValueError
+        parser.error(" ".join(str(error).split()))
 
-    import matplotlib
-
+    matplotlib = require("matplotlib", "python -m modeling_diff.needle (it draws the heatmap)")
+    if args.gguf_file:
+        require("gguf", "--gguf-file")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -266,24 +304,28 @@ def main(argv: list[str] | None = None) -> NeedleResult:
     import modeling_diff  # noqa: F401  (registers the DiffLlama Auto classes)
 
     kwargs = {"gguf_file": args.gguf_file} if args.gguf_file else {}
-    tokenizer = AutoTokenizer.from_pretrained(args.model, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(args.model, **kwargs)
-    haystack = args.haystack.read_text(encoding="utf-8") if args.haystack else None
-    result = evaluate_needles(model, tokenizer, args.lengths, args.depths, args.needles, args.queries,
-                              args.trials, haystack, args.seed)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, **kwargs)
+    try:
+        result = evaluate_needles(model, tokenizer, args.lengths, args.depths, args.needles, args.queries,
+                                  args.trials, haystack, args.seed)
+    except ValueError as error:  # what depends on the model (its context limit), refused before any cell runs
+        parser.error(" ".join(str(error).split()))
 
-    # Written to a temporary directory next to --out, then renamed: never a half-written result.
+    # Written to a temporary directory next to --out, then renamed: never a half-written result, no leftovers.
     args.out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".needle-", dir=args.out.parent))
-    (staging / "needle.json").write_text(json.dumps(result.to_dict(), indent=2))
-    plot_needle_heatmap(result).figure.savefig(staging / "needle.png", dpi=120, bbox_inches="tight")
-    plt.close("all")
-    if args.out.exists():
-        for name in ("needle.json", "needle.png"):
-            (staging / name).replace(args.out / name)
-        shutil.rmtree(staging)
-    else:
-        staging.rename(args.out)
+    try:
+        (staging / "needle.json").write_text(json.dumps(result.to_dict(), indent=2))
+        plot_needle_heatmap(result).figure.savefig(staging / "needle.png", dpi=120, bbox_inches="tight")
+        plt.close("all")
+        if args.out.exists():
+            for name in ("needle.json", "needle.png"):
+                (staging / name).replace(args.out / name)
+        else:
+            staging.rename(args.out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     print(result.summary())
     print(f"wrote {args.out / 'needle.json'} and {args.out / 'needle.png'}")
     return result

@@ -71,7 +71,6 @@ def test_heads_argument(source_dir, tmp_path, heads, expected):
 @pytest.mark.parametrize(
     "extra,message",
     [
-        ([], "needs calibration text or token ids"),
         (["--heads", "best"], "--heads must be 'entropy', 'all'"),
         (["--heads", "all", "--head-fraction", "2"], None),  # head_fraction is only used by entropy selection
         (["--calibration-file", "/nonexistent.txt"], "is not a file"),
@@ -99,8 +98,13 @@ def test_existing_destination_needs_overwrite(source_dir, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["convert", str(src), str(dst), "--heads", "all", "--quiet"])
     assert "exists and is not empty; pass overwrite=True" in capsys.readouterr().err
-    assert main(["convert", str(src), str(dst), "--heads", "all", "--quiet", "--overwrite"]) == 0
-    assert (dst / "config.json").is_file()
+    with pytest.raises(SystemExit):  # not a checkpoint: one --overwrite is not enough
+        main(["convert", str(src), str(dst), "--heads", "all", "--quiet", "--overwrite"])
+    assert "holds no config.json" in capsys.readouterr().err and (dst / "keep.txt").is_file()
+    assert main(["convert", str(src), str(dst), "--heads", "all", "--quiet", "--overwrite", "--overwrite"]) == 0
+    assert (dst / "config.json").is_file() and not (dst / "keep.txt").exists()
+    assert main(["convert", str(src), str(dst), "--heads", "1", "--quiet", "--overwrite"]) == 0  # an earlier output
+    assert json.loads((dst / "config.json").read_text())["dex_heads"] == [[1]] * 3
 
 
 def test_console_script_points_at_main():

@@ -49,17 +49,17 @@ def test_single_file_checkpoint(tmp_path, method):
         assert (converted(ids).logits - source(ids).logits).abs().max() <= 1e-4
 
 
-def test_bfloat16_checkpoint_stays_bfloat16_with_float32_lambdas(tmp_path):
+def test_bfloat16_checkpoint_stays_bfloat16_in_every_parameter(tmp_path):
     source, ids = tiny_llama().to(torch.bfloat16), token_ids()
     src = save_source(source, tmp_path / "src")
     dst = convert_checkpoint(src, tmp_path / "dst", heads="all", progress=False)
     saved = load_file(dst / "model.safetensors")
     assert saved["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
     assert saved["model.layers.0.self_attn.dex_proj.weight"].dtype == torch.bfloat16
-    assert saved["model.layers.0.self_attn.lambda_learn"].dtype == torch.float32
+    assert saved["model.layers.0.self_attn.dex_lambda.lambda_learn"].dtype == torch.bfloat16  # one dtype (FSDP2)
     converted = AutoModelForCausalLM.from_pretrained(dst).eval()
     assert converted.dtype == torch.bfloat16
-    assert converted.model.layers[0].self_attn.lambda_learn.dtype == torch.float32
+    assert converted.model.layers[0].self_attn.dex_lambda.lambda_learn.shape == (1,)
     with torch.no_grad():
         torch.testing.assert_close(converted(ids).logits, source(ids).logits, rtol=0, atol=1e-2)
 
@@ -109,8 +109,13 @@ def test_existing_destination_needs_overwrite(tmp_path):
     with pytest.raises(ValueError, match="exists and is not empty; pass overwrite=True"):
         convert_checkpoint(src, dst, heads="all", progress=False)
     assert (dst / "keep.txt").read_text() == "precious"
-    convert_checkpoint(src, dst, heads="all", overwrite=True, progress=False)
+    with pytest.raises(ValueError, match="holds no config.json, so it is not an earlier output"):
+        convert_checkpoint(src, dst, heads="all", overwrite=True, progress=False)
+    assert (dst / "keep.txt").read_text() == "precious"
+    convert_checkpoint(src, dst, heads="all", overwrite="force", progress=False)
     assert not (dst / "keep.txt").exists() and (dst / "model.safetensors").is_file()
+    convert_checkpoint(src, dst, heads=[1], overwrite=True, progress=False)  # an earlier output: one overwrite
+    assert json.loads((dst / "config.json").read_text())["dex_heads"] == [[1]] * 3
     with pytest.raises(ValueError, match="must not be, contain or lie inside the source"):
         convert_checkpoint(src, src / "inside", heads="all", progress=False)
     with pytest.raises(ValueError, match="must not be, contain or lie inside the source"):
@@ -184,7 +189,7 @@ def test_bad_source_directories(tmp_path):
     with pytest.raises(ValueError, match=f"shard '{missing_shard}' listed in {INDEX} is missing"):
         convert_checkpoint(src, tmp_path / "dst", heads="all", progress=False)
     (src / INDEX).write_text("not json")
-    with pytest.raises(ValueError, match="must be JSON with a 'weight_map' object"):
+    with pytest.raises(ValueError, match=f"{INDEX} in .* is not valid JSON"):
         convert_checkpoint(src, tmp_path / "dst", heads="all", progress=False)
 
 

@@ -1,0 +1,428 @@
+"""The converter's promises, attacked (issue 14): it never touches the source, never writes outside DST, never
+leaves a half-written output or a staging directory behind, never replaces without --overwrite, and refuses every
+bad input up front with a one-line error (exit status 2 on the command line)."""
+
+import errno
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from ecosystem_helpers import byte_tokenizer
+from safetensors import SafetensorError
+from test_conversion import tiny_llama, token_ids
+from transformers import AutoModelForCausalLM
+
+import modeling_diff.conversion.convert as convert_module
+from modeling_diff.conversion import convert_checkpoint
+from modeling_diff.conversion.cli import main
+
+INDEX = "model.safetensors.index.json"
+TEXT = "Shall I compare thee to a summer's day? Thou art more lovely and more temperate. " * 3
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    """A sharded tiny Llama checkpoint with a byte-level tokenizer; tests convert copies of it."""
+    path = tmp_path_factory.mktemp("pristine") / "llama"
+    tiny_llama().save_pretrained(path, max_shard_size="100KB")
+    byte_tokenizer().save_pretrained(path)
+    assert (path / INDEX).is_file()
+    return path
+
+
+@pytest.fixture
+def src(pristine, tmp_path):
+    return Path(shutil.copytree(pristine, tmp_path / "src"))
+
+
+def tree_hash(root: Path) -> dict[str, str]:
+    """Every file under `root` (links not followed) -> sha256 of its bytes (or of its link target)."""
+    hashes = {}
+    for path in sorted(root.rglob("*")):
+        if path.is_symlink():
+            hashes[str(path.relative_to(root))] = "link:" + os.readlink(path)
+        elif path.is_file():
+            hashes[str(path.relative_to(root))] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return hashes
+
+
+def hidden_leftovers(parent: Path) -> list[str]:
+    return sorted(p.name for p in parent.iterdir() if p.name.startswith("."))
+
+
+def cli_error(argv: list[str], capsys) -> str:
+    """Run the command line, which must exit with status 2 and a one-line error (no traceback); return that line."""
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--quiet"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    assert "Traceback" not in err
+    # argparse prints its usage (lines from "usage:" on, indented continuations) before the error line.
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith(("usage:", " "))]
+    assert len(lines) == 1 and lines[0].startswith("modeling-diff") and ": error: " in lines[0], err
+    return lines[0]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 1. Names read from the index are plain file names inside the checkpoint.
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _rename_in_index(src: Path, old: str, new: str) -> None:
+    index = json.loads((src / INDEX).read_text())
+    index["weight_map"] = {name: (new if file == old else file) for name, file in index["weight_map"].items()}
+    (src / INDEX).write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("kind", ["parent", "absolute", "subdir", "hidden"])
+def test_index_shard_names_outside_the_checkpoint_are_refused(src, tmp_path, capsys, kind):
+    shard = json.loads((src / INDEX).read_text())["weight_map"]["model.embed_tokens.weight"]
+    victim = tmp_path / "victim.safetensors"
+    shutil.copy(src / shard, victim)
+    name = {"parent": f"../src/{shard}", "absolute": str(victim), "subdir": f"sub/{shard}",
+            "hidden": f".{shard}"}[kind]
+    _rename_in_index(src, shard, name)
+    before, victim_before = tree_hash(src), victim.read_bytes()
+    line = cli_error(["convert", str(src), str(tmp_path / "dst"), "--heads", "all"], capsys)
+    assert "must be a plain .safetensors file name" in line and repr(name) in line
+    assert tree_hash(src) == before and victim.read_bytes() == victim_before  # nothing rewritten
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src", "victim.safetensors"]  # nothing written
+
+
+@pytest.mark.parametrize(
+    "weight_map,message",
+    [
+        ([["model.norm.weight", "model.safetensors"]], "must be JSON with a 'weight_map' object"),
+        (None, "must be JSON with a 'weight_map' object"),
+        ({"model.norm.weight": 3}, "must be a plain .safetensors file name"),
+        ({"model.norm.weight": ["a.safetensors"]}, "must be a plain .safetensors file name"),
+    ],
+)
+def test_malformed_weight_maps_are_refused(src, tmp_path, capsys, weight_map, message):
+    (src / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    assert message in cli_error(["convert", str(src), str(tmp_path / "dst"), "--heads", "all"], capsys)
+    assert not (tmp_path / "dst").exists()
+
+
+def test_a_shard_linked_out_of_the_checkpoint_is_refused(src, tmp_path):
+    shard = json.loads((src / INDEX).read_text())["weight_map"]["model.norm.weight"]
+    outside = tmp_path / "elsewhere.safetensors"
+    (src / shard).rename(outside)
+    (src / shard).symlink_to(outside)
+    with pytest.raises(ValueError, match=f"shard '{shard}' .* is a link to .*outside the checkpoint"):
+        convert_checkpoint(src, tmp_path / "dst", heads="all", progress=False)
+    assert not (tmp_path / "dst").exists()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 2. No check-then-act race: a DST that appears meanwhile is kept; one writer per DST.
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _pausing_conversion(monkeypatch, before_finish):
+    """Make `convert_checkpoint` call `before_finish(staging)` after writing its shards, before the rename."""
+    original = convert_module._convert_directory
+
+    def convert_directory(source, tmp, mapping, progress):
+        original(source, tmp, mapping, progress)
+        before_finish(tmp)
+
+    monkeypatch.setattr(convert_module, "_convert_directory", convert_directory)
+
+
+def test_a_destination_created_during_the_conversion_is_not_replaced(src, tmp_path, monkeypatch):
+    dst = tmp_path / "dst"
+
+    def someone_writes_dst(staging):
+        dst.mkdir()
+        (dst / "theirs.txt").write_text("precious")
+
+    _pausing_conversion(monkeypatch, someone_writes_dst)
+    with pytest.raises(ValueError, match="was created by someone else while this one was being written"):
+        convert_checkpoint(src, dst, heads="all", progress=False)
+    assert [p.name for p in dst.iterdir()] == ["theirs.txt"] and (dst / "theirs.txt").read_text() == "precious"
+    assert hidden_leftovers(tmp_path) == []
+
+
+def test_two_conversions_to_one_destination(src, tmp_path, monkeypatch):
+    """The second writer is refused while the first holds the destination; the first completes untouched."""
+    dst, paused, resume, outcome = tmp_path / "dst", threading.Event(), threading.Event(), {}
+
+    def wait_for_the_second(staging):
+        if threading.current_thread().name == "first":
+            paused.set()
+            assert resume.wait(60)
+
+    def first():
+        try:
+            outcome["first"] = convert_checkpoint(src, dst, heads=[0], progress=False)
+        except BaseException as error:  # reported by the assertion below
+            outcome["first"] = error
+
+    _pausing_conversion(monkeypatch, wait_for_the_second)
+    thread = threading.Thread(target=first, name="first")
+    thread.start()
+    try:
+        assert paused.wait(60)
+        for overwrite in (False, True):
+            with pytest.raises(ValueError, match="is being written by another process"):
+                convert_checkpoint(src, dst, heads=[1], overwrite=overwrite, progress=False)
+    finally:
+        resume.set()
+        thread.join(60)
+    assert outcome["first"] == dst
+    assert json.loads((dst / "config.json").read_text())["dex_heads"] == [[0]] * 3
+    assert hidden_leftovers(tmp_path) == []  # staging and lock file gone
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 3. Leftovers: SIGKILL / SIGTERM mid-conversion, a failed final rename.
+# ----------------------------------------------------------------------------------------------------------
+
+# A writer killed mid-output. It runs `atomic_directory` (loaded from its file, without torch, so that it starts in
+# milliseconds): what a conversion leaves on disk is what `atomic_directory` leaves.
+_PAUSED_WRITER = """
+import importlib.util, sys, time
+spec = importlib.util.spec_from_file_location("atomic", sys.argv[1])
+atomic = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(atomic)
+with atomic.atomic_directory(sys.argv[2], expected=("config.json",)) as staging:
+    (staging / "model-00001-of-00002.safetensors").write_bytes(bytes(1 << 20))
+    print("READY", flush=True)
+    time.sleep(120)
+"""
+
+
+def test_killed_and_terminated_writers_leave_nothing(src, tmp_path):
+    """SIGTERM unwinds like Ctrl-C (staging and lock removed at once); after SIGKILL the next conversion to the same
+    destination removes the dead process's staging directory."""
+    import modeling_diff.atomic
+
+    (tmp_path / "logs").mkdir()
+    runs = {}
+    for sig in (signal.SIGKILL, signal.SIGTERM):
+        with open(tmp_path / "logs" / sig.name, "w") as log:
+            runs[sig] = subprocess.Popen(
+                [sys.executable, "-c", _PAUSED_WRITER, modeling_diff.atomic.__file__, str(tmp_path / sig.name)],
+                stdout=subprocess.PIPE, stderr=log, text=True)
+    for sig, process in runs.items():
+        assert process.stdout.readline().strip() == "READY", (tmp_path / "logs" / sig.name).read_text()
+        (staging,) = [p for p in tmp_path.iterdir() if p.name.startswith(f".{sig.name}.{process.pid}.")]
+        assert staging.name.endswith(".tmp") and any(staging.glob("*.safetensors"))  # mid-output
+        process.send_signal(sig)
+    for process in runs.values():
+        process.communicate(timeout=60)
+        assert process.returncode != 0
+    assert "KeyboardInterrupt: terminated by signal SIGTERM" in (tmp_path / "logs" / "SIGTERM").read_text()
+    # SIGTERM cleaned up at once; SIGKILL left its staging directory and its (no longer locked) lock file.
+    leftovers = hidden_leftovers(tmp_path)
+    assert len(leftovers) == 2 and ".SIGKILL.lock" in leftovers
+    assert [name for name in leftovers if name != ".SIGKILL.lock"][0].startswith(f".SIGKILL.{runs[signal.SIGKILL].pid}.")
+    assert not (tmp_path / "SIGKILL").exists() and not (tmp_path / "SIGTERM").exists()
+
+    convert_checkpoint(src, tmp_path / "SIGKILL", heads="all", progress=False)  # the rerun cleans up
+    assert hidden_leftovers(tmp_path) == [] and (tmp_path / "SIGKILL" / "config.json").is_file()
+
+
+def test_stale_staging_of_a_live_process_or_another_destination_is_kept(src, tmp_path):
+    live = tmp_path / f".dst.{os.getpid()}.abcd1234.tmp"  # this process is alive
+    other = tmp_path / ".dst2.999999999.abcd1234.tmp"  # another destination's
+    unrelated = tmp_path / ".dst.notes"
+    dead = tmp_path / ".dst.999999999.abcd1234.old"  # no such process (above the kernel's pid_max)
+    for path in (live, other, unrelated, dead):
+        path.mkdir()
+    convert_checkpoint(src, tmp_path / "dst", heads="all", progress=False)
+    assert hidden_leftovers(tmp_path) == sorted(p.name for p in (live, other, unrelated))
+
+
+def test_a_failed_final_rename_leaves_the_old_output_and_nothing_else(src, tmp_path, monkeypatch):
+    dst = convert_checkpoint(src, tmp_path / "dst", heads=[0], progress=False)
+    before = tree_hash(dst)
+    rename = Path.rename
+
+    def busy(self, target):
+        if self == dst:  # moving a mount point away fails
+            raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), str(self))
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", busy)
+    with pytest.raises(ValueError, match=r"could not be replaced \(is it a mount point\?\)"):
+        convert_checkpoint(src, dst, heads=[1], overwrite=True, progress=False)
+    assert tree_hash(dst) == before and hidden_leftovers(tmp_path) == []
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 4-6. Heads, symlinks, the working directory, what --overwrite may replace.
+# ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("heads,message", [("[true]", "not booleans"), ("[[true],[1],[0]]", "not booleans"),
+                                           ("[]", "heads selects no head"), ("[[0],1,[2]]", "one such list per layer"),
+                                           ("[0,", "--heads must be")])
+def test_bad_heads_on_the_command_line(src, tmp_path, capsys, heads, message):
+    assert message in cli_error(["convert", str(src), str(tmp_path / "dst"), "--heads", heads], capsys)
+    assert not (tmp_path / "dst").exists()
+
+
+def test_links_out_of_the_source_are_skipped_with_a_warning(src, tmp_path, caplog):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("root:x:0:0")
+    (src / "tokenizer.json").unlink()
+    (src / "tokenizer.json").symlink_to(secret)
+    (src / "notes.txt").symlink_to("tokenizer_config.json")  # a link inside the source is followed
+    with caplog.at_level(logging.WARNING, logger=convert_module.__name__):
+        dst = convert_checkpoint(src, tmp_path / "dst", heads="all", progress=False)
+    assert "skipped tokenizer.json" in caplog.text and str(secret) in caplog.text
+    assert not (dst / "tokenizer.json").exists()
+    assert (dst / "notes.txt").read_bytes() == (src / "tokenizer_config.json").read_bytes()
+    assert not any(p.is_symlink() for p in dst.iterdir())
+
+
+def test_a_hub_cache_snapshot_converts(pristine, tmp_path):
+    """Snapshot files are relative links into the blob store of the same cache repository: they are followed."""
+    repo = tmp_path / "hub" / "models--org--tiny"
+    snapshot, blobs = repo / "snapshots" / "0123abcd", repo / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for path in pristine.iterdir():
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        shutil.copy(path, blobs / digest)
+        (snapshot / path.name).symlink_to(Path("../../blobs") / digest)
+    before = tree_hash(repo)
+    dst = convert_checkpoint(snapshot, tmp_path / "dst", heads="all", progress=False)
+    assert (dst / "tokenizer.json").read_bytes() == (pristine / "tokenizer.json").read_bytes()
+    ids = token_ids()
+    with torch.no_grad():
+        logits = AutoModelForCausalLM.from_pretrained(dst).eval()(ids).logits
+        assert (logits - tiny_llama()(ids).logits).abs().max() <= 1e-4
+    assert tree_hash(repo) == before
+
+
+def test_the_working_directory_is_refused_as_destination(src, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "work" / "out"
+    out.mkdir(parents=True)
+    monkeypatch.chdir(out)
+    for argv in (["."], [".", "--overwrite"], [str(tmp_path / "work"), "--overwrite", "--overwrite"]):
+        line = cli_error(["convert", str(src), *argv, "--heads", "all"], capsys)
+        assert "is (or contains) the current working directory" in line
+    assert list(out.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["src", "work"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 8. Command-line inputs: one line, exit status 2, nothing written, before any expensive work.
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _edit_config(src: Path, **fields) -> None:
+    config = json.loads((src / "config.json").read_text())
+    config.update(fields)
+    (src / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(
+    "config_text,message",
+    [("", "config.json in .* is not valid JSON"), ("{garbage", "is not valid JSON"),
+     ("null", "must hold a JSON object, got null"), ("[1, 2]", "must hold a JSON object"),
+     (b"\xff\xfe", "is not valid JSON")],
+)
+def test_broken_config_json(src, tmp_path, capsys, config_text, message):
+    path = src / "config.json"
+    path.write_bytes(config_text) if isinstance(config_text, bytes) else path.write_text(config_text)
+    line = cli_error(["convert", str(src), str(tmp_path / "dst"), "--heads", "all"], capsys)
+    assert re.search(message, line), line
+    assert not (tmp_path / "dst").exists()
+
+
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        (dict(hidden_act="swoosh"), "hidden_act must be one of"),
+        (dict(head_dim=15), "head_dim`=15"),  # transformers' own Llama config refuses it, in one line
+        (dict(rms_norm_eps=0.0), "rms_norm_eps must be > 0"),
+        (dict(model_type="gpt2"), "model_type must be one of"),
+        (dict(hidden_size="64"), "hidden_size"),
+    ],
+)
+def test_bad_source_configs(src, tmp_path, capsys, fields, message):
+    _edit_config(src, **fields)
+    assert message in cli_error(["convert", str(src), str(tmp_path / "dst"), "--heads", "all"], capsys)
+    assert not (tmp_path / "dst").exists()
+
+
+def test_destination_under_a_file_or_read_only(src, tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    line = cli_error(["convert", str(src), str(tmp_path / "file" / "dst"), "--heads", "all"], capsys)
+    assert "lies under" in line and "is not a directory" in line
+    read_only = tmp_path / "read-only"
+    read_only.mkdir()
+    read_only.chmod(0o555)
+    immutable = False
+    try:
+        if os.access(read_only, os.W_OK):  # root ignores permissions: make the directory immutable instead
+            immutable = subprocess.run(["chattr", "+i", str(read_only)], capture_output=True).returncode == 0
+            if not immutable:
+                pytest.skip("cannot make a directory read-only for this user (root without chattr)")
+        line = cli_error(["convert", str(src), str(read_only / "dst"), "--heads", "all"], capsys)
+        assert "cannot be written" in line and str(read_only / "dst") in line
+    finally:
+        if immutable:
+            subprocess.run(["chattr", "-i", str(read_only)], check=True)
+        read_only.chmod(0o755)
+    assert list(read_only.iterdir()) == []
+
+
+def test_a_full_disk_is_one_line_and_leaves_nothing(src, tmp_path, capsys, monkeypatch):
+    def full(tensors, filename, metadata=None):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(convert_module, "save_file", full)
+    assert "No space left on device" in cli_error(["convert", str(src), str(tmp_path / "dst"), "--heads", "all"],
+                                                  capsys)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_calibration_inputs(src, tmp_path, capsys):
+    dst = str(tmp_path / "dst")
+    (tmp_path / "latin1.txt").write_bytes("Thou art more lovely, café".encode("latin-1"))
+    assert "is not UTF-8 text" in cli_error(["convert", str(src), dst, "--calibration-file",
+                                             str(tmp_path / "latin1.txt")], capsys)
+    (tmp_path / "sonnet.txt").write_text(TEXT)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (src / name).rename(tmp_path / name)
+    line = cli_error(["convert", str(src), dst, "--calibration-file", str(tmp_path / "sonnet.txt")], capsys)
+    assert "calibration text needs the source's tokenizer" in line and "tokenizer.json" in line
+    assert not (tmp_path / "dst").exists()
+
+
+def test_calibration_ids_beyond_the_vocabulary(tmp_path, capsys):
+    src = tmp_path / "src"
+    tiny_llama(vocab_size=100).save_pretrained(src)
+    byte_tokenizer().save_pretrained(src)  # ids up to 255 >= vocab_size 100
+    (tmp_path / "sonnet.txt").write_text(TEXT)
+    capsys.readouterr()  # save_pretrained's progress bars
+    line = cli_error(["convert", str(src), str(tmp_path / "dst"), "--calibration-file", str(tmp_path / "sonnet.txt")],
+                     capsys)
+    assert "calibration token ids must lie in [0, vocab_size=100)" in line
+
+
+@pytest.mark.parametrize("fraction", ["0", "1.5", "nan", "-1"])
+def test_head_fraction_is_refused_before_the_calibration(src, tmp_path, capsys, monkeypatch, fraction):
+    def never(*args, **kwargs):
+        raise AssertionError("the calibration ran before the arguments were checked")
+
+    monkeypatch.setattr(convert_module, "attention_entropy", never)
+    monkeypatch.setattr(convert_module, "CheckpointDir", never)  # not even the source is read
+    (tmp_path / "sonnet.txt").write_text(TEXT)
+    line = cli_error(["convert", str(src), str(tmp_path / "dst"), "--head-fraction", fraction,
+                      "--calibration-file", str(tmp_path / "sonnet.txt")], capsys)
+    assert "head_fraction must be in (0, 1]" in line and not (tmp_path / "dst").exists()

@@ -1,0 +1,152 @@
+"""The needle evaluation, `diagnose` and the Hub model card, attacked (issue 14, items 9 and 10): bad arguments are
+refused before the model loads, with one line and exit status 2; nothing reaches the network; models with learned
+positions work at their default lengths; no staging directory is left; the model's train/eval mode survives an
+exception."""
+
+import pytest
+import torch
+import transformers
+from ecosystem_helpers import byte_tokenizer, tiny_config
+from test_needle import HAYSTACK
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import modeling_diff.needle as needle
+from modeling_diff import DiffLlamaForCausalLM
+from modeling_diff import diagnostics as D
+from modeling_diff.hub import model_card
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("needle") / "model"
+    torch.manual_seed(0)
+    DiffLlamaForCausalLM(tiny_config("v2", max_position_embeddings=512)).save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
+    return path
+
+
+def needle_error(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        needle.main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err, err
+    errors = [line for line in err.splitlines() if ": error: " in line]  # (after argparse's usage lines)
+    assert len(errors) == 1, err
+    return errors[0]
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", refuse)
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--depths", "1.5"], "depths must be a non-empty list of fractions in [0, 1]"),
+        (["--depths", "nan"], "depths must be"),
+        (["--needles", "2", "--queries", "3"], "num_queries must be in [1, num_needles=2]"),
+        (["--needles", "99"], "num_needles must be in [1, 30]"),
+        (["--trials", "0"], "trials must be >= 1"),
+        (["--lengths", "0", "256"], "lengths must be a non-empty list of positive integers"),
+        (["--gguf-file", "model.gguf"], "--gguf-file 'model.gguf' is not a file"),
+    ],
+)
+def test_bad_needle_arguments_are_refused_before_the_model_loads(model_dir, tmp_path, capsys, no_model_loading,
+                                                                 extra, message):
+    line = needle_error([str(model_dir), "--out", str(tmp_path / "out"), *extra], capsys)
+    assert message in line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_needle_paths_are_checked_first(model_dir, tmp_path, capsys, no_model_loading):
+    # A mistyped path is not taken for a Hub repository id (which would try the network).
+    assert "model 'org/no-such-model' is not a local directory" in needle_error(
+        ["org/no-such-model", "--out", str(tmp_path / "out")], capsys)
+    (tmp_path / "file").write_text("x")
+    for out in (tmp_path / "file", tmp_path / "file" / "out"):
+        assert "must be a directory" in needle_error([str(model_dir), "--out", str(out)], capsys)
+    (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
+    line = needle_error([str(model_dir), "--out", str(tmp_path / "out"), "--haystack", str(tmp_path / "latin1.txt")],
+                        capsys)
+    assert "utf-8" in line.lower()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "latin1.txt"]
+
+
+def test_lengths_beyond_the_model_are_one_line(model_dir, tmp_path, capsys):
+    line = needle_error([str(model_dir), "--out", str(tmp_path / "out"), "--lengths", "4096"], capsys)
+    assert "lengths must not exceed max_position_embeddings (512)" in line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failure_while_writing_results_leaves_no_staging(model_dir, tmp_path, monkeypatch):
+    def broken_plot(result):
+        raise RuntimeError("matplotlib failed")
+
+    monkeypatch.setattr(needle, "plot_needle_heatmap", broken_plot)
+    (tmp_path / "haystack.txt").write_text(HAYSTACK)
+    with pytest.raises(RuntimeError, match="matplotlib failed"):
+        needle.main([str(model_dir), "--lengths", "256", "--depths", "0.5", "--haystack", str(tmp_path / "haystack.txt"),
+                     "--out", str(tmp_path / "out")])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["haystack.txt"]
+
+
+def test_default_lengths_fit_a_model_with_learned_positions():
+    """GPT-2 has a learned position table of n_positions rows: prompt and answer must fit in it."""
+    torch.manual_seed(0)
+    tokenizer = byte_tokenizer()
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_positions=1024, n_embd=32, n_layer=1, n_head=2))
+    result = needle.evaluate_needles(model.train(), tokenizer, depths=[1.0], haystack=HAYSTACK, progress=False)
+    assert result.lengths == [1024] and len(result.accuracy[0]) == 1
+    assert model.training  # put back as it was
+
+
+def test_needle_evaluation_restores_the_mode_after_an_exception(monkeypatch):
+    model = DiffLlamaForCausalLM(tiny_config("dex", max_position_embeddings=512)).train()
+
+    def failing(model, prompt):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(needle, "score_prompt", failing)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        needle.evaluate_needles(model, byte_tokenizer(), lengths=[256], depths=[0.5], haystack=HAYSTACK,
+                                progress=False)
+    assert model.training
+
+
+@pytest.fixture(scope="module")
+def small_model():
+    torch.manual_seed(0)
+    return DiffLlamaForCausalLM(tiny_config("v1"))
+
+
+def test_diagnose_refuses_batches_without_a_token_to_predict(small_model):
+    ids = torch.randint(3, 90, (2, 8))
+    with pytest.raises(ValueError, match="attention_mask marks no real token: the batch is all padding"):
+        D.diagnose(small_model, ids, torch.zeros_like(ids), progress=False)
+    with pytest.raises(ValueError, match="input_ids must hold a token to predict"):
+        D.diagnose(small_model, ids[:, :1], progress=False)
+    mask = torch.zeros_like(ids)
+    mask[:, 0] = 1  # one real token per sequence: nothing to predict either
+    with pytest.raises(ValueError, match="input_ids must hold a token to predict"):
+        D.diagnose(small_model, ids, mask, progress=False)
+
+
+def test_diagnose_restores_the_mode_after_an_exception(small_model, monkeypatch):
+    def failing(*args, **kwargs):
+        raise RuntimeError("interrupted")
+
+    monkeypatch.setattr(D, "lm_loss", failing)
+    small_model.train()
+    with pytest.raises(RuntimeError, match="interrupted"):
+        D.diagnose(small_model, torch.randint(3, 90, (1, 8)), progress=False)
+    assert small_model.training
+
+
+def test_model_card_says_how_to_install_from_source(small_model):
+    text = str(model_card(small_model, "org/tiny"))
+    assert "pypi.org" not in text and "not published on PyPI" in text and "`pip install .`" in text
