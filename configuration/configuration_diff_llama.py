@@ -205,9 +205,9 @@ class DiffLlamaConfig(PreTrainedConfig):
 
 
 def _check_range(field: str, value, low: float, high: float, rule: str, low_open=False, high_open=False) -> None:
-    """`field` must be a real number (not a bool, not NaN) between `low` and `high` (`rule` says it in words)."""
+    """`field` must be a finite real number (not a bool) between `low` and `high` (`rule` says it in words)."""
     number = not isinstance(value, bool) and isinstance(value, (int, float))
-    if not number or math.isnan(value) or value < low or value > high or (low_open and value == low) or (
+    if not number or not math.isfinite(value) or value < low or value > high or (low_open and value == low) or (
         high_open and value == high
     ):
         raise ValueError(f"{field} must be {rule}, got {value!r}")

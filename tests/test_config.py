@@ -1,5 +1,7 @@
 """DiffLlamaConfig: defaults per mode, presets, and a clear ValueError for every invalid combination."""
 
+import re
+
 import pytest
 from transformers import AutoConfig
 
@@ -48,11 +50,42 @@ def test_round_trip_through_dict_and_auto_config(tmp_path):
         (dict(diff_mode="dex", dex_heads=[[0]]), "dex_heads"),
         (dict(diff_mode="dex", dex_heads=[[0], [16]]), "dex_heads[1]"),
         (dict(diff_mode="dex", dex_heads=[[0, 0], [1]]), "dex_heads[0]"),
+        # issue 14: values that used to be accepted silently, or crashed with another error
+        (dict(diff_mode="dex", dex_heads=[[True], [1]]), "dex_heads[0]"),
+        (dict(diff_mode="dex", dex_heads=[0, 1]), "dex_heads must hold one list of head indices per layer"),
+        (dict(diff_mode="v1", lambda_init=1.0), r"lambda_init must be in [0, 1), got 1.0"),
+        (dict(diff_mode="v1", lambda_init=-0.1), "lambda_init must be in [0, 1)"),
+        (dict(diff_mode="dex", lambda_init=float("nan")), "lambda_init must be in [0, 1), got nan"),
+        (dict(diff_mode="v1", lambda_init=float("inf")), "lambda_init must be in [0, 1), got inf"),
+        (dict(diff_mode="v2", lambda_init=0.5), "lambda_init is not used by diff_mode='v2'"),
+        (dict(lambda_std_dev=float("inf")), "lambda_std_dev must be in [0, 1]"),
+        (dict(lambda_std_dev=1e6), "lambda_std_dev must be in [0, 1]"),
+        (dict(lambda_std_dev=float("nan")), "lambda_std_dev must be in [0, 1], got nan"),
+        (dict(rms_norm_eps=0.0), "rms_norm_eps must be > 0 and finite"),
+        (dict(rms_norm_eps=-1e-5), "rms_norm_eps must be > 0"),
+        (dict(rms_norm_eps=float("nan")), "rms_norm_eps must be > 0 and finite, got nan"),
+        (dict(rms_norm_eps=float("inf")), "rms_norm_eps must be > 0 and finite, got inf"),
+        (dict(rope_parameters={"rope_type": "default", "rope_theta": 0.0}), r"rope_parameters['rope_theta'] must be > 0"),
+        (dict(rope_theta=-10000.0), r"rope_parameters['rope_theta'] must be > 0"),  # the legacy keyword
+        (dict(attention_dropout=1.0), "attention_dropout must be in [0, 1)"),
+        (dict(attention_dropout=-0.1), "attention_dropout must be in [0, 1)"),
+        (dict(intermediate_size=0), "intermediate_size must be a positive integer"),
+        (dict(max_position_embeddings=-1), "max_position_embeddings must be a positive integer"),
+        (dict(vocab_size=0), "vocab_size must be a positive integer"),
+        (dict(initializer_range=float("inf")), "initializer_range must be >= 0 and finite"),
+        (dict(hidden_act="swoosh"), "hidden_act must be one of transformers' activations"),
+        (dict(diff_mode="v1", anneal_steps=100), "anneal_steps is not used by diff_mode='v1'"),
+        # wrong types: a ValueError naming the field, not @strict's own exception type
+        (dict(hidden_size="256"), "hidden_size has the wrong type"),
+        (dict(num_hidden_layers=2.0), "num_hidden_layers has the wrong type"),
+        (dict(lambda_std_dev="0.1"), "lambda_std_dev has the wrong type"),
+        (dict(diff_mode=2), "diff_mode has the wrong type"),
+        (dict(hidden_size=True), "hidden_size"),
     ],
 )
 def test_invalid_configs_name_the_field(fields, field_named):
     base = dict(hidden_size=256, num_attention_heads=16, num_key_value_heads=4, num_hidden_layers=2)
-    with pytest.raises(ValueError, match=field_named.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(ValueError, match=re.escape(field_named)):
         DiffLlamaConfig(**{**base, **fields})
 
 
