@@ -169,10 +169,40 @@ def test_device_map_loading_splits_at_decoder_layers(tmp_path):
         torch.testing.assert_close(split(ids).logits, expected)
 
 
-def test_fsdp_config_wraps_the_no_split_layer():
+def test_fsdp_config_wraps_the_no_split_layer_and_saves_a_full_model():
     config = load_config_from_file(str(REPO / "configuration" / "fsdp.yaml"))
     assert config.distributed_type == "FSDP"
+    assert config.fsdp_config["fsdp_version"] == 2
     assert config.fsdp_config["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
     assert config.fsdp_config["fsdp_transformer_layer_cls_to_wrap"] in DiffLlamaForCausalLM._no_split_modules
     assert DiffLlamaForCausalLM._no_split_modules == ["DiffLlamaDecoderLayer"]
-    assert "accelerate launch --config_file configuration/fsdp.yaml" in (REPO / "configuration" / "fsdp.yaml").read_text()
+    # save_model() gathers a full state dict: a model.safetensors that from_pretrained loads
+    assert config.fsdp_config["fsdp_state_dict_type"] == "FULL_STATE_DICT"
+    text = (REPO / "configuration" / "fsdp.yaml").read_text()
+    assert "accelerate launch --config_file configuration/fsdp.yaml" in text and "examples/train.py" in text
+
+
+@pytest.mark.parametrize("launcher", ["python", "torchrun"])
+def test_shipped_training_script_trains_and_saves_a_loadable_model(tmp_path, launcher):
+    """`examples/train.py` as the README launches it: one process, and DDP on 2 processes (gloo)."""
+    prefix = [PYTHON] if launcher == "python" else [
+        PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    out = subprocess.run(
+        [*prefix, str(REPO / "examples" / "train.py"), "--model", "tiny-dex", "--output-dir", str(tmp_path / "out"),
+         "--max-steps", "3", "--seq-len", "32", "--batch-size", "2"],
+        cwd=tmp_path, env=offline_env(tmp_path), capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    engine = "DiffLlamaForCausalLM, 1 process" if launcher == "python" else "DistributedDataParallel, 2 process"
+    assert f"trained dex ({engine}" in out.stdout and "for 3 steps" in out.stdout
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert type(trained) is DiffLlamaForCausalLM and trained.config.diff_mode == "dex"
+
+
+def test_training_script_refuses_bad_arguments(tmp_path):
+    out = subprocess.run([PYTHON, str(REPO / "examples" / "train.py"), "--model", "no-such-preset",
+                          "--output-dir", str(tmp_path)], env=offline_env(tmp_path), capture_output=True, text=True)
+    assert out.returncode == 2 and "--model must be a preset" in out.stderr
+    out = subprocess.run([PYTHON, str(REPO / "examples" / "train.py"), "--model", "tiny-v1", "--max-steps", "0",
+                          "--output-dir", str(tmp_path)], env=offline_env(tmp_path), capture_output=True, text=True)
+    assert out.returncode == 2 and "--max-steps must be >= 1" in out.stderr

