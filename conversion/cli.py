@@ -1,4 +1,5 @@
-"""`modeling-diff convert SRC DST --method dex ...`: the converter on the command line."""
+"""`modeling-diff convert SRC DST ...` (the converter), `modeling-diff eval ...` (lm-evaluation-harness) and
+`modeling-diff export SRC DST` (a remote-code folder for the Hub): the command line."""
 
 import argparse
 import json
@@ -42,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     convert = commands.add_parser(
         "convert", help="retrofit a Llama / Mistral / Qwen2 checkpoint into a DiffLlama (same logits at conversion)",
         description="Convert SRC (a transformers directory with safetensors, single or sharded, or a .gguf file) "
-        "into a DiffLlama checkpoint in DST. Sharded checkpoints are converted shard by shard.",
+        "into a DiffLlama checkpoint in DST. Sharded checkpoints are converted shard by shard. A transformers "
+        "diffllama checkpoint converts to an exact V1; --to diffllama converts a V1 back.",
     )
     convert.add_argument("src", type=Path, help="source checkpoint directory or .gguf file (only read)")
     convert.add_argument("dst", type=Path, help="output directory (written to a temporary directory, then renamed)")

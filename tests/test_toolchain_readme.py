@@ -1,0 +1,46 @@
+"""The README's end-to-end training snippet runs as written: a Llama checkpoint -> DEX -> LoRA training with
+Trainer and AnnealingCallback -> a merged model that `modeling-diff export` writes as a remote-code folder."""
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from ecosystem_helpers import VOCAB_SIZE, byte_tokenizer
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from modeling_diff.conversion.cli import main
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def snippet(name: str) -> str:
+    text = README.read_text(encoding="utf-8")
+    section = text.split("<!-- section:toolchain -->")[1].split("<!-- /section:toolchain -->")[0]
+    match = re.search(rf"<!-- snippet:{name} -->\s*```python\n(.*?)```", section, re.DOTALL)
+    assert match, f"README toolchain section has no snippet {name!r}"
+    return match.group(1)
+
+
+def test_the_end_to_end_snippet_trains_the_dex_parameters_and_exports(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    eos = VOCAB_SIZE - 1
+    llama = LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
+    ))
+    llama.save_pretrained(tmp_path / "my-llama")
+    byte_tokenizer().save_pretrained(tmp_path / "my-llama")
+    (tmp_path / "train.txt").write_text((README.read_text(encoding="utf-8")[:2000] + "\n") * 2)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(snippet("train"), "README.md", "exec"), {})
+
+    converted = AutoModelForCausalLM.from_pretrained(tmp_path / "my-dex")
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "my-dex-trained")
+    assert trained.config.diff_mode == "dex" and trained.config.anneal_steps == 4
+    for before, after in zip(converted.model.layers, trained.model.layers):
+        assert int(after.self_attn.anneal_step) == 8  # t = the optimizer steps taken
+        assert not before.self_attn.dex_proj.weight.any() and after.self_attn.dex_proj.weight.any()  # f_D learned
+    assert main(["export", "my-dex-trained", "my-dex-hub", "--repo-id", "me/my-dex"]) == 0
+    assert json.loads((tmp_path / "my-dex-hub" / "config.json").read_text())["auto_map"]
+    assert (tmp_path / "my-dex-hub" / "tokenizer.json").is_file()
