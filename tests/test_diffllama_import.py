@@ -164,3 +164,13 @@ def test_method_and_heads_are_refused_for_a_diffllama_source(tmp_path):
     with pytest.raises(ValueError, match="to='diffllama' needs a 'diff_llama' source"):
         convert_checkpoint(tmp_path / "diffllama", tmp_path / "out", to="diffllama", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_an_odd_head_count_in_a_diffllama_config_is_refused(tmp_path):
+    transformers_diffllama().save_pretrained(tmp_path / "diffllama")
+    config = json.loads((tmp_path / "diffllama" / "config.json").read_text())
+    config["num_attention_heads"] = 7
+    (tmp_path / "diffllama" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="num_attention_heads must be even in a diffllama config"):
+        convert_checkpoint(tmp_path / "diffllama", tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
