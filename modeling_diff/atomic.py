@@ -44,6 +44,27 @@ def _sigterm_as_interrupt():
         signal.signal(signal.SIGTERM, previous)
 
 
+@contextlib.contextmanager
+def _signals_deferred():
+    """Ctrl-C and SIGTERM wait until the block is done (and are raised right after it): the two renames that
+    replace an output must not be cut between them, which would leave neither the old output nor the new one.
+    (Python runs signal handlers in the main thread; blocking the signals there would not stop other threads from
+    receiving them, so the handlers themselves are swapped for ones that only take note.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: received.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if received:
+            signal.raise_signal(received[0])  # now, through the handler that was in place
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -145,7 +166,8 @@ def atomic_directory(dst: str | os.PathLike, overwrite: bool | str = False, prot
             try:
                 yield staging
                 staging.chmod(0o755)  # mkdtemp makes it private to the user
-                _replace(staging, dst, overwrite, name)
+                with _signals_deferred():
+                    _replace(staging, dst, overwrite, name)
             finally:
                 shutil.rmtree(staging, ignore_errors=True)  # gone already after a successful rename
     except BaseException:

@@ -1,5 +1,9 @@
 """atomic_directory: a directory appears whole or not at all, and nothing is replaced without overwrite."""
 
+import os
+import signal
+from pathlib import Path
+
 import pytest
 
 from modeling_diff.atomic import atomic_directory
@@ -40,3 +44,31 @@ def test_refuses_the_source_and_files(tmp_path):
     with pytest.raises(ValueError, match="save_directory .* is not a directory"):
         with atomic_directory(tmp_path / "file", name="save_directory"):
             pass
+
+
+def test_a_signal_between_the_two_renames_waits_for_them(tmp_path, monkeypatch):
+    """SIGTERM (or Ctrl-C) right after the old output was moved aside: the new one is still put in place first."""
+    dst = tmp_path / "out"
+    with atomic_directory(dst) as staging:
+        (staging / "config.json").write_text("old")
+    rename = Path.rename
+
+    def rename_then_terminate(self, target):
+        result = rename(self, target)
+        if self == dst:  # the old output moved aside, the new one not yet in place
+            os.kill(os.getpid(), signal.SIGTERM)
+        return result
+
+    monkeypatch.setattr(Path, "rename", rename_then_terminate)
+    with pytest.raises(KeyboardInterrupt, match="terminated by signal SIGTERM"):
+        with atomic_directory(dst, overwrite=True) as staging:
+            (staging / "config.json").write_text("new")
+    assert (dst / "config.json").read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["out"]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the previous handler is back
+
+
+def test_parents_it_created_are_removed_on_failure(tmp_path):
+    with pytest.raises(RuntimeError):
+        with atomic_directory(tmp_path / "a" / "b" / "out"):
+            raise RuntimeError("interrupted")
+    assert list(tmp_path.iterdir()) == []
