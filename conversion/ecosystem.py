@@ -57,10 +57,13 @@ def run_export(args: argparse.Namespace) -> str:
     tokenizer = AutoTokenizer.from_pretrained(args.src, local_files_only=True) if has_tokenizer else None
     dst = save_for_hub(model, args.dst, tokenizer=tokenizer, repo_id=args.repo_id, overwrite=args.overwrite)
     files = sorted(path.name for path in dst.iterdir())
-    return "\n".join([f"output     {dst}", f"model      {model.config.diff_mode}, {model.num_parameters():,} parameters",
-                      f"tokenizer  {'carried' if tokenizer is not None else 'none in src'}",
-                      f"files      {' '.join(files)}",
-                      f"load with  AutoModelForCausalLM.from_pretrained({str(dst)!r}, trust_remote_code=True)"])
+    return "\n".join([
+        f"output     {dst}",
+        f"model      {model.config.diff_mode}, {model.num_parameters():,} parameters",
+        f"tokenizer  {'carried' if tokenizer is not None else 'none in src'}",
+        f"files      {' '.join(files)}",
+        f"load with  AutoModelForCausalLM.from_pretrained({str(dst)!r}, trust_remote_code=True)",
+    ])
 
 
 __all__ = ["EVAL", "EXPORT", "add_commands", "run_eval", "run_export"]

@@ -1,6 +1,11 @@
-"""Optional dependencies: where one is missing, the error names the extra that installs it."""
+"""Optional dependencies: the wheel declares the extras, and where one is missing the error names the extra that
+installs it."""
 
+import subprocess
 import sys
+import zipfile
+from importlib.resources import files
+from pathlib import Path
 
 import pytest
 
@@ -53,3 +58,16 @@ def test_a_missing_module_inside_an_installed_package_keeps_its_own_error():
     with pytest.raises(ModuleNotFoundError, match="matplotlib.no_such_module") as error:
         require("matplotlib.no_such_module", "a plot")
     assert "modeling-diff[" not in str(error.value)
+
+
+def test_the_wheel_declares_the_extras_and_ships_the_calibration_text(tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(root),
+                    "-w", str(tmp_path)], check=True)
+    (wheel,) = tmp_path.glob("modeling_diff-*.whl")
+    archive = zipfile.ZipFile(wheel)
+    metadata = archive.read(next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    for requirement, extra in [("matplotlib", "needle"), ("gguf", "gguf"), ("lm-eval[hf]", "eval")]:
+        assert f'Requires-Dist: {requirement}; extra == "{extra}"' in metadata
+    shipped = (files("modeling_diff.conversion") / "calibration.txt").read_text(encoding="utf-8")
+    assert archive.read("modeling_diff/conversion/calibration.txt").decode() == shipped
