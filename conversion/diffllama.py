@@ -133,13 +133,15 @@ def _renames(source_names, target_names) -> dict[str, str]:
 
 class _Between(TensorMapping):
     """A mapping between transformers' DiffLlama and our V1 (`source_class` -> `target_class`): tensors renamed by
-    `_renames`; the only tensors without a counterpart are subln weights (ours), else it is an internal error."""
+    `_renames`; the only tensors without a counterpart are subln weights (ours), else it is an internal error.
+    `get_tensor(name)` reads a source tensor (set by `DiffLlamaPlan.mapping`; the export reads subln weights)."""
 
     source_class: type
     target_class: type
 
     def __init__(self, source_config: PreTrainedConfig, config: PreTrainedConfig):
         self.source_config = source_config
+        self.get_tensor = None
         super().__init__(config)
         target_shapes = _meta_shapes(self.target_class, config, config.tie_word_embeddings)
         self.renames = _renames(self.source_shapes, target_shapes)
@@ -184,16 +186,12 @@ class DiffLlamaImport(_Between):
 
 class DiffLlamaExport(_Between):
     """Maps the tensors of our V1 checkpoint (config `source_config`) to those of transformers' DiffLlama.
-
-    `get_tensor(name)` reads a source tensor: o_proj's conversion reads its layer's subln weight, which may sit
-    in another shard (set by `DiffLlamaPlan.mapping`).
-    """
+    o_proj's conversion reads its layer's subln weight through `get_tensor` (it may sit in another shard)."""
 
     source_class = DiffLlamaForCausalLM
     target_class = TransformersDiffLlamaForCausalLM
 
-    def __init__(self, source_config: DiffLlamaConfig, get_tensor=None):
-        self.get_tensor = get_tensor
+    def __init__(self, source_config: DiffLlamaConfig):
         super().__init__(source_config, diffllama_config_from_v1(source_config))
         self.subln = {_layer_of(name)[0]: name for name in self.unmapped_source}  # layer -> its subln weight
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from ecosystem_helpers import PYTHON, VOCAB_SIZE, byte_tokenizer, offline_env
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from modeling_diff.conversion import convert_checkpoint
 from modeling_diff.conversion.cli import main as cli_main
@@ -120,7 +120,10 @@ def _assert_same_scores(result: dict, reference: dict) -> None:
 
 def test_dex_conversion_scores_as_its_source_through_modeling_diff_eval(checkpoints, tasks, reference, tmp_path):
     config = json.loads((checkpoints / "dex" / "config.json").read_text())
-    assert config["diff_mode"] == "dex" and config["architectures"] == ["DiffLlamaForCausalLM"]
+    converted = AutoModelForCausalLM.from_pretrained(checkpoints / "dex")
+    converted.save_pretrained(tmp_path / "resaved")
+    resaved = json.loads((tmp_path / "resaved" / "config.json").read_text())
+    assert config["diff_mode"] == "dex" and config["architectures"] == resaved["architectures"]  # as save_pretrained
     modeling_diff_cli = str(Path(PYTHON).with_name("modeling-diff"))  # the console script of `pip install`
     dex = _lm_eval([modeling_diff_cli, "eval"], checkpoints / "dex", tmp_path, tasks)
     _assert_same_scores(dex, reference)
