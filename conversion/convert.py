@@ -35,7 +35,8 @@ DEFAULT_ANNEAL_STEPS = 1000
 _REWRITTEN = ("config.json", INDEX_FILE)
 # An output directory that `overwrite` may replace holds one of these (an earlier conversion, a checkpoint).
 _EXPECTED = ("config.json",)
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# A tokenizer's vocabulary lives in one of these (tokenizer_config.json alone holds none).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
 
 

@@ -184,9 +184,9 @@ def _replace(staging: Path, dst: Path, overwrite: bool | str, name: str) -> None
             staging.rename(dst)  # replaces at most an empty directory, atomically
         except OSError as error:
             if error.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+                retry = "" if overwrite else " (pass overwrite=True to replace it)"
                 raise ValueError(f"{name} {str(dst)!r} was created by someone else while this one was being "
-                                 f"written; it was left as it is and this output discarded (pass overwrite=True "
-                                 f"to replace it)") from error
+                                 f"written; it was left as it is and this output discarded{retry}") from error
             raise ValueError(f"{name} {str(dst)!r} could not be written: {error}") from error
         return
     old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.{os.getpid()}.", suffix=".old", dir=dst.parent))
