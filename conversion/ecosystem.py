@@ -22,7 +22,7 @@ def add_commands(commands) -> None:
         description="Load the DiffLlama checkpoint SRC and write DST with save_for_hub: weights, config with "
         "auto_map, the model code as flat files, a model card and SRC's tokenizer. DST then loads with "
         "AutoModelForCausalLM.from_pretrained(DST, trust_remote_code=True) without modeling_diff installed; "
-        "upload it with `huggingface-cli upload REPO DST` (or use modeling_diff.hub.push_to_hub).",
+        "upload it with `hf upload REPO DST` (huggingface_hub's CLI) or modeling_diff.hub.push_to_hub.",
     )
     export.add_argument("src", type=Path, help="DiffLlama checkpoint directory (only read)")
     export.add_argument("dst", type=Path, help="output folder (written to a temporary directory, then renamed)")
