@@ -17,9 +17,10 @@ What it replaces (Liger's kernels are Triton: CUDA tensors, or Triton's interpre
   on the plain path; in eval, or with `skip_logits=False`, the forward is the plain one.
 - `cross_entropy`: Liger's cross-entropy on materialised logits (as for Llama, Liger replaces
   `torch.nn.functional.cross_entropy` for the whole process); exclusive with `fused_linear_cross_entropy`.
-- `rms_norm`: the decoder's RMSNorms (input, post-attention and final) through Liger's RMSNorm (Llama's
-  casting: only the inverse RMS in float32). V1's per-head `subln` stays the project's (it lives in the
-  attention's combine).
+- `rms_norm` (off by default, unlike for Llama): the decoder's RMSNorms (input, post-attention and final) through
+  Liger's RMSNorm (Llama's casting: only the inverse RMS in float32). Off, they keep the project's kernel
+  (`kernels/rmsnorm.py`), which measured 2.5x faster forward + backward on the H200 (benchmarks/RESULTS.md,
+  `liger_kernels.py`). V1's per-head `subln` is never replaced (the attention's combine reads it).
 - `swiglu`: the MLP's silu(gate) * up through Liger's SwiGLU kernel (one pass forward, one backward).
 - `rope`: accepted so that configurations naming it apply unchanged; RoPE stays the attention's own (on the fast
   paths one Triton launch for queries and keys, `kernels/rope.py`), since the differential layouts (V1's Q1/Q2,
@@ -73,7 +74,7 @@ def apply_liger_kernel_to_diff_llama(
     rope: bool = True,
     cross_entropy: bool = False,
     fused_linear_cross_entropy: bool = True,
-    rms_norm: bool = True,
+    rms_norm: bool = False,
     swiglu: bool = True,
     model: DiffLlamaForCausalLM | None = None,
 ) -> None:

@@ -107,16 +107,20 @@ def test_diff_llama_is_in_liger_model_type_dispatch():
     decoder = model.model
     norms = [decoder.norm] + [n for layer in decoder.layers for n in (layer.input_layernorm,
                                                                       layer.post_attention_layernorm)]
-    assert all(n._get_name() == "LigerRMSNorm" for n in norms)
+    assert all("forward" not in vars(n) for n in norms)  # by default the project's RMSNorm kernel stays
     assert all(layer.mlp._get_name() == "LigerSwiGLUMLP" for layer in decoder.layers)
+    assert DiffLlamaForCausalLM.fused_linear_loss is None  # the instance, not the class
+
+    _apply_liger_kernel_to_instance(model=model, rms_norm=True)  # a liger_kernel_config's keyword arguments
+    assert all(n._get_name() == "LigerRMSNorm" for n in norms)
     subln = decoder.layers[0].self_attn.subln  # V1's per-head norm is read by the attention's combine: untouched
     assert type(subln) is LlamaRMSNorm and "forward" not in vars(subln)
-    assert DiffLlamaForCausalLM.fused_linear_loss is None  # the instance, not the class
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_training_loss_and_gradients_match_the_plain_path_and_the_formula(mode):
-    plain, liger = plain_and_liger(mode)
+@pytest.mark.parametrize("rms_norm", [False, True])
+def test_training_loss_and_gradients_match_the_plain_path_and_the_formula(mode, rms_norm):
+    plain, liger = plain_and_liger(mode, rms_norm=rms_norm)
     input_ids, labels = masked_batch(plain.config.vocab_size)
 
     out = liger(input_ids=input_ids, labels=labels)
@@ -133,7 +137,7 @@ def test_training_loss_and_gradients_match_the_plain_path_and_the_formula(mode):
 def test_num_items_in_batch_accumulates_to_the_full_batch():
     """Two micro-batches with Trainer's num_items_in_batch (the whole batch's supervised tokens) sum to the full
     batch's loss and gradients, as on the plain path."""
-    plain, liger = plain_and_liger("v1")
+    plain, liger = plain_and_liger("v1", rms_norm=True)
     input_ids, labels = masked_batch(plain.config.vocab_size, batch=4)
     num_items = (labels[:, 1:] != -100).sum()
     with torch.no_grad():
@@ -192,7 +196,7 @@ def test_class_level_apply_builds_liger_modules_with_the_same_checkpoint(monkeyp
         monkeypatch.setattr(modeling_diff_llama, name, getattr(modeling_diff_llama, name))
     monkeypatch.setattr(DiffLlamaForCausalLM, "fused_linear_loss", None)
     plain = tiny_model("v1").to(DEVICE).train()
-    apply_liger_kernel_to_diff_llama()
+    apply_liger_kernel_to_diff_llama(rms_norm=True)
     liger = DiffLlamaForCausalLM(plain.config).to(DEVICE).train()
     assert isinstance(liger.model.norm, LigerRMSNorm) and isinstance(liger.model.layers[0].mlp, LigerSwiGLUMLP)
     assert list(liger.state_dict()) == list(plain.state_dict())
