@@ -3,10 +3,11 @@ Trainer and AnnealingCallback -> a merged model that `modeling-diff export` writ
 
 import json
 import re
+import subprocess
 from pathlib import Path
 
 import torch
-from ecosystem_helpers import VOCAB_SIZE, byte_tokenizer
+from ecosystem_helpers import PYTHON, VOCAB_SIZE, byte_tokenizer, offline_env
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from modeling_diff.conversion.cli import main
@@ -22,16 +23,43 @@ def snippet(name: str) -> str:
     return match.group(1)
 
 
-def test_the_end_to_end_snippet_trains_the_dex_parameters_and_exports(tmp_path, monkeypatch):
+def bash_line(start: str) -> str:
+    """The command of the toolchain section's bash block that starts with `start`."""
+    text = README.read_text(encoding="utf-8")
+    section = text.split("<!-- section:toolchain -->")[1].split("<!-- /section:toolchain -->")[0]
+    (line,) = [line for line in section.splitlines() if line.startswith(start)]
+    return line
+
+
+def my_llama(folder: Path) -> None:
+    """`my-llama` (a tiny random Llama with a byte tokenizer) and `train.txt` in `folder`."""
     torch.manual_seed(0)
     eos = VOCAB_SIZE - 1
     llama = LlamaForCausalLM(LlamaConfig(
         vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=256, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
     ))
-    llama.save_pretrained(tmp_path / "my-llama")
-    byte_tokenizer().save_pretrained(tmp_path / "my-llama")
-    (tmp_path / "train.txt").write_text((README.read_text(encoding="utf-8")[:2000] + "\n") * 2)
+    llama.save_pretrained(folder / "my-llama")
+    byte_tokenizer().save_pretrained(folder / "my-llama")
+    (folder / "train.txt").write_text((README.read_text(encoding="utf-8")[:2000] + "\n") * 2)
+
+
+def test_the_end_to_end_commands_convert_and_train_with_examples_train_py(tmp_path, monkeypatch):
+    """Steps 1 and 3 as written, with 2 optimizer steps instead of 1000."""
+    my_llama(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    assert main(bash_line("modeling-diff convert my-llama ").split()[1:] + ["--quiet"]) == 0
+    train = bash_line("python examples/train.py ").split()[1:]
+    train[train.index("--max-steps") + 1] = "2"
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([PYTHON, str(root / train[0]), *train[1:]], check=True, cwd=tmp_path, env=offline_env(tmp_path))
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "my-dex-trained")
+    assert trained.config.diff_mode == "dex" and trained.config.anneal_steps == 500
+    assert all(int(layer.self_attn.anneal_step) == 2 for layer in trained.model.layers)
+
+
+def test_the_end_to_end_snippet_trains_the_dex_parameters_and_exports(tmp_path, monkeypatch):
+    my_llama(tmp_path)
     monkeypatch.chdir(tmp_path)
     exec(compile(snippet("train"), "README.md", "exec"), {})
 
