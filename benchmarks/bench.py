@@ -417,7 +417,9 @@ def train_table(results, peak: float) -> str:
     for r in train:
         shape = f"{r['seq']} x {r['batch']}"
         if "tok_s" not in r:
-            lines.append(f"| {shape} | {r['model']} | {r.get('error', 'n/a')} | | | | |")
+            error = r.get("error", "n/a")
+            lines.append(f"| {shape} | {r['model']} | "
+                         f"{'out of memory' if error.startswith('OutOfMemoryError') else error} | | | | |")
             continue
         ref = liger.get(r["seq"])
         speed = f"{r['tok_s'] / ref['tok_s']:.2f}x" if ref else ""

@@ -81,7 +81,8 @@ def apply_liger_kernel_to_diff_llama(
     """Liger's kernels in DiffLlama (see the module docstring); the arguments are `apply_liger_kernel_to_llama`'s.
     Without `model` the classes are patched (models built afterwards); with it, that model's modules."""
     if not LIGER_AVAILABLE:
-        raise ImportError('apply_liger_kernel_to_diff_llama needs liger-kernel: pip install "modeling-diff[liger]"')
+        raise ModuleNotFoundError("apply_liger_kernel_to_diff_llama needs the 'liger_kernel' package: "
+                                  "pip install 'modeling-diff[liger]'", name="liger_kernel")
     if cross_entropy and fused_linear_cross_entropy:
         raise ValueError("cross_entropy and fused_linear_cross_entropy cannot both be True: the fused loss "
                          "computes the cross-entropy itself, from the hidden states")
