@@ -53,6 +53,11 @@ def _plain_value_errors(cls):
     return cls
 
 
+def qualified_architecture(name: str) -> str:
+    """`DiffLlamaForCausalLM` -> `modeling_diff.DiffLlamaForCausalLM` (see `DiffLlamaConfig.to_dict`)."""
+    return name if "." in name else f"modeling_diff.{name}"
+
+
 @_plain_value_errors
 @strict
 class DiffLlamaConfig(PreTrainedConfig):
@@ -143,7 +148,24 @@ class DiffLlamaConfig(PreTrainedConfig):
         # (and DESIGN.md) expect a plain ValueError naming the field.
         self.validate_architecture()
         self.base_model_tp_plan = {**type(self).base_model_tp_plan, **MODE_TP_PLANS[self.diff_mode]}
+        # `auto_map` names the model code where it is saved with it (`modeling_diff.hub.save_for_hub`), empty
+        # otherwise: loaders such as TRL's read it for every model whose architecture is not in transformers.
+        self.auto_map = {}
         super().__post_init__(**kwargs)
+
+    def to_dict(self) -> dict:
+        """As `PreTrainedConfig.to_dict`, with `architectures` qualified by the package: `save_pretrained` writes
+        the class name, `DiffLlamaForCausalLM`, which is also the name of transformers' built-in (V1-only)
+        DiffLlama. Loaders that resolve `architectures[0]` in the `transformers` namespace (TRL's
+        `SFTTrainer(model=path)`, pipelines) would build that other model and load our weights into it;
+        `modeling_diff.DiffLlamaForCausalLM` resolves to nothing there, so they fall back to the Auto classes,
+        which build ours."""
+        output = super().to_dict()
+        if not output.get("auto_map"):
+            output.pop("auto_map", None)
+        if output.get("architectures"):
+            output["architectures"] = [qualified_architecture(name) for name in output["architectures"]]
+        return output
 
     def validate_architecture(self):
         """Part of `@strict` validation: every rule names the field it checks."""

@@ -1,10 +1,13 @@
 """Annealing the differential term in during adaptation (DEX lambda schedule, V2 noise factor).
 
-The step t lives in every V2/DEX attention's `anneal_step` buffer, so a checkpoint saved mid-adaptation
-resumes exactly; T is `config.anneal_steps`. Keep t equal to the number of optimizer steps taken:
+The step t lives in every V2/DEX attention's integer `anneal_step` buffer, so a checkpoint saved mid-adaptation
+resumes exactly; T is `config.anneal_steps`. t is the number of optimizer steps taken, and it keeps itself so:
+after every optimizer step that updates the model, t grows by one (an optimizer step hook, `diff_attention.py`),
+whatever runs the loop -- Trainer, TRL, accelerate or a custom loop. Nothing to add:
 
-- with `Trainer`: `Trainer(..., callbacks=[AnnealingCallback()])`;
-- in a custom loop: `set_anneal_step(model, step)` after each optimizer step (step = steps taken so far).
+- with `Trainer`, `callbacks=[AnnealingCallback()]` also pins t to `state.global_step` (after a resume too) and
+  logs the schedule;
+- `set_anneal_step(model, step)` sets t by hand (e.g. to evaluate the schedule at a given step).
 
 `anneal_state(model)` reads the schedule back (for logging).
 """

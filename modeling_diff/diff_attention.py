@@ -11,10 +11,12 @@ d = head_dim.
 """
 
 import math
+import weakref
 from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, eager_attention_forward, repeat_kv
 from transformers.processing_utils import Unpack
@@ -48,6 +50,26 @@ def anneal_step_buffer() -> nn.Buffer:
     """The step t of the annealing schedule: an integer, so that no dtype cast of the model (`.to(bfloat16)`,
     mixed precision) rounds it (a bfloat16 257 would be 256)."""
     return nn.Buffer(torch.zeros((), dtype=torch.int64))
+
+
+# The V2 / DEX attentions with annealing on (anneal_steps > 0). t advances by itself: after every optimizer step
+# that updates one of them (any optimizer, any training loop: Trainer, TRL, accelerate, a custom loop), its t grows
+# by one, so that t = the optimizer steps taken. A step skipped by a gradient scaler calls no `step()` and does not
+# count. `AnnealingCallback` also pins t to Trainer's global step (and logs the schedule).
+_ANNEALED_ATTENTIONS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+def _advance_annealing(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    if not _ANNEALED_ATTENTIONS:
+        return
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for module in list(_ANNEALED_ATTENTIONS):
+        if any(id(p) in stepped for p in module.parameters()):
+            with torch.no_grad():
+                module.anneal_step.add_(1)
+
+
+register_optimizer_step_post_hook(_advance_annealing)
 
 
 def differential_maps_output(maps: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -193,8 +215,8 @@ class DiffAttentionV1(_DiffAttentionBase):
     def fused_attention(self, implementation, pairs, key, value, attention_mask, kwargs) -> torch.Tensor | None:
         """Both maps and the combine in one kernel where one applies, -> (B, L, h, 2d): flash-diff (prefill,
         training) or the decode kernel (decoding steps); None where the plain path runs."""
-        if type(self.subln.weight) is not nn.Parameter:  # a PEFT- or TP-wrapped norm
-            return None
+        if type(self.subln.weight) is not nn.Parameter or "forward" in vars(self.subln):
+            return None  # a PEFT-wrapped norm, or one whose forward tensor parallelism wraps (its gradient hooks)
         if self.flash_diff_applies(implementation, pairs, key, value, attention_mask, kwargs):
             return flash_diff_attention(
                 pairs, key, value, attention_mask, self.diff_lambda(), self.scaling, self.subln,
@@ -300,6 +322,8 @@ class DiffAttentionV2(_LlamaLayoutAttention):
         super().__init__(config, layer_idx, query_heads=2 * config.num_attention_heads)
         self.lambda_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False)
         self.anneal_step = anneal_step_buffer()
+        if config.anneal_steps > 0:
+            _ANNEALED_ATTENTIONS.add(self)
 
     def noise_weight(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Per-token, per-pair weight of the noise head: (B, L, h)."""
@@ -351,6 +375,8 @@ class DexAttention(_LlamaLayoutAttention):
         nn.init.zeros_(self.dex_proj.weight)
         self.dex_lambda = DexLambda(self.lambda_init, self.num_heads)
         self.anneal_step = anneal_step_buffer()
+        if config.anneal_steps > 0:
+            _ANNEALED_ATTENTIONS.add(self)
         # (h,) 1.0 on the heads that carry the operator; derived from config.dex_heads, so not saved.
         self.head_mask = nn.Buffer(self.selected_head_mask(), persistent=False)
 
@@ -372,9 +398,10 @@ class DexAttention(_LlamaLayoutAttention):
         query_states, key_states, value_states = self.project(implementation, hidden_states, position_embeddings, cache)
         if type(self.dex_proj.weight) is nn.Parameter and self.combined_decode_applies(
             implementation, query_states, key_states, value_states, attention_mask, kwargs
-        ):  # not under PEFT or tensor parallelism
+        ):  # f_D plain or PEFT's trained copy (a LoRA-adapted f_D takes the plain path)
             combine = DexCombine(
-                self.dex_proj.weight, self.head_mask, self.dex_lambda.lambda_learn, self.anneal_step,
+                self.dex_proj.weight, self.head_mask[self.dex_lambda.head_slice], self.dex_lambda.lambda_learn,
+                self.anneal_step,
                 self.config.anneal_steps, self.lambda_init,
             )
             attn_output = combined_decode_attention(

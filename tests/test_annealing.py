@@ -81,11 +81,12 @@ class StepProbe(TrainerCallback):
         self.steps.append(model.model.layers[0].self_attn.anneal_step.item())
 
 
-def train(model, output_dir, resume=None, callbacks=()):
+def train(model, output_dir, resume=None, callbacks=(AnnealingCallback(),), gradient_accumulation_steps=1):
     args = TrainingArguments(output_dir=str(output_dir), max_steps=4, per_device_train_batch_size=4, learning_rate=1e-2,
                              save_strategy="steps", save_steps=2, logging_steps=1, report_to=[], use_cpu=True,
-                             disable_tqdm=True, seed=0, dataloader_num_workers=0)
-    trainer = Trainer(model=model, args=args, train_dataset=Blocks(), callbacks=[AnnealingCallback(), *callbacks])
+                             disable_tqdm=True, seed=0, dataloader_num_workers=0,
+                             gradient_accumulation_steps=gradient_accumulation_steps)
+    trainer = Trainer(model=model, args=args, train_dataset=Blocks(), callbacks=list(callbacks))
     trainer.train(resume_from_checkpoint=resume)
     return trainer
 
@@ -93,7 +94,7 @@ def train(model, output_dir, resume=None, callbacks=()):
 def test_trainer_callback_anneals_and_resumes_exactly(tmp_path):
     probe = StepProbe()
     uninterrupted = dex_model(anneal_steps=3)
-    trainer = train(uninterrupted, tmp_path / "run", callbacks=[probe])
+    trainer = train(uninterrupted, tmp_path / "run", callbacks=[AnnealingCallback(), probe])
     assert probe.steps == [0, 1, 2, 3]
     assert anneal_state(uninterrupted)["anneal_step"] == 4
     logged = [entry for entry in trainer.state.log_history if "loss" in entry]
@@ -107,21 +108,43 @@ def test_trainer_callback_anneals_and_resumes_exactly(tmp_path):
 
     resumed = dex_model(anneal_steps=3)
     resumed_probe = StepProbe()
-    train(resumed, tmp_path / "resumed", resume=str(checkpoint), callbacks=[resumed_probe])
+    train(resumed, tmp_path / "resumed", resume=str(checkpoint), callbacks=[AnnealingCallback(), resumed_probe])
     assert resumed_probe.steps == [2, 3]
     expected = uninterrupted.state_dict()
     for name, tensor in resumed.state_dict().items():
         torch.testing.assert_close(tensor, expected[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_custom_loop_with_the_plain_function():
+def test_custom_loop_advances_t_with_each_optimizer_step():
     model, ids = dex_model(anneal_steps=2, lambda_learn=0.3), token_ids()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(3):
-        set_anneal_step(model, step)  # t = optimizer steps taken so far
+    for _ in range(3):
         model(ids, labels=ids).loss.backward()
-        optimizer.step()
+        optimizer.step()  # t = optimizer steps taken, with nothing to call
         optimizer.zero_grad()
-    assert anneal_state(model)["anneal_step"] == 2 and anneal_state(model)["anneal_fraction"] == 1.0
+    assert anneal_state(model)["anneal_step"] == 3 and anneal_state(model)["anneal_fraction"] == 1.0
     attention = model.model.layers[0].self_attn
     assert attention.current_lambda().item() == pytest.approx(attention.dex_lambda.lambda_learn.item())
+    torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1).step()  # an optimizer of something else
+    assert anneal_state(model)["anneal_step"] == 3
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_trainer_without_the_callback_anneals_with_the_optimizer_steps(tmp_path, accumulation):
+    """The common path is right by default: without AnnealingCallback t still follows the optimizer steps (not the
+    forward passes), so the differential term turns on and f_D learns."""
+    probe = StepProbe()
+    model = dex_model(anneal_steps=3)
+    f_d = model.model.layers[0].self_attn.dex_proj.weight.detach().clone()
+    train(model, tmp_path / "run", callbacks=[probe], gradient_accumulation_steps=accumulation)
+    assert probe.steps == [0, 1, 2, 3]
+    assert not torch.equal(model.model.layers[0].self_attn.dex_proj.weight, f_d)
+
+
+def test_step_counter_is_exact_under_dtype_casts():
+    model = dex_model(anneal_steps=1000).to(torch.bfloat16)
+    set_anneal_step(model, 257)  # a bfloat16 257 would be 256
+    assert {m.anneal_step.item() for m in model.modules() if hasattr(m, "anneal_step")} == {257}
+    assert anneal_state(model.to(torch.float16))["anneal_fraction"] == pytest.approx(0.257)
+    with pytest.raises(ValueError, match="step must be a non-negative whole number"):
+        set_anneal_step(model, 2.5)

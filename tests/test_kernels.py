@@ -508,7 +508,7 @@ def test_lora_model_on_the_flash_diff_kernel_equals_eager(monkeypatch):
 @pytest.mark.parametrize("mode", MODES)
 def test_lora_model_decoding_on_the_kernel_equals_eager(mode, monkeypatch):
     """Under PEFT the differential modules are trained copies (`modules_to_save`): V1's decode kernel reads the copy's
-    subln weight, V2's the copy's lambda_proj output; DEX's wrapped f_D takes the plain path. Greedy decoding with
+    subln weight, V2's the copy's lambda_proj output, DEX's the copies of f_D and lambda_learn. Greedy decoding with
     the adapter active equals eager decoding of the same LoRA model."""
     import modeling_diff.diff_attention as attention
     from modeling_diff.lora import get_lora_model, lora_config
@@ -529,7 +529,7 @@ def test_lora_model_decoding_on_the_kernel_equals_eager(mode, monkeypatch):
         model.base_model.model.set_attn_implementation(implementation)
         logits.append(decode(model, DynamicCache, ids, mask, steps))
     assert rel_err(logits[1], logits[0]) < TOL
-    assert len(kernel_calls) == (0 if mode == "dex" else steps.shape[1] * eager.config.num_hidden_layers)
+    assert len(kernel_calls) == steps.shape[1] * eager.config.num_hidden_layers
 
 
 @pytest.mark.parametrize("mode", MODES)

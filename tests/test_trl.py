@@ -1,0 +1,57 @@
+"""TRL through its own paths: `SFTTrainer(model=<path>)` resolves our model (never transformers' built-in DiffLlama,
+whose class has the same name), trains it with the package's recommended LoRA config, and annealing advances with
+no callback."""
+
+import pytest
+import torch
+from datasets import Dataset
+from ecosystem_helpers import byte_tokenizer, tiny_config
+from trl import SFTConfig, SFTTrainer
+
+from modeling_diff import DiffLlamaForCausalLM
+from modeling_diff.data import shakespeare
+from modeling_diff.lora import lora_config
+
+
+def saved_model(tmp_path, mode: str, **overrides):
+    torch.manual_seed(0)
+    model = DiffLlamaForCausalLM(tiny_config(mode, **overrides))
+    if mode == "dex":
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.dex_proj.weight.normal_(0.0, 0.3)
+    model.save_pretrained(tmp_path / "model")
+    byte_tokenizer().save_pretrained(tmp_path / "model")
+    return model, tmp_path / "model"
+
+
+def sft_trainer(path, tmp_path, **kwargs) -> SFTTrainer:
+    lines = [line for line in shakespeare("hamlet").splitlines() if len(line) > 20][:64]
+    args = SFTConfig(output_dir=str(tmp_path / "sft"), max_steps=3, per_device_train_batch_size=4, max_length=48,
+                     learning_rate=1e-2, report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True,
+                     dataloader_num_workers=0)
+    return SFTTrainer(model=str(path), args=args, train_dataset=Dataset.from_dict({"text": lines}), **kwargs)
+
+
+@pytest.mark.parametrize("mode", ["v1", "v2", "dex"])
+def test_sft_trainer_by_path_builds_our_model_with_the_saved_weights(mode, tmp_path):
+    model, path = saved_model(tmp_path, mode)
+    trainer = sft_trainer(path, tmp_path)
+    assert type(trainer.model) is DiffLlamaForCausalLM
+    ids = torch.randint(0, 256, (2, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(trainer.model.eval()(ids).logits, model.eval()(ids).logits)
+
+
+def test_sft_trainer_with_the_recommended_lora_config_trains_every_differential_module(tmp_path):
+    _, path = saved_model(tmp_path, "dex", anneal_steps=10)
+    trainer = sft_trainer(path, tmp_path, peft_config=lora_config(r=4, lora_alpha=8, lora_dropout=0.0))
+    attention = trainer.model.get_base_model().model.layers[0].self_attn
+    before = {name: getattr(attention, name).modules_to_save["default"].state_dict()
+              for name in ("dex_proj", "dex_lambda")}
+    before = {name: {k: v.clone() for k, v in state.items()} for name, state in before.items()}
+    trainer.train()
+    for name, state in before.items():
+        trained = getattr(attention, name).modules_to_save["default"].state_dict()
+        assert any(not torch.equal(trained[k], v) for k, v in state.items()), f"{name} was not trained"
+    assert attention.anneal_step.item() == 3  # t advanced with the optimizer steps, no callback given
