@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: venv test test-fast demo clean
+.PHONY: venv transformers-tests test test-fast demo clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,7 +17,12 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 
 venv: $(VENV)/.installed
 
-test: venv
+# transformers' own tester mixins (tests/test_transformers_mixins.py): the tests/*.py of the installed release's
+# sdist, downloaded from PyPI once and cached in the venv.
+transformers-tests: venv
+	$(PY) tests/transformers_testers/sdist.py
+
+test: venv transformers-tests
 	$(PY) -m pytest -q -n 2 --durations=15 tests
 
 demo: venv
