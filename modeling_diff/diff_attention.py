@@ -120,6 +120,14 @@ class DexLambda(nn.Module):
         self.lambda_learn = nn.Parameter(torch.full((1,), lambda_init))
         self.head_slice = slice(None)  # this rank's heads (all of them outside tensor parallelism)
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # torch's loading path (PEFT adapter files): lambda_learn was a scalar before FSDP2 support
+        # (transformers' `from_pretrained` converts it through the mapping in modeling_diff_llama.py).
+        key = prefix + "lambda_learn"
+        if key in state_dict and state_dict[key].dim() == 0:
+            state_dict[key] = state_dict[key].reshape(1)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def forward(self, t_over_T: torch.Tensor) -> torch.Tensor:
         """The layer's lambda(t), a float32 tensor of shape (1,)."""
         a = t_over_T.clamp(max=1.0)

@@ -133,6 +133,12 @@ class DiffLlamaPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules = ["DiffLlamaDecoderLayer"]
     _skip_keys_device_placement = ["past_key_values", "cache"]
+    # PEFT maps the keys of adapter files with this (transformers' own loading uses the registered mapping above):
+    # adapters saved before the differential parameters had modules of their own load unchanged.
+    _checkpoint_conversion_mapping = {
+        r"self_attn\.(lambda_[qk][12])$": r"self_attn.diff_lambda.\1",
+        r"self_attn\.lambda_learn$": "self_attn.dex_lambda.lambda_learn",
+    }
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_flex_attn = True

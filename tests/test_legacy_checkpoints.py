@@ -1,0 +1,68 @@
+"""Checkpoints saved before the scale-out layout load unchanged: V1's lambda vectors at `self_attn.lambda_q1 ..`
+(float32), DEX's scalar float32 `self_attn.lambda_learn`, a float32 `anneal_step`; full checkpoints through
+`from_pretrained`, LoRA adapter files (the old `save_lora` wrote the bare parameters into them) through
+`PeftModel.from_pretrained`. Saving always writes the current layout."""
+
+import re
+
+import pytest
+import torch
+from conftest import tiny_model
+from peft import PeftModel, get_peft_model
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from modeling_diff import set_anneal_step
+from modeling_diff.lora import lora_config
+
+
+def legacy_key(name: str) -> str:
+    return re.sub(r"\.(diff_lambda|dex_lambda)\.", ".", name)
+
+
+def legacy_tensor(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    if name.endswith("lambda_learn"):
+        return tensor.float().reshape(())
+    if name.endswith("anneal_step") or re.search(r"lambda_[qk][12]$", name):
+        return tensor.float()
+    return tensor
+
+
+@pytest.mark.parametrize("mode", ["v1", "v2", "dex"])
+def test_old_full_checkpoint_loads_with_the_same_logits_and_resaves_in_the_current_layout(mode, tmp_path):
+    model = tiny_model(mode, anneal_steps=0 if mode == "v1" else 10)
+    if mode != "v1":
+        set_anneal_step(model, 3)
+    model.config.save_pretrained(tmp_path / "old")
+    old_state = {legacy_key(n): legacy_tensor(legacy_key(n), t).contiguous() for n, t in model.state_dict().items()}
+    assert any(k.endswith("self_attn.lambda_q1" if mode == "v1" else "self_attn.anneal_step") for k in old_state)
+    save_file(old_state, tmp_path / "old" / "model.safetensors", metadata={"format": "pt"})
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "old", attn_implementation="eager").eval()
+    ids = torch.randint(3, 97, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+    if mode != "v1":
+        assert loaded.model.layers[0].self_attn.anneal_step.item() == 3
+    loaded.save_pretrained(tmp_path / "new")
+    assert load_file(tmp_path / "new" / "model.safetensors").keys() == model.state_dict().keys()
+
+
+@pytest.mark.parametrize("mode", ["v1", "dex"])
+def test_old_lora_adapter_with_bare_differential_parameters_loads_them(mode, tmp_path):
+    old_modules = ["subln", "lambda_proj", "dex_proj"]  # the old lora_config(): bare parameters saved beside them
+    peft_model = get_peft_model(tiny_model(mode), lora_config(r=4, modules_to_save=old_modules))
+    peft_model.save_pretrained(tmp_path)
+    adapter = load_file(tmp_path / "adapter_model.safetensors")
+    trained = {}
+    for name, parameter in peft_model.named_parameters():
+        if ".diff_lambda." in name or ".dex_lambda." in name:
+            trained[name] = torch.full_like(parameter, 0.125)
+            adapter[legacy_key(name)] = legacy_tensor(name, trained[name]).contiguous()
+    save_file(adapter, tmp_path / "adapter_model.safetensors", metadata={"format": "pt"})
+
+    reloaded = PeftModel.from_pretrained(tiny_model(mode), tmp_path)
+    parameters = dict(reloaded.named_parameters())
+    assert trained
+    for name, value in trained.items():
+        torch.testing.assert_close(parameters[name], value)
