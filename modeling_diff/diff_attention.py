@@ -11,6 +11,7 @@ d = head_dim.
 """
 
 import math
+import sys
 import weakref
 from collections.abc import Callable
 
@@ -59,8 +60,23 @@ def anneal_step_buffer() -> nn.Buffer:
 _ANNEALED_ATTENTIONS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
+def _is_optimizer_state_initialisation() -> bool:
+    """Whether this `step()` is torch.distributed.checkpoint's initialisation of an empty optimizer before it loads
+    a saved state (`_init_optim_state`: zero gradients at lr 0), which is not a training step."""
+    frame = sys._getframe(2)
+    for _ in range(4):  # the hook <- the optimizer's step wrappers <- the caller
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "_init_optim_state" and "torch.distributed.checkpoint" in frame.f_globals.get(
+            "__name__", ""
+        ):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _advance_annealing(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    if not _ANNEALED_ATTENTIONS:
+    if not _ANNEALED_ATTENTIONS or _is_optimizer_state_initialisation():
         return
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
     for module in list(_ANNEALED_ATTENTIONS):

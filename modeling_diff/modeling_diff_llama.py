@@ -9,11 +9,13 @@ and outputs carry the cache under the name the installed transformers expects.
 """
 
 import inspect
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
+from transformers import conversion_mapping
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.core_model_loading import ConversionOps, WeightConverter, WeightRenaming
 from transformers.generation import GenerationMixin
@@ -24,6 +26,7 @@ from transformers.modeling_utils import PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
@@ -38,6 +41,13 @@ CACHE_KWARG = "cache" if "cache" in inspect.signature(create_causal_mask).parame
 
 def _pick_cache(cache: Cache | None, past_key_values: Cache | None) -> Cache | None:
     return cache if cache is not None else past_key_values
+
+
+def _renamed_cache_kwarg(forward):
+    """Where the keyword is `cache`, `past_key_values=` warns and is renamed, as in transformers' Llama."""
+    if CACHE_KWARG == "cache":
+        return deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")(forward)
+    return forward
 
 
 class DiffLlamaRMSNorm(LlamaRMSNorm):
@@ -112,18 +122,29 @@ class _LegacyConverter(_LegacyLayout, WeightConverter):
     __slots__ = ()
 
 
-# Checkpoints saved before the differential parameters had modules of their own (PEFT's `modules_to_save` and the
-# tensor-parallel plan name modules) load unchanged: V1's `self_attn.lambda_q1` -> `self_attn.diff_lambda.lambda_q1`
-# (..k2), DEX's scalar `self_attn.lambda_learn` -> `self_attn.dex_lambda.lambda_learn` of shape (1,).
-register_checkpoint_conversion_mapping(
-    DiffLlamaConfig.model_type,
-    [
-        *(_LegacyRenaming(rf"self_attn\.{name}", f"self_attn.diff_lambda.{name}")
-          for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")),
-        _LegacyConverter(r"self_attn\.lambda_learn", "self_attn.dex_lambda.lambda_learn", operations=[_AsVector()]),
-    ],
-    overwrite=True,
-)
+@contextmanager
+def _legacy_layout_readable():
+    """While a checkpoint loads: checkpoints saved before the differential parameters had modules of their own
+    (PEFT's `modules_to_save` and the tensor-parallel plan name modules) load unchanged -- V1's
+    `self_attn.lambda_q1` -> `self_attn.diff_lambda.lambda_q1` (..k2), DEX's scalar `self_attn.lambda_learn` ->
+    `self_attn.dex_lambda.lambda_learn` of shape (1,). Registered for the load only: the model type's mapping is
+    what transformers reverses on save, and these transforms are one-way."""
+    model_type = DiffLlamaConfig.model_type
+    register_checkpoint_conversion_mapping(
+        model_type,
+        [
+            *(_LegacyRenaming(rf"self_attn\.{name}", f"self_attn.diff_lambda.{name}")
+              for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")),
+            _LegacyConverter(r"self_attn\.lambda_learn", "self_attn.dex_lambda.lambda_learn",
+                             operations=[_AsVector()]),
+        ],
+        overwrite=True,
+    )
+    try:
+        yield
+    finally:
+        conversion_mapping._checkpoint_conversion_mapping_cache.pop(model_type, None)
+        conversion_mapping.USER_REGISTERED_MAPPINGS.discard(model_type)
 
 
 class DiffLlamaPreTrainedModel(PreTrainedModel):
@@ -145,9 +166,14 @@ class DiffLlamaPreTrainedModel(PreTrainedModel):
     _can_compile_fullgraph = True
     _supports_attention_backend = True
     _can_record_outputs = {
-        "hidden_states": [DiffLlamaDecoderLayer],
+        "hidden_states": DiffLlamaDecoderLayer,
         "attentions": [DiffAttentionV1, DiffAttentionV2, DexAttention],
     }
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        with _legacy_layout_readable():
+            return super().from_pretrained(*args, **kwargs)
 
     def _init_weights(self, module):
         super()._init_weights(module)
@@ -180,6 +206,7 @@ class DiffLlamaModel(DiffLlamaPreTrainedModel):
 
     @merge_with_config_defaults
     @capture_outputs
+    @_renamed_cache_kwarg
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -241,6 +268,7 @@ class DiffLlamaForCausalLM(DiffLlamaPreTrainedModel, GenerationMixin):
         self.post_init()
 
     @can_return_tuple
+    @_renamed_cache_kwarg
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,

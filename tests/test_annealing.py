@@ -148,3 +148,14 @@ def test_step_counter_is_exact_under_dtype_casts():
     assert anneal_state(model.to(torch.float16))["anneal_fraction"] == pytest.approx(0.257)
     with pytest.raises(ValueError, match="step must be a non-negative whole number"):
         set_anneal_step(model, 2.5)
+
+
+def test_optimizer_state_initialisation_of_a_checkpoint_load_is_not_a_step():
+    """torch.distributed.checkpoint initialises an empty optimizer (FSDP2 / accelerate resume) with one step() at
+    lr 0 on zero gradients before it loads the saved state: t must not count it."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    model = dex_model(anneal_steps=10)
+    set_anneal_step(model, 4)
+    _init_optim_state(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    assert anneal_state(model)["anneal_step"] == 4
