@@ -6,9 +6,7 @@ import that transformers publishes only in its git repository, never on PyPI (so
 cannot have them):
 - `distributed_testing_utils.py`: the process launcher of the FSDP and tensor-parallel mixins, written here;
 - `generation/test_utils.py`, `exporters/test_export.py`: empty stand-ins for `GenerationTesterMixin` and
-  `ExportTesterMixin`, so that `test_modeling_common.py` imports. With a transformers git checkout of the same
-  release, copy its `tests/generation/` and `tests/exporters/` into `sdist.tests_dir()`: those come first on the
-  path and run instead.
+  `ExportTesterMixin`, so that `test_modeling_common.py` imports (their tests do not run here).
 """
 
 from .sdist import tests_dir
