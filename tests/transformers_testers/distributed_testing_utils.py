@@ -10,6 +10,7 @@ written here, to the interface those mixins call:
 """
 
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,7 @@ from transformers.testing_utils import torch_device
 
 
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl", "xpu": "xccl"}
+RANK_TIMEOUT_S = 300  # the slowest mixin test takes under 20 s on a loaded 2-core machine
 
 
 def _get_distributed_device_type() -> str:
@@ -53,7 +55,14 @@ def _start_rank_processes(fn, args=(), nprocs=1) -> None:
     10-30 s a test on a 2-core machine against under a second forked (the test process holds no accelerator
     context and runs one intra-op thread, so a fork is safe). An accelerator needs fresh (spawned) processes."""
     start_method = "fork" if _get_distributed_device_type() == "cpu" else "spawn"
-    mp.start_processes(_rank_entry, args=(fn, args), nprocs=nprocs, join=True, start_method=start_method)
+    context = mp.start_processes(_rank_entry, args=(fn, args), nprocs=nprocs, join=False, start_method=start_method)
+    # A rank that hangs (a collective another rank never reaches) fails the test instead of the whole CI run.
+    deadline = time.monotonic() + RANK_TIMEOUT_S
+    while not context.join(timeout=max(0.0, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            for process in context.processes:
+                process.kill()
+            raise TimeoutError(f"{getattr(fn, '__name__', fn)}: the {nprocs} ranks did not finish in {RANK_TIMEOUT_S} s")
 
 
 def _process_group_entry(rank: int, fn, world_size: int, host: str, port: int, args) -> None:
