@@ -32,6 +32,21 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
+def save_byte_llama(folder: Path) -> Path:
+    """A random tiny Llama (transformers' own class, GQA) with `byte_tokenizer`, saved in `folder`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    eos = VOCAB_SIZE - 1
+    llama = LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
+    ))
+    llama.save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    return folder
+
+
 def tiny_config(mode: str, **overrides):
     """The `tiny-<mode>` preset with the vocabulary of `byte_tokenizer`."""
     eos = VOCAB_SIZE - 1

@@ -7,9 +7,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import torch
-from ecosystem_helpers import PYTHON, VOCAB_SIZE, byte_tokenizer, offline_env
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from ecosystem_helpers import PYTHON, offline_env, save_byte_llama
+from transformers import AutoModelForCausalLM
 
 from modeling_diff.conversion import convert_checkpoint
 from modeling_diff.conversion.cli import main as cli_main
@@ -63,14 +62,7 @@ def checkpoints(tmp_path_factory):
     """A random tiny Llama with a byte tokenizer, its DEX conversion (heads by entropy on the packaged text) and
     the export of that conversion."""
     root = tmp_path_factory.mktemp("lm_eval")
-    torch.manual_seed(0)
-    eos = VOCAB_SIZE - 1
-    llama = LlamaForCausalLM(LlamaConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
-    ))
-    llama.save_pretrained(root / "llama")
-    byte_tokenizer().save_pretrained(root / "llama")
+    save_byte_llama(root / "llama")
     convert_checkpoint(root / "llama", root / "dex", progress=False)
     return root
 

@@ -6,9 +6,8 @@ import re
 import subprocess
 from pathlib import Path
 
-import torch
-from ecosystem_helpers import PYTHON, VOCAB_SIZE, byte_tokenizer, offline_env
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from ecosystem_helpers import PYTHON, offline_env, save_byte_llama
+from transformers import AutoModelForCausalLM
 
 from modeling_diff.conversion.cli import main
 
@@ -33,14 +32,7 @@ def bash_line(start: str) -> str:
 
 def my_llama(folder: Path) -> None:
     """`my-llama` (a tiny random Llama with a byte tokenizer) and `train.txt` in `folder`."""
-    torch.manual_seed(0)
-    eos = VOCAB_SIZE - 1
-    llama = LlamaForCausalLM(LlamaConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
-    ))
-    llama.save_pretrained(folder / "my-llama")
-    byte_tokenizer().save_pretrained(folder / "my-llama")
+    save_byte_llama(folder / "my-llama")
     (folder / "train.txt").write_text((README.read_text(encoding="utf-8")[:2000] + "\n") * 2)
 
 
