@@ -123,7 +123,7 @@ class DifferentialLambda(nn.Module):
 
 class DexLambda(nn.Module):
     """DEX's lambda (arXiv 2505.16333), one per layer: lambda(t) = (1 - a) (t/T) lambda_init + a lambda_learn,
-    a = min(1, t/T) (lambda_learn alone when T = 0), on the selected heads (`head_mask`) and 0 on the others.
+    a = min(1, t/T) (lambda_learn alone when T = 0); `per_head` puts it on the selected heads and 0 on the others.
 
     A module of its own for the same reasons as `DifferentialLambda`. `lambda_learn` is a 1-element vector (FSDP2
     refuses scalars) in the model's dtype; the arithmetic is float32. Under tensor parallelism each rank holds
