@@ -39,8 +39,9 @@ test_tensor_parallel_mixin.TP_DISTRIBUTED_TEST_MODEL_TYPES = None
 
 
 class DiffLlamaModelTester:
-    """A tiny DiffLlama and its inputs, under `CausalLMModelTester`'s names (sizes as upstream's defaults, with GQA:
-    4 heads, 2 kv heads, so that a 2-rank tensor-parallel run keeps whole kv heads and whole head pairs per rank)."""
+    """A tiny DiffLlama and its inputs, under `CausalLMModelTester`'s names: upstream's default sizes (batch 13 x 7
+    tokens, vocabulary 99, hidden 32, 2 layers) with GQA, 4 heads and 2 kv heads, so that a 2-rank tensor-parallel
+    run keeps whole kv heads and whole head pairs on each rank."""
 
     config_class = DiffLlamaConfig
     base_model_class = DiffLlamaModel
@@ -62,9 +63,6 @@ class DiffLlamaModelTester:
         self.num_attention_heads = 4
         self.num_key_value_heads = 2
         self.max_position_embeddings = 512
-        self.type_sequence_label_size = 2
-        self.num_labels = 3
-        self.num_choices = 4
         self.mode_fields = dict(diff_mode=diff_mode, dex_heads=dex_heads, anneal_steps=anneal_steps)
 
     def get_config(self) -> DiffLlamaConfig:
