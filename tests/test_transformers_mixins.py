@@ -13,13 +13,13 @@ import warnings
 
 import pytest
 import torch
-from transformers_testers import tests_dir
+from transformers_testers import tests_dir as transformers_tests_dir  # not `test*`: pytest would collect it
 
 from modeling_diff import DiffLlamaConfig, DiffLlamaForCausalLM, DiffLlamaForSequenceClassification, DiffLlamaModel
 
 
-if not tests_dir().is_dir():
-    pytest.skip(f"transformers' tests are not in {tests_dir()}: run `make transformers-tests`", allow_module_level=True)
+if not transformers_tests_dir().is_dir():
+    pytest.skip(f"transformers' tests are not in {transformers_tests_dir()}: run `make transformers-tests`", allow_module_level=True)
 
 # transformers registers its test marks (`is_training_test`, `flash_attn_test`, ...) in a conftest of its own, which
 # is not ours: unregistered, each one warns as the mixins are imported.
