@@ -13,6 +13,7 @@ import warnings
 
 import pytest
 import torch
+import transformers.distributed.utils
 from transformers_testers import tests_dir as transformers_tests_dir  # not `test*`: pytest would collect it
 
 from modeling_diff import DiffLlamaConfig, DiffLlamaForCausalLM, DiffLlamaForSequenceClassification, DiffLlamaModel
@@ -100,22 +101,38 @@ class DiffLlamaModelTestBase(
         self.model_tester = DiffLlamaModelTester(self, **self.mode_fields)
 
 
+class StepCounterSaveMixin:
+    """V2 and DEX keep their annealing step `t` in an int64 buffer. transformers 5.17's
+    `save_pretrained(distributed_checkpoint=True)` (`save_model_checkpoint_distributed`) consolidates FSDP2 shards
+    with torch's HuggingFaceStorageWriter, which calls `torch.finfo` on every dtype and fails on an integer tensor
+    (/work/notes/mixin_failures.md, F4); later releases save without it."""
+
+    @pytest.mark.xfail(
+        hasattr(transformers.distributed.utils, "save_model_checkpoint_distributed"),
+        reason="torch's HF-safetensors consolidation (transformers' save_model_checkpoint_distributed) cannot "
+        "write the int64 anneal_step buffer: torch.finfo() requires a floating point input type",
+        strict=True,
+    )
+    def test_fsdp2_save_load_dcp(self):
+        super().test_fsdp2_save_load_dcp()
+
+
 class DiffLlamaV1ModelTest(DiffLlamaModelTestBase, unittest.TestCase):
     mode_fields = {"diff_mode": "v1"}
 
 
-class DiffLlamaV2ModelTest(DiffLlamaModelTestBase, unittest.TestCase):
+class DiffLlamaV2ModelTest(StepCounterSaveMixin, DiffLlamaModelTestBase, unittest.TestCase):
     mode_fields = {"diff_mode": "v2"}
 
 
-class DiffLlamaV2AnnealedModelTest(DiffLlamaModelTestBase, unittest.TestCase):
+class DiffLlamaV2AnnealedModelTest(StepCounterSaveMixin, DiffLlamaModelTestBase, unittest.TestCase):
     # what `convert_model(llama, method="v2", anneal_steps=...)` configures: V2 whose noise term is annealed in
     mode_fields = {"diff_mode": "v2", "anneal_steps": 10}
 
 
-class DiffLlamaDexModelTest(DiffLlamaModelTestBase, unittest.TestCase):
+class DiffLlamaDexModelTest(StepCounterSaveMixin, DiffLlamaModelTestBase, unittest.TestCase):
     mode_fields = {"diff_mode": "dex"}  # every head differential
 
 
-class DiffLlamaDexHeadsModelTest(DiffLlamaModelTestBase, unittest.TestCase):
+class DiffLlamaDexHeadsModelTest(StepCounterSaveMixin, DiffLlamaModelTestBase, unittest.TestCase):
     mode_fields = {"diff_mode": "dex", "dex_heads": [[0, 3], [1]]}  # an explicit selection, one list per layer
