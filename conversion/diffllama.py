@@ -22,6 +22,7 @@ than transformers' depth schedule, MLP biases, attention dropout (transformers' 
 import copy
 import json
 import math
+from abc import ABC, abstractmethod
 from pathlib import Path
 
 import torch
@@ -131,7 +132,7 @@ def _renames(source_names, target_names) -> dict[str, str]:
     return renames
 
 
-class _Between(TensorMapping):
+class _Between(TensorMapping, ABC):
     """A mapping between transformers' DiffLlama and our V1 (`source_class` -> `target_class`): tensors renamed by
     `_renames`; the only tensors without a counterpart are subln weights (ours), else it is an internal error.
     `get_tensor(name)` reads a source tensor (set by `DiffLlamaPlan.mapping`; the export reads subln weights)."""
@@ -160,8 +161,9 @@ class _Between(TensorMapping):
         layer = _layer_of(name)
         return {self.renames[name]: tensor if layer is None else self.map_layer_tensor(*layer, tensor)}
 
+    @abstractmethod
     def map_layer_tensor(self, layer_idx: int, local: str, tensor: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """Tensor `local` (its name inside layer `layer_idx`) as the target layout holds it: each direction's own."""
 
     def layer_extras(self, layer_idx: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """subln's weight of layer `layer_idx` where the target has one and the source not: 1, the weightless
