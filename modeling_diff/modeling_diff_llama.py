@@ -13,9 +13,9 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
+from transformers import conversion_mapping
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
-from transformers import conversion_mapping
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.core_model_loading import ConversionOps, WeightConverter, WeightRenaming
 from transformers.generation import GenerationMixin
@@ -96,6 +96,15 @@ class DiffLlamaDecoderLayer(GradientCheckpointingLayer):
         return residual + hidden_states
 
 
+# Where the differential parameters were saved before they had modules of their own (PEFT's `modules_to_save` and
+# the tensor-parallel plan name modules): old name under `self_attn.` -> current one. DEX's lambda_learn was a
+# scalar then; it is a 1-element vector now (FSDP2 refuses scalars).
+LEGACY_ATTENTION_NAMES = {
+    **{name: f"diff_lambda.{name}" for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")},
+    "lambda_learn": "dex_lambda.lambda_learn",
+}
+
+
 class _AsVector(ConversionOps):
     """A scalar -> a 1-element vector (DEX's lambda_learn was a scalar before FSDP2 support)."""
 
@@ -124,22 +133,16 @@ class _LegacyConverter(_LegacyLayout, WeightConverter):
 
 @contextmanager
 def _legacy_layout_readable():
-    """While a checkpoint loads: checkpoints saved before the differential parameters had modules of their own
-    (PEFT's `modules_to_save` and the tensor-parallel plan name modules) load unchanged -- V1's
-    `self_attn.lambda_q1` -> `self_attn.diff_lambda.lambda_q1` (..k2), DEX's scalar `self_attn.lambda_learn` ->
-    `self_attn.dex_lambda.lambda_learn` of shape (1,). Registered for the load only: the model type's mapping is
-    what transformers reverses on save, and these transforms are one-way."""
+    """While a checkpoint loads, checkpoints of `LEGACY_ATTENTION_NAMES` load unchanged (a scalar lambda_learn
+    becomes a vector). Registered for the load only: the model type's mapping is what transformers reverses on
+    save, and these transforms are one-way."""
     model_type = DiffLlamaConfig.model_type
-    register_checkpoint_conversion_mapping(
-        model_type,
-        [
-            *(_LegacyRenaming(rf"self_attn\.{name}", f"self_attn.diff_lambda.{name}")
-              for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")),
-            _LegacyConverter(r"self_attn\.lambda_learn", "self_attn.dex_lambda.lambda_learn",
-                             operations=[_AsVector()]),
-        ],
-        overwrite=True,
-    )
+    transforms = [
+        _LegacyConverter(rf"self_attn\.{old}", f"self_attn.{new}", operations=[_AsVector()]) if old == "lambda_learn"
+        else _LegacyRenaming(rf"self_attn\.{old}", f"self_attn.{new}")
+        for old, new in LEGACY_ATTENTION_NAMES.items()
+    ]
+    register_checkpoint_conversion_mapping(model_type, transforms, overwrite=True)
     try:
         yield
     finally:
@@ -154,11 +157,10 @@ class DiffLlamaPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules = ["DiffLlamaDecoderLayer"]
     _skip_keys_device_placement = ["past_key_values", "cache"]
-    # PEFT maps the keys of adapter files with this (transformers' own loading uses the registered mapping above):
-    # adapters saved before the differential parameters had modules of their own load unchanged.
+    # PEFT maps the keys of adapter files with this (transformers' own loading: `_legacy_layout_readable`), so
+    # adapters of `LEGACY_ATTENTION_NAMES` load unchanged (DexLambda reshapes a scalar lambda_learn).
     _checkpoint_conversion_mapping = {
-        r"self_attn\.(lambda_[qk][12])$": r"self_attn.diff_lambda.\1",
-        r"self_attn\.lambda_learn$": "self_attn.dex_lambda.lambda_learn",
+        rf"self_attn\.{old}$": f"self_attn.{new}" for old, new in LEGACY_ATTENTION_NAMES.items()
     }
     _supports_flash_attn = True
     _supports_sdpa = True
