@@ -425,8 +425,7 @@ class DexAttention(_LlamaLayoutAttention):
         ):  # f_D plain or PEFT's trained copy (a LoRA-adapted f_D takes the plain path)
             combine = DexCombine(
                 self.dex_proj.weight, self.head_mask[self.dex_lambda.head_slice], self.dex_lambda.lambda_learn,
-                self.anneal_step,
-                self.config.anneal_steps, self.lambda_init,
+                self.anneal_step, self.config.anneal_steps, self.lambda_init,
             )
             attn_output = combined_decode_attention(
                 query_states, key_states, value_states, attention_mask, self.scaling, combine
