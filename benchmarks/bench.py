@@ -1,6 +1,11 @@
 """Throughput of differential attention against a plain Llama of the same size, on one GPU.
 
-    python benchmarks/bench.py --seq 2048 8192 --out benchmarks/results.json
+    python benchmarks/bench.py --seq 2048 8192 --out benchmarks/results.json               (every phase)
+    python benchmarks/bench.py --phases prefill decode --seq 2048 8192 32768 --out steps.json
+                                        (prefill, chunked prefill at 32K, StaticCache steps with roofline share)
+    python benchmarks/bench.py --phases generate --out generate.json            (generate(), the four paths)
+    python benchmarks/bench.py --phases generate --generate-batch 1 --out generate_b1.json   (half of it, where
+                                        one call of the device must stay short: the static paths' compiles)
     python benchmarks/bench.py --phases train --seq 2048 8192 32768 65536 --repeats 3 \
         --models llama-liger v1 v2 dex v1-liger v2-liger dex-liger          (the training table against Liger)
 
@@ -12,26 +17,41 @@ and modeling_diff's V1, V2 and DEX (the ~1.1B presets: hidden 2048, 16 layers, M
 routes to the project's fast paths), and V1, V2, DEX with `apply_liger_kernel_to_diff_llama(model=...)`
 (`v1-liger`, ...), each model in a fresh process (Liger's patches are process-wide):
 
-- train:   forward + backward + fused AdamW step on `tokens` tokens (4 x 2048, or 1 x 8192), peak memory;
-- prefill: no-grad forward of the same tokens, logits of the last position only (as generate() does);
-- decode:  64 greedy steps after a prompt of `seq` tokens and 4 warm-up steps, batch 1 and 32, with a
-           StaticCache (the step captured in a CUDA graph and replayed), one model at a time;
-- dynamic: the same at batch 32 with a DynamicCache (eager steps: at these sizes mostly Python and launch
-           overhead, so the host CPU sets the pace), all models loaded and stepping in lockstep (see
-           `bench_dynamic_lockstep`).
+- train:    forward + backward + fused AdamW step on `tokens` tokens (4 x 2048, or 1 x 8192), peak memory;
+- prefill:  no-grad forward of the same tokens, logits of the last position only (as generate() does); and
+            where `seq` > `--prefill-chunk` (4096), `prefill chunked`: a batch-1 prompt of `seq` tokens fed
+            through a DynamicCache 4096 tokens per forward, each chunk attending to the cache before it;
+- decode:   64 greedy steps after a prompt of `seq` tokens (prefilled 4096 tokens per forward) and 4 warm-up
+            steps, batch 1 and 32, with a StaticCache (the step captured in a CUDA graph and replayed), one model
+            at a time (a batch that does not fit is an out-of-memory row: batch 32 at 32K may not);
+- dynamic:  the same at batch 32 with a DynamicCache (eager steps: at these sizes mostly Python and launch
+            overhead, so the host CPU sets the pace), all models loaded and stepping in lockstep (see
+            `bench_dynamic_lockstep`);
+- generate: what a user calling it gets, `model.generate()` of `--generate-models` (llama, v1, v2, dex) on a
+            random 512-token prompt, 128 new tokens, greedy, at batch 1 and 32, with the default DynamicCache and
+            with `cache_implementation="static"` (transformers compiles the step): tok/s = batch x 128 / the wall
+            seconds of one call; one warm-up call per (model, path), then 3 timed rounds, the models in lockstep
+            (see `bench_generate_lockstep`); the tok/s cell gives the median and the range over the rounds.
 
 Each row gives tok/s, the ratio to Llama, the work per token relative to Llama (model FLOPs for train and
 prefill, bytes read for decode: weights / batch + the KV cache, counted analytically from the shapes) and
 the efficiency = (tok/s ratio) x (work ratio): the share of Llama's useful FLOP/s (or bytes/s) reached, and
-the tok/s ratio to `llama-fused`. A second table gives the training rows against `llama-liger`: MFU (the model's
-FLOPs per token x tok/s over the bf16 matmul peak measured at the start of the same run), tok/s and peak memory
-ratios.
+the tok/s ratio to `llama-fused`. The decoding rows also give their `roofline share`: the floor of a step = the
+bytes it reads / the device's copy bandwidth (2 x bytes / time of a 1 GiB device-to-device copy, measured at the
+start of the same run, ~4.2 TB/s on the H200), over the measured step time. The bytes of a step are every weight
+but the embedding table (`weight_bytes`) + the KV cache of the positions up to the current length, averaged over
+the timed steps (`decode_work` x batch); the StaticCache holds the prompt + 4 + 64 positions, so a kernel that
+reads all of it every step reads up to 32 positions more than counted (under 2% of the cache at 2K). The JSON
+rows carry `step_ms`, `floor_ms`, `roofline_share` and `bandwidth_tbs`. The generate rows' `seq` is their prompt
+length. A second table gives the training rows against `llama-liger`: MFU (the model's FLOPs per token x tok/s over
+the bf16 matmul peak measured at the start of the same run), tok/s and peak memory ratios.
 """
 
 import argparse
 import contextlib
 import gc
 import json
+import math
 import multiprocessing
 import os
 import statistics
@@ -53,6 +73,7 @@ from modeling_diff.kernels import apply_rope, rms_norm
 
 MODELS = ("llama", "llama-fused", "llama-liger", "hf-diffllama", "v1", "v2", "dex", "v1-liger", "v2-liger", "dex-liger")
 DEFAULT_MODELS = ("llama", "llama-fused", "hf-diffllama", "v1", "v2", "dex")  # Liger's: name them (liger-kernel)
+GENERATE_MODELS = ("llama", "v1", "v2", "dex")
 LLAMAS = ("llama", "llama-fused", "llama-liger")
 SHAPE = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16)
 
@@ -188,14 +209,15 @@ def bench_prefill(model, batch, seq, repeats):
 
 
 class DecodingSteps:
-    """Prefill `cache` with a random prompt; each call is then one greedy decoding step. The step reads and updates
-    only device tensors, so it can be replayed as a CUDA graph; `rewind()` takes a DynamicCache back to the prompt."""
+    """Prefill `cache` with a random prompt, fed in chunks of `chunk_tokens` tokens per forward (batch x chunk
+    length); each call is then one greedy decoding step. The step reads and updates only device tensors, so it can
+    be replayed as a CUDA graph; `rewind()` takes a DynamicCache back to the prompt."""
 
     @torch.no_grad()
-    def __init__(self, model, cache, batch: int, prompt_len: int):
+    def __init__(self, model, cache, batch: int, prompt_len: int, chunk_tokens: int):
         self.model, self.cache, self.prompt_len = model, cache, prompt_len
         prompt = torch.randint(0, model.config.vocab_size, (batch, prompt_len), device="cuda")
-        for chunk in prompt.split(max(1, 65536 // batch), dim=1):  # prefill in pieces of <= 64K tokens
+        for chunk in prompt.split(max(1, chunk_tokens // batch), dim=1):
             logits = model(chunk, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
         self.token = logits[:, -1].argmax(-1, keepdim=True)
         self.position = torch.full((batch, 1), prompt_len, device="cuda")
@@ -223,13 +245,21 @@ def warm_up_steps(step, steps: int) -> None:
     torch.cuda.current_stream().wait_stream(side)
 
 
+def bench_chunked_prefill(model, prompt_len, chunk_tokens, repeats) -> float:
+    """tok/s of a batch-1 prompt fed through a DynamicCache `chunk_tokens` at a time (every chunk attends to the
+    cache of the chunks before it), the last position's logits of each chunk, as `DecodingSteps` prefills."""
+    run = lambda: DecodingSteps(model, DynamicCache(config=model.config), 1, prompt_len, chunk_tokens)  # noqa: E731
+    run()
+    return prompt_len / cuda_time(run, repeats)
+
+
 @torch.no_grad()
-def bench_static_decode(model, batch, prompt_len, new_tokens) -> float:
+def bench_static_decode(model, batch, prompt_len, new_tokens, chunk_tokens) -> float:
     """tok/s of greedy StaticCache steps after the prompt, the step captured once in a CUDA graph and replayed
     (what generate() gets from compiling the static-cache step: no per-step Python and launch overhead)."""
     warmup = 4
     cache = StaticCache(config=model.config, max_cache_len=prompt_len + warmup + new_tokens)
-    step = DecodingSteps(model, cache, batch, prompt_len)
+    step = DecodingSteps(model, cache, batch, prompt_len, chunk_tokens)
     warm_up_steps(step, warmup)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -237,6 +267,11 @@ def bench_static_decode(model, batch, prompt_len, new_tokens) -> float:
     seconds = cuda_time(graph.replay, new_tokens)
     del cache, graph
     return batch / seconds
+
+
+def rotated(names, i: int) -> list:
+    """`names` starting at its i-th (modulo its length): the order of the models in lockstep round or step i."""
+    return names[i % len(names):] + names[: i % len(names)]
 
 
 @torch.no_grad()
@@ -253,7 +288,7 @@ def bench_dynamic_lockstep(names, seq: int, args, batch: int = 32) -> list[dict]
     for name in names:
         with kernels_patched(name):
             model = build(name, max_positions=seq + 128).eval()
-            steps[name] = DecodingSteps(model, DynamicCache(config=model.config), batch, seq)
+            steps[name] = DecodingSteps(model, DynamicCache(config=model.config), batch, seq, args.prefill_chunk)
     warmup = 4
     speeds = {name: [] for name in names}
     for round_ in tqdm(range(1 + args.rounds), desc=f"seq {seq} dynamic rounds"):
@@ -261,7 +296,7 @@ def bench_dynamic_lockstep(names, seq: int, args, batch: int = 32) -> list[dict]
         for step in steps.values():
             step.rewind()
         for i in range(warmup + args.new_tokens):
-            for name in names[i % len(names):] + names[: i % len(names)]:
+            for name in rotated(names, i):
                 with kernels_patched(name):
                     torch.cuda.synchronize()
                     start = time.perf_counter()
@@ -274,12 +309,68 @@ def bench_dynamic_lockstep(names, seq: int, args, batch: int = 32) -> list[dict]
                 speeds[name].append(batch * args.new_tokens / elapsed[name])
     rows = []
     for name, step in steps.items():
-        rows.append(dict(seq=seq, model=name, phase=f"decode b{batch} dynamic", tok_s=statistics.median(speeds[name]),
-                         rounds=speeds[name], work=decode_work(name, step.model, batch, seq, args.new_tokens)))
+        rows.append(dict(seq=seq, model=name, phase=f"decode b{batch} dynamic", batch=batch,
+                         tok_s=statistics.median(speeds[name]), rounds=speeds[name],
+                         work=decode_work(name, step.model, batch, seq, args.new_tokens)))
         tqdm.write(json.dumps(rows[-1]))
     del steps, step
     gc.collect()
     torch.cuda.empty_cache()
+    return rows
+
+
+@torch.no_grad()
+def bench_generate_lockstep(names, paths, args) -> list[dict]:
+    """The `generate b* dynamic|static` rows: what a user calling `model.generate()` gets, tok/s = batch x
+    `generate_new_tokens` / the wall seconds of one call (synchronized before and after), greedy with no early
+    stop, on a random prompt of `generate_prompt` tokens; with the default DynamicCache (eager steps) or with
+    `cache_implementation="static"` (transformers then compiles the decoding step, "reduce-overhead": CUDA graphs).
+    The host's speed drifts, so the models run in lockstep: all are loaded in this process, one untimed call per
+    (model, path) first (in `paths` order, so each model compiles its static step once per batch size, batch 32
+    after batch 1, as for a user generating at both), then `generate_rounds` timed rounds of one call per (model,
+    path), the models' order rotated every round. A row is the median over the rounds, `rounds` their speeds."""
+    models = {}
+    for name in names:
+        with kernels_patched(name):
+            models[name] = build(name, max_positions=args.generate_prompt + args.generate_new_tokens).eval()
+    vocab = min(model.config.vocab_size for model in models.values())
+    prompts = {batch: torch.randint(0, vocab, (batch, args.generate_prompt), device="cuda") for _, batch in paths}
+
+    def generate(name: str, phase: str, batch: int) -> float:
+        model, ids, new = models[name], prompts[batch], args.generate_new_tokens
+        static = {"cache_implementation": "static"} if phase.endswith("static") else {}
+        with kernels_patched(name):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new,
+                           min_new_tokens=new, pad_token_id=model.config.eos_token_id, **static)
+            torch.cuda.synchronize()
+        return batch * new / (time.perf_counter() - start)
+
+    errors, speeds = {}, {(name, phase): [] for name in names for phase, _ in paths}
+    with tqdm(total=len(names) * len(paths), desc="generate warm-up (compiles the static paths)") as bar:
+        for phase, batch in paths:
+            for name in names:
+                try:
+                    generate(name, phase, batch)
+                except (torch.OutOfMemoryError, RuntimeError) as error:  # the row notes it, the others go on
+                    errors[name, phase] = f"{type(error).__name__}: {str(error)[:100]}"
+                bar.update()
+    for round_ in tqdm(range(args.generate_rounds), desc="generate rounds"):
+        for phase, batch in paths:
+            for name in rotated(names, round_):
+                if (name, phase) not in errors:
+                    speeds[name, phase].append(generate(name, phase, batch))
+    rows = []
+    for phase, batch in paths:
+        for name in names:
+            row = dict(seq=args.generate_prompt, model=name, phase=phase, batch=batch)
+            if (name, phase) in errors:
+                row["error"] = errors[name, phase]
+            else:
+                row.update(tok_s=statistics.median(speeds[name, phase]), rounds=speeds[name, phase])
+            rows.append(row)
+            tqdm.write(json.dumps(row))
     return rows
 
 
@@ -305,6 +396,20 @@ def matmul_peak(n: int = 8192) -> tuple[float, float]:
     return burst, rate()
 
 
+def copy_bandwidth(gib: int = 1) -> float:
+    """Bytes/s of a device-to-device copy of `gib` GiB (read once, written once: 2 x bytes / time), the median of 5
+    rounds of 10 copies after 3 untimed ones (~4.2 TB/s on the H200): the decoding roofline's denominator."""
+    src = torch.empty(gib * 2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    cuda_time(lambda: dst.copy_(src), 3)
+    return statistics.median(2 * src.numel() / cuda_time(lambda: dst.copy_(src), 10) for _ in range(5))
+
+
+def device_peaks() -> tuple[float, float, float]:
+    """(burst matmul FLOP/s, sustained matmul FLOP/s, copy bytes/s), measured in one process."""
+    return *matmul_peak(), copy_bandwidth()
+
+
 def bench_model(name: str, seq: int, phases, args) -> list[dict]:
     """The rows of one model at one sequence length."""
     batch = max(1, args.tokens // seq)
@@ -313,6 +418,8 @@ def bench_model(name: str, seq: int, phases, args) -> list[dict]:
     attn_flops, _ = attention_work(name, model.config)
     rows = []
     for phase, dec_batch in phases:
+        if not applies(phase, seq, args):
+            continue
         row = dict(seq=seq, model=name, phase=phase, batch=batch if phase in ("train", "prefill") else dec_batch)
         try:
             if phase == "train":
@@ -321,8 +428,11 @@ def bench_model(name: str, seq: int, phases, args) -> list[dict]:
             elif phase == "prefill":
                 row["tok_s"] = bench_prefill(model, batch, seq, args.repeats)
                 row["work"] = body + head / seq + attn_flops * (seq + 1) / 2
+            elif phase == "prefill chunked":
+                row["tok_s"] = bench_chunked_prefill(model, seq, args.prefill_chunk, args.repeats)
+                row["work"] = body + head * math.ceil(seq / args.prefill_chunk) / seq + attn_flops * (seq + 1) / 2
             else:
-                row["tok_s"] = bench_static_decode(model, dec_batch, seq, args.new_tokens)
+                row["tok_s"] = bench_static_decode(model, dec_batch, seq, args.new_tokens, args.prefill_chunk)
                 row["work"] = decode_work(name, model, dec_batch, seq, args.new_tokens)
         except (torch.OutOfMemoryError, RuntimeError) as error:  # recorded in the table, the run goes on
             row["error"] = f"{type(error).__name__}: {str(error)[:100]}"
@@ -336,10 +446,20 @@ def bench_model(name: str, seq: int, phases, args) -> list[dict]:
     return rows
 
 
-# (row name, decoding batch) in table order; the --phases choice of each is its first word ("dynamic" for the
-# DynamicCache row)
-PHASES = [("train", None), ("prefill", None), ("decode b1 static", 1), ("decode b32 dynamic", 32),
-          ("decode b32 static", 32)]
+# (row name, batch of the decoding or generate row) in table order; the --phases choice of each: `choice(row name)`
+PHASES = [("train", None), ("prefill", None), ("prefill chunked", 1), ("decode b1 static", 1),
+          ("decode b32 dynamic", 32), ("decode b32 static", 32), ("generate b1 dynamic", 1),
+          ("generate b1 static", 1), ("generate b32 dynamic", 32), ("generate b32 static", 32)]
+
+
+def applies(phase: str, seq: int, args) -> bool:
+    """Whether a row is measured at `seq`: the chunked prefill only where the prompt takes more than one chunk."""
+    return phase != "prefill chunked" or seq > args.prefill_chunk
+
+
+def choice(phase: str) -> str:
+    """The --phases choice that runs a row: its first word, "dynamic" for the DynamicCache decoding steps."""
+    return "dynamic" if phase == "decode b32 dynamic" else phase.split()[0]
 
 
 def bench_model_all_lengths(name: str, phases, args) -> list[dict]:
@@ -360,50 +480,74 @@ def in_fresh_process(fn, *args):
         return pool.submit(fn, *args).result()
 
 
-def run(args) -> tuple[list[dict], float]:
-    """The rows, sorted, and the (burst) matmul peak in FLOP/s, measured first."""
-    peak, sustained = in_fresh_process(matmul_peak)
-    tqdm.write(f"bf16 matmul peak: {peak / 1e12:.0f} TFLOP/s (sustained after 3 s: {sustained / 1e12:.0f})")
-    one_at_a_time = [(p, b) for p, b in PHASES if "dynamic" not in p and p.split()[0] in args.phases]
+def rows_or_errors(fn, fn_args, failed: list[dict]) -> list[dict]:
+    """fn(*fn_args)'s rows, run in a fresh process; if it fails (a model not built: liger-kernel missing; out of
+    memory outside a row's own check; the process died), the rows `failed` with the error noted: the run goes on."""
+    try:
+        return in_fresh_process(fn, *fn_args)
+    except Exception as error:
+        reason = "process died" if isinstance(error, BrokenProcessPool) else type(error).__name__
+        return [dict(row, error=f"{reason}: {str(error)[:100]}") for row in failed]
+
+
+def run(args) -> tuple[list[dict], float, float]:
+    """The rows, sorted, the (burst) matmul peak in FLOP/s and the copy bandwidth in bytes/s, measured first."""
+    peak, sustained, bandwidth = in_fresh_process(device_peaks)
+    tqdm.write(f"bf16 matmul peak: {peak / 1e12:.0f} TFLOP/s (sustained after 3 s: {sustained / 1e12:.0f}), "
+               f"copy bandwidth: {bandwidth / 1e12:.2f} TB/s")
+    one_at_a_time = [(p, b) for p, b in PHASES if choice(p) in set(args.phases) & {"train", "prefill", "decode"}]
     results = []
     if one_at_a_time:
         for name in tqdm(args.models, desc="models"):
-            try:
-                results += in_fresh_process(bench_model_all_lengths, name, one_at_a_time, args)
-            except Exception as error:  # not built (liger-kernel missing), or the process died: noted, go on
-                reason = "process died" if isinstance(error, BrokenProcessPool) else type(error).__name__
-                results += [dict(seq=seq, model=name, phase=p, error=f"{reason}: {str(error)[:100]}")
-                            for seq in args.seq for p, _ in one_at_a_time]
+            failed = [dict(seq=seq, model=name, phase=p) for seq in args.seq for p, _ in one_at_a_time
+                      if applies(p, seq, args)]
+            results += rows_or_errors(bench_model_all_lengths, (name, one_at_a_time, args), failed)
     lockstep = [name for name in args.models if not name.endswith("-liger")]  # Liger's patches are process-wide
     if "dynamic" in args.phases:
-        batch = next(b for p, b in PHASES if "dynamic" in p)
+        batch = next(b for p, b in PHASES if choice(p) == "dynamic")
         for seq in args.seq:
-            results += in_fresh_process(bench_dynamic_lockstep, lockstep, seq, args, batch)
-    order = [p for p, _ in PHASES]
-    key = lambda r: (r["seq"], args.models.index(r["model"]), order.index(r["phase"]))  # noqa: E731
-    return sorted(results, key=key), peak
+            failed = [dict(seq=seq, model=name, phase=f"decode b{batch} dynamic") for name in lockstep]
+            results += rows_or_errors(bench_dynamic_lockstep, (lockstep, seq, args, batch), failed)
+    if "generate" in args.phases:
+        paths = [(p, b) for p, b in PHASES if choice(p) == "generate" and b in args.generate_batch]
+        failed = [dict(seq=args.generate_prompt, model=name, phase=p) for p, _ in paths
+                  for name in args.generate_models]
+        results += rows_or_errors(bench_generate_lockstep, (args.generate_models, paths, args), failed)
+    order, names = [p for p, _ in PHASES], list(dict.fromkeys(args.models + args.generate_models))
+    key = lambda r: (r["seq"], names.index(r["model"]), order.index(r["phase"]))  # noqa: E731
+    return sorted(results, key=key), peak, bandwidth
+
+
+def speed_cell(row: dict) -> str:
+    """tok/s, followed by the range over the timed rounds where a row has several: `414 (402-420)`."""
+    fmt = lambda v: f"{v / 1000:.1f}k" if v >= 10000 else f"{v:.0f}"  # noqa: E731
+    rounds = row.get("rounds", [])
+    return fmt(row["tok_s"]) + (f" ({fmt(min(rounds))}-{fmt(max(rounds))})" if len(rounds) > 1 else "")
 
 
 def table(results) -> str:
     """Markdown table: ratios against the Llama row of the same sequence length and phase (and, for the
-    differential modes, against `llama-fused` and transformers' DiffLlama)."""
+    differential modes, against `llama-fused` and transformers' DiffLlama); the decoding rows' roofline share.
+    The generate rows count no work (their time mixes the prompt's forward and the steps)."""
     rows_of = lambda model: {(r["seq"], r["phase"]): r for r in results if r["model"] == model and "tok_s" in r}  # noqa: E731
     base, fused, hf = rows_of("llama"), rows_of("llama-fused"), rows_of("hf-diffllama")
-    lines = ["| seq | phase | model | tok/s | vs Llama | work vs Llama | efficiency | vs Llama-fused | vs HF DiffLlama "
-             "| peak GiB (vs Llama) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| seq | phase | model | tok/s | vs Llama | work vs Llama | efficiency | roofline share | vs Llama-fused "
+             "| vs HF DiffLlama | peak GiB (vs Llama) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         key, ref = (r["seq"], r["phase"]), base.get((r["seq"], r["phase"]))
         if "tok_s" not in r or ref is None:
-            lines.append(f"| {r['seq']} | {r['phase']} | {r['model']} | {r.get('error', 'n/a')} | | | | | | |")
+            lines.append(f"| {r['seq']} | {r['phase']} | {r['model']} | {r.get('error', 'n/a')} | | | | | | | |")
             continue
-        speed, work = r["tok_s"] / ref["tok_s"], r["work"] / ref["work"]
+        speed = r["tok_s"] / ref["tok_s"]
+        work = f"{r['work'] / ref['work']:.2f}" if "work" in r else ""
+        efficiency = f"{speed * r['work'] / ref['work']:.2f}" if "work" in r else ""
+        roofline = f"{r['roofline_share']:.2f}" if "roofline_share" in r else ""
         mode = r["model"] in ("v1", "v2", "dex")
         vs_fused = f"{r['tok_s'] / fused[key]['tok_s']:.2f}x" if key in fused and mode else ""
         vs_hf = f"{r['tok_s'] / hf[key]['tok_s']:.2f}x" if key in hf and r["model"] == "v1" else ""
         peak = f"{r['peak_gib']:.1f} ({r['peak_gib'] / ref['peak_gib']:.2f}x)" if "peak_gib" in r else ""
-        tok_s = f"{r['tok_s'] / 1000:.1f}k" if r["tok_s"] >= 10000 else f"{r['tok_s']:.0f}"
-        lines.append(f"| {r['seq']} | {r['phase']} | {r['model']} | {tok_s} | {speed:.2f}x | {work:.2f} | "
-                     f"{speed * work:.2f} | {vs_fused} | {vs_hf} | {peak} |")
+        lines.append(f"| {r['seq']} | {r['phase']} | {r['model']} | {speed_cell(r)} | {speed:.2f}x | {work} | "
+                     f"{efficiency} | {roofline} | {vs_fused} | {vs_hf} | {peak} |")
     return "\n".join(lines)
 
 
@@ -434,25 +578,39 @@ def main(argv=None):
     parser.add_argument("--seq", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS), choices=MODELS,
                         help="the *-liger models need liger-kernel (the [liger] extra)")
-    parser.add_argument("--phases", nargs="+", default=["train", "prefill", "decode", "dynamic"],
-                        choices=["train", "prefill", "decode", "dynamic"],
-                        help="decode: the StaticCache rows; dynamic: the DynamicCache rows, models in lockstep")
+    parser.add_argument("--phases", nargs="+", default=["train", "prefill", "decode", "dynamic", "generate"],
+                        choices=["train", "prefill", "decode", "dynamic", "generate"],
+                        help="prefill: one forward, and chunked where seq > --prefill-chunk; decode: the StaticCache "
+                             "steps; dynamic: the DynamicCache steps, models in lockstep; generate: model.generate() "
+                             "of --generate-models in lockstep")
     parser.add_argument("--tokens", type=int, default=8192, help="tokens per training / prefill batch")
+    parser.add_argument("--prefill-chunk", type=int, default=4096,
+                        help="tokens per forward (batch x chunk length) when a prompt is fed through a cache")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=4, help="timed rounds of the dynamic rows (models in lockstep)")
+    parser.add_argument("--generate-models", nargs="+", default=list(GENERATE_MODELS),
+                        choices=[m for m in MODELS if not m.endswith("-liger")])
+    parser.add_argument("--generate-batch", type=int, nargs="+", default=[1, 32], choices=[1, 32])
+    parser.add_argument("--generate-prompt", type=int, default=512, help="prompt tokens of the generate rows")
+    parser.add_argument("--generate-new-tokens", type=int, default=128)
+    parser.add_argument("--generate-rounds", type=int, default=3, help="timed rounds of the generate rows")
     parser.add_argument("--out", help="write the rows (JSON) and the table (.md beside it) here")
     args = parser.parse_args(argv)
-    for name in ("seq", "tokens", "new_tokens", "repeats", "rounds"):
+    for name in ("seq", "tokens", "prefill_chunk", "new_tokens", "repeats", "rounds", "generate_prompt",
+                 "generate_new_tokens", "generate_rounds"):
         values = getattr(args, name) if isinstance(getattr(args, name), list) else [getattr(args, name)]
         if any(v < 1 for v in values):
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if not torch.cuda.is_available():
         sys.exit("bench.py needs a CUDA GPU")
-    results, peak = run(args)
+    results, peak, bandwidth = run(args)
     for r in results:
         if r["phase"] == "train" and "tok_s" in r:
             r["mfu"], r["matmul_peak_tflops"] = r["work"] * r["tok_s"] / peak, peak / 1e12
+        if r["phase"].startswith("decode") and "tok_s" in r:  # bytes per step = batch x bytes per token (`work`)
+            r["step_ms"], r["floor_ms"] = 1e3 * r["batch"] / r["tok_s"], 1e3 * r["batch"] * r["work"] / bandwidth
+            r["roofline_share"], r["bandwidth_tbs"] = r["floor_ms"] / r["step_ms"], bandwidth / 1e12
     text = table(results)
     if "train" in args.phases:
         text += "\n\nTraining against llama-liger:\n\n" + train_table(results, peak)
