@@ -332,28 +332,17 @@ COMBINED_DECODE_CASES = (
 )
 
 
-@pytest.mark.parametrize("mode,heads,kv_heads,length,kv_length,dqk", COMBINED_DECODE_CASES)
-@pytest.mark.parametrize("masked", [False, True])
-@torch.no_grad()
-def test_combined_decode_attention_matches_the_formula(mode, heads, kv_heads, length, kv_length, dqk, masked):
-    """The decode kernel with each mode's differential term in its reduce, the coefficients computed in the kernel
-    (V1's lambda from its vectors, V2's noise weight from the logits, DEX's lambda(t)) against the definitions."""
-    from modeling_diff.kernels import DexCombine, V1Combine, V2Combine, combined_decode_attention
+def combined_decode_step(mode, heads, kv_heads, length, kv_length, dqk, visible, anneal_steps):
+    """A combined decoding step's inputs and its reference from the definitions: (q, k, v, combine, ref).
+    visible (B, L, S); V2, DEX anneal at t = 10 of T = anneal_steps (0: annealing off)."""
+    from modeling_diff.kernels import DexCombine, V1Combine, V2Combine
 
-    torch.manual_seed(5)
-    batch, dv = 3, 2 * dqk if mode == "v1" else dqk
+    batch, dv = visible.shape[0], 2 * dqk if mode == "v1" else dqk
     q_heads = heads if mode == "dex" else 2 * heads
     q = rand(batch, length, q_heads, dqk).transpose(1, 2)  # (B, Hq, L, Dqk): a view, as the modules pass it
     k = rand(batch, kv_heads, kv_length, 2 * dqk if mode == "v1" else dqk)
     v = rand(batch, kv_heads, kv_length, dv)
-    visible = causally_visible(length, kv_length, masked).expand(batch, length, kv_length).clone()
-    mask = None
-    if masked:  # left padding, and the first row hides most chunks
-        visible[0, :, : kv_length * 2 // 3] = False
-        visible[1, :, :5] = False
-        mask = visible[:, None]
-    # V2, DEX: annealing at t = 10 of T = 40 with a mask, off without (T = 0)
-    step, anneal_steps = torch.tensor(10.0, device=DEVICE), 40 if masked else 0
+    step = torch.tensor(10.0, device=DEVICE)
     fraction = 10.0 / anneal_steps if anneal_steps else 1.0  # t / T
     pairs = q.transpose(1, 2).unflatten(2, (-1, 2))  # (B, L, h, 2, Dqk) for V1's and V2's formula
     if mode == "v1":
@@ -373,11 +362,78 @@ def test_combined_decode_attention_matches_the_formula(mode, heads, kv_heads, le
         a = min(1.0, fraction)
         lam = (1 - a) * fraction * 0.44 + a * 0.3
         combine = DexCombine(operator, head_mask, learn, step, anneal_steps, 0.44)
-        heads_out = attention_formula(q, k, v, visible, 0.3)  # (B, L, h, Dv)
+        heads_out = attention_formula(q, k, v, visible, 0.3).nan_to_num(0.0)  # (B, L, h, Dv); no key seen: 0
         ref = heads_out - lam * head_mask.double()[:, None] * (heads_out @ operator.double().T)
+    return q, k, v, combine, ref
+
+
+@pytest.mark.parametrize("mode,heads,kv_heads,length,kv_length,dqk", COMBINED_DECODE_CASES)
+@pytest.mark.parametrize("masked", [False, True])
+@torch.no_grad()
+def test_combined_decode_attention_matches_the_formula(mode, heads, kv_heads, length, kv_length, dqk, masked):
+    """The decode kernel with each mode's differential term in its reduce, the coefficients computed in the kernel
+    (V1's lambda from its vectors, V2's noise weight from the logits, DEX's lambda(t)) against the definitions."""
+    from modeling_diff.kernels import combined_decode_attention
+
+    torch.manual_seed(5)
+    batch = 3
+    visible = causally_visible(length, kv_length, masked).expand(batch, length, kv_length).clone()
+    mask = None
+    if masked:  # left padding, and the first row hides most chunks
+        visible[0, :, : kv_length * 2 // 3] = False
+        visible[1, :, :5] = False
+        mask = visible[:, None]
+    # V2, DEX: annealing at t = 10 of T = 40 with a mask, off without (T = 0)
+    q, k, v, combine, ref = combined_decode_step(
+        mode, heads, kv_heads, length, kv_length, dqk, visible, 40 if masked else 0
+    )
     out = combined_decode_attention(q, k, v, mask, 0.3, combine)
-    assert out.shape == (batch, length, heads, dv) and out.dtype == DTYPE
+    assert out.shape == (batch, length, heads, ref.shape[-1]) and out.dtype == DTYPE
     assert rel_err(out, ref) < TOL
+
+
+# (mode, heads, kv heads, query tokens, cached tokens, q/k width); mode None: plain attention of `heads` query
+# heads. Cut into chunks of 16 keys, each row merges 9 to 10 chunks (MAX_SPLITS 16: dead chunks too).
+MANY_SPLITS_CASES = [
+    (None, 6, 2, 1, 150, 16), (None, 4, 4, 3, 130, 32), ("v1", 6, 2, 1, 150, 16), ("v2", 3, 1, 2, 140, 16),
+    ("dex", 6, 2, 1, 150, 16),
+]
+
+
+@pytest.mark.parametrize("mode,heads,kv_heads,length,kv_length,dqk", MANY_SPLITS_CASES)
+@pytest.mark.parametrize("masked", [False, True])
+@torch.no_grad()
+def test_decode_attention_merges_many_splits(mode, heads, kv_heads, length, kv_length, dqk, masked, monkeypatch):
+    """The reduce's merge of many chunks: the split-KV kernel's chunks at their shortest (16 keys, the smallest
+    tile) and as many as the cache has. Masked: whole chunks hidden at the start (first row) and in the middle
+    (second row), and a row that sees no key at all (third row), whose output is 0."""
+    import modeling_diff.kernels.triton_decode as triton_decode
+    from modeling_diff.kernels import combined_decode_attention
+
+    monkeypatch.setattr(triton_decode, "PARTIAL_BLOCK_N", 16)
+    monkeypatch.setattr(triton_decode, "PROGRAMS_PER_SM", 1 << 20)  # a chunk per BLOCK_N keys
+    torch.manual_seed(6)
+    batch = 3
+    visible = causally_visible(length, kv_length, masked).expand(batch, length, kv_length).clone()
+    mask = None
+    if masked:
+        visible[0, :, : kv_length * 2 // 3] = False
+        visible[1, :, 32:80] = False  # chunks 2 to 4
+        visible[1] &= torch.rand(length, kv_length, device=DEVICE) > 0.2
+        visible[2] = False
+        mask = visible[:, None]
+    if mode is None:
+        q = rand(batch, heads, length, dqk)
+        k, v = rand(batch, kv_heads, kv_length, dqk), rand(batch, kv_heads, kv_length, dqk)
+        out = decode_attention(q, k, v, mask, 0.3)
+        ref = attention_formula(q, k, v, visible, 0.3).nan_to_num(0.0)
+    else:
+        q, k, v, combine, ref = combined_decode_step(mode, heads, kv_heads, length, kv_length, dqk, visible, 40)
+        out = combined_decode_attention(q, k, v, mask, 0.3, combine)
+    assert out.shape == ref.shape
+    assert rel_err(out, ref) < TOL
+    if masked:
+        assert out[2].abs().max() == 0
 
 
 # ---- the model on the fast paths --------------------------------------------------------------------------

@@ -2,10 +2,11 @@
 
 A program owns one (batch, kv head) and one chunk of the cached sequence. Its rows are every query of the
 kv head's GQA group (G query heads x L tokens), so the K and V tiles it loads serve the whole group; the
-chunks run in parallel (flash-decoding) and a reduce kernel merges their partial softmaxes. For the
-differential modes the reduce also applies the mode's differential term (`_decode_reduce_combined`: V1's and
-V2's combine of each head pair, DEX's operator), and V1's queries are read as they come (`PAIRED`: Q1 against
-K1, Q2 against K2 of the 2d-wide cached key).
+chunks run in parallel (flash-decoding) and a reduce kernel merges their partial softmaxes. The reduce runs a
+program per query row (per head pair for V1 and V2) and reads all of the row's chunks in one load: a decoding
+step waits on its latency, not on its few bytes. For the differential modes the reduce also applies the mode's
+differential term (`_decode_reduce_combined`: V1's and V2's combine of each head pair, DEX's operator), and V1's
+queries are read as they come (`PAIRED`: Q1 against K1, Q2 against K2 of the 2d-wide cached key).
 
 Imported only when triton is installed (see `kernels/decode.py` for the reference and the dispatch).
 """
@@ -26,6 +27,14 @@ try:
     import triton.language as tl
 except ImportError as error:
     raise ImportError("modeling_diff's Triton kernels need the triton package") from error
+
+
+# The split-KV kernel's launch parameters, in one place for tuning on the GPU; `_partial_softmaxes` passes them.
+PARTIAL_BLOCK_N = 64  # keys per tile; a power of two >= 16 (tl.dot's smallest), and the shortest chunk
+PARTIAL_NUM_WARPS = 4
+PARTIAL_NUM_STAGES = 3  # Triton's default
+# The number of chunks (splits) aims at about this many programs per multiprocessor.
+PROGRAMS_PER_SM = 2
 
 
 # The cache length (and with it the causal offset, the mask's strides and the number of chunks) grows every
@@ -92,46 +101,40 @@ def _decode_partial(
 
 
 @triton.jit
-def _merge_splits(Part, parts, pid_bh, splits, r, r_ok,
-                  ROWS: tl.constexpr, BLOCK_R: tl.constexpr, DV: tl.constexpr, MAX_SPLITS: tl.constexpr):
-    """The attention output (ROWS, DV) fp32 of the program's rows `r` (those where `r_ok`; 0 elsewhere): the
-    chunks' partial softmaxes merged. Part holds the `parts` rows of partial outputs (DV each), then their
-    maxima, then their sums."""
+def _merge_splits(Part, parts, first_part, row, splits,
+                  BLOCK_R: tl.constexpr, DV: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    """The attention output (DV,) fp32 of one query row: the chunks' partial softmaxes merged. Part holds the
+    `parts` rows of partial outputs (DV each), then their maxima, then their sums; the row's `splits` chunks are
+    the parts first_part.. . Every chunk's max, sum and output are read in one (MAX_SPLITS, DV) load (a loop over
+    the chunks would wait on one memory round trip per chunk) and merged with reductions over the chunk axis."""
+    split = tl.arange(0, MAX_SPLITS)  # MAX_SPLITS: splits rounded up to a power of two
+    live = split < splits
+    index = (first_part + split) * BLOCK_R + row  # (MAX_SPLITS,)
     dv = tl.arange(0, DV)
-    m = tl.full((ROWS,), -1.0e30, tl.float32)
-    l_sum = tl.zeros((ROWS,), tl.float32)
-    acc = tl.zeros((ROWS, DV), tl.float32)
-    for split in range(0, MAX_SPLITS):  # MAX_SPLITS: splits rounded up to a power of two
-        part = pid_bh * splits + split
-        live = (split < splits) & r_ok
-        m_s = tl.load(Part + parts * DV + part * BLOCK_R + r, mask=live, other=-1.0e30)
-        l_s = tl.load(Part + parts * (DV + 1) + part * BLOCK_R + r, mask=live, other=0.0)
-        o_s = tl.load(Part + (part * BLOCK_R + r)[:, None] * DV + dv[None, :], mask=live[:, None], other=0.0)
-        m_new = tl.maximum(m, m_s)
-        alpha = tl.exp2(m - m_new)
-        beta = tl.exp2(m_s - m_new)
-        acc = acc * alpha[:, None] + o_s * beta[:, None]
-        l_sum = l_sum * alpha + l_s * beta
-        m = m_new
-    return acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]  # a query with no visible key gets 0
+    # A dead chunk reads as the partial kernel's empty chunk: the finite "minus infinity", sum 0, output 0.
+    m_s = tl.load(Part + parts * DV + index, mask=live, other=-1.0e30)
+    l_s = tl.load(Part + parts * (DV + 1) + index, mask=live, other=0.0)
+    o_s = tl.load(Part + index[:, None] * DV + dv[None, :], mask=live[:, None], other=0.0)
+    beta = tl.exp2(m_s - tl.max(m_s, axis=0))  # softmax in base 2, as the partial kernel's
+    l_sum = tl.sum(l_s * beta, axis=0)
+    acc = tl.sum(o_s * beta[:, None], axis=0)
+    return acc / tl.where(l_sum > 0, l_sum, 1.0)  # a query with no visible key gets 0
 
 
+# The reduces run one program per query row (per head pair for V1, V2) of each (batch, kv head): a decoding
+# step has few rows, and each program's latency, not its work, is what the step waits on.
 @triton.jit(do_not_specialize=["splits", "parts"])
 def _decode_reduce(
     Part, Out, sob, sol, soh, H_KV, L, splits, parts,
     G: tl.constexpr, BLOCK_R: tl.constexpr, DV: tl.constexpr, MAX_SPLITS: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
+    row = tl.program_id(1)  # the group's row g * L + t is query head g, token t
     b = pid_bh // H_KV
     kvh = pid_bh % H_KV
-    r = tl.arange(0, BLOCK_R)
-    ok = r < G * L
-    out = _merge_splits(Part, parts, pid_bh, splits, r, ok, BLOCK_R, BLOCK_R, DV, MAX_SPLITS)
-    g = r // L
-    t = r % L
+    out = _merge_splits(Part, parts, pid_bh * splits, row, splits, BLOCK_R, DV, MAX_SPLITS)
     dv = tl.arange(0, DV)
-    tl.store(Out + b * sob + t[:, None] * sol + (kvh * G + g)[:, None] * soh + dv[None, :],
-             out.to(Out.dtype.element_ty), mask=ok[:, None])
+    tl.store(Out + b * sob + (row % L) * sol + (kvh * G + row // L) * soh + dv, out.to(Out.dtype.element_ty))
 
 
 @triton.jit(do_not_specialize=["splits", "parts"])
@@ -145,39 +148,40 @@ def _decode_reduce_combined(
     """The merge, then each mode's differential term on the merged head outputs (`decode.py`):
     MODE 0 (V1) pairs of query heads (2i, 2i+1) -> norm_scale * subln(O1 - lambda O2), lambda from its vectors;
     MODE 1 (V2) pairs -> O1 - sigmoid(z) min(1, t/T) O2, z = Logits (B, L, h);
-    MODE 2 (DEX) each head -> O - lambda(t) mask_h O W^T, W = Operator (DV, DV)."""
+    MODE 2 (DEX) each head -> O - lambda(t) mask_h O W^T, W = Operator (DV, DV).
+    A program per query row (DEX) or per pair (V1, V2: subln needs both maps of the pair)."""
     pid_bh = tl.program_id(0)
     b = pid_bh // H_KV
     kvh = pid_bh % H_KV
+    first_part = pid_bh * splits
     dv = tl.arange(0, DV)
     if MODE == 2:
-        r = tl.arange(0, BLOCK_R)  # the program's row g * L + t is query head g, token t
-        ok = r < G * L
-        t = r % L
-        head = kvh * G + r // L
-        o = _merge_splits(Part, parts, pid_bh, splits, r, ok, BLOCK_R, BLOCK_R, DV, MAX_SPLITS)
+        row = tl.program_id(1)  # the group's row g * L + t is query head g, token t
+        t = row % L
+        head = kvh * G + row // L
+        o = _merge_splits(Part, parts, first_part, row, splits, BLOCK_R, DV, MAX_SPLITS)
         lam = dex_lambda(LambdaLearn, anneal_fraction(AnnealStep, anneal_steps, ANNEALED), lambda_init)
-        lam_h = lam * tl.load(HeadMask + head, mask=ok, other=0.0).to(tl.float32)
-        w_t = tl.load(Operator + dv[None, :] * DV + dv[:, None])  # (DV, DV): W^T
-        out = o - lam_h[:, None] * tl.dot(o.to(w_t.dtype), w_t).to(tl.float32)
+        lam_h = lam * tl.load(HeadMask + head).to(tl.float32)
+        w = tl.load(Operator + dv[:, None] * DV + dv[None, :]).to(tl.float32)  # (DV, DV): W[j, k]
+        out = o - lam_h * tl.sum(w * o[None, :], axis=1)  # (O W^T)_j = sum_k W[j, k] O_k
     else:
-        p = tl.arange(0, BLOCK_R // 2)  # (pair i, token t); the pair's rows are 2i * L + t and (2i + 1) * L + t
-        ok = p < (G // 2) * L
-        i = p // L
-        t = p % L
+        pair = tl.program_id(1)  # (pair i, token t); the pair's rows are 2i * L + t and (2i + 1) * L + t
+        i = pair // L
+        t = pair % L
         first = 2 * i * L + t
-        o1 = _merge_splits(Part, parts, pid_bh, splits, first, ok, BLOCK_R // 2, BLOCK_R, DV, MAX_SPLITS)
-        o2 = _merge_splits(Part, parts, pid_bh, splits, first + L, ok, BLOCK_R // 2, BLOCK_R, DV, MAX_SPLITS)
+        o1 = _merge_splits(Part, parts, first_part, first, splits, BLOCK_R, DV, MAX_SPLITS)
+        o2 = _merge_splits(Part, parts, first_part, first + L, splits, BLOCK_R, DV, MAX_SPLITS)
         head = kvh * (G // 2) + i
         if MODE == 0:
             lam = differential_lambda(LambdaQ1, LambdaK1, LambdaQ2, LambdaK2, lambda_init, D_LAMBDA)
-            out, _ = v1_combine_rows(o1, o2, lam, tl.load(NormW + dv).to(tl.float32), eps, norm_scale, DV)
+            y, _ = v1_combine_rows(o1[None, :], o2[None, :], lam, tl.load(NormW + dv).to(tl.float32), eps,
+                                   norm_scale, DV)
+            out = tl.reshape(y, (DV,))
         else:
-            z = tl.load(Logits + b * szb + t * szl + head * szh, mask=ok, other=0.0).to(tl.float32)
+            z = tl.load(Logits + b * szb + t * szl + head * szh).to(tl.float32)
             fraction = tl.minimum(anneal_fraction(AnnealStep, anneal_steps, ANNEALED), 1.0)
-            out = o1 - (tl.sigmoid(z) * fraction)[:, None] * o2
-    tl.store(Out + b * sob + t[:, None] * sol + head[:, None] * soh + dv[None, :],
-             out.to(Out.dtype.element_ty), mask=ok[:, None])
+            out = o1 - tl.sigmoid(z) * fraction * o2
+    tl.store(Out + b * sob + t * sol + head * soh + dv, out.to(Out.dtype.element_ty))
 
 
 @functools.cache
@@ -203,10 +207,10 @@ def _partial_softmaxes(query, key, value, mask, scale: float, launcher):
     v_dim = value.shape[-1]
     groups = q_heads // kv_heads
     block_rows = max(16, next_power_of_2(groups * length))
-    block_n = 64
-    # Enough chunks for about two programs per multiprocessor; the chunk length is a power of two (a
-    # compile-time constant of the kernel), so a growing cache changes it, and recompiles, rarely.
-    target = max(1, cdiv(2 * _sm_count(query.device), batch * kv_heads))
+    block_n = PARTIAL_BLOCK_N
+    # Enough chunks for about PROGRAMS_PER_SM programs per multiprocessor; the chunk length is a power of two
+    # (a compile-time constant of the kernel), so a growing cache changes it, and recompiles, rarely.
+    target = max(1, cdiv(PROGRAMS_PER_SM * _sm_count(query.device), batch * kv_heads))
     chunk = max(block_n, next_power_of_2(cdiv(kv_length, target)))
     splits = cdiv(kv_length, chunk)
     parts = batch * kv_heads * splits * block_rows
@@ -217,6 +221,7 @@ def _partial_softmaxes(query, key, value, mask, scale: float, launcher):
         kv_heads, kv_length, length, causal_offset(length, kv_length, mask is not None), splits, parts,
         SCALE=scale, G=groups, HAS_MASK=mask is not None, BLOCK_R=block_rows, BLOCK_N=block_n,
         DQ=q_dim, DK=k_dim, DV=v_dim, CHUNK=chunk, PAIRED=k_dim == 2 * q_dim,
+        num_warps=PARTIAL_NUM_WARPS, num_stages=PARTIAL_NUM_STAGES,
     )
     return work, splits, parts, block_rows
 
@@ -228,8 +233,9 @@ def decode_attention_kernels(query, key, value, mask, scale: float, launcher=_pl
     kv_heads, v_dim = key.shape[1], value.shape[-1]
     work, splits, parts, block_rows = _partial_softmaxes(query, key, value, mask, scale, launcher)
     out = torch.empty(batch, length, q_heads, v_dim, dtype=query.dtype, device=query.device)
-    launcher(_decode_reduce)[(batch * kv_heads,)](
-        work, out, *out.stride()[:3], kv_heads, length, splits, parts, G=q_heads // kv_heads, BLOCK_R=block_rows,
+    groups = q_heads // kv_heads
+    launcher(_decode_reduce)[(batch * kv_heads, groups * length)](  # a program per query row
+        work, out, *out.stride()[:3], kv_heads, length, splits, parts, G=groups, BLOCK_R=block_rows,
         DV=v_dim, MAX_SPLITS=next_power_of_2(splits),
     )
     return out
@@ -242,6 +248,7 @@ def combined_decode_kernels(query, key, value, mask, scale: float, combine) -> t
     kv_heads, v_dim = key.shape[1], value.shape[-1]
     mode = type(combine).MODE  # 0 V1, 1 V2, 2 DEX: the reduce kernel's MODE
     heads = q_heads if mode == 2 else q_heads // 2  # V1, V2: a head per pair of query heads
+    groups = q_heads // kv_heads
     work, splits, parts, block_rows = _partial_softmaxes(query, key, value, mask, scale, _plain)
     out = torch.empty(batch, length, heads, v_dim, dtype=query.dtype, device=query.device)
     unused = out  # a pointer the mode does not read
@@ -257,10 +264,11 @@ def combined_decode_kernels(query, key, value, mask, scale: float, combine) -> t
         else:
             dex = (combine.operator.contiguous(), combine.head_mask, combine.lambda_learn)
             lambda_init = combine.lambda_init
-    _decode_reduce_combined[(batch * kv_heads,)](
+    # A program per query row (DEX) or pair of rows (V1, V2): the group's (heads / kv heads) x L outputs.
+    _decode_reduce_combined[(batch * kv_heads, heads // kv_heads * length)](
         work, out, *out.stride()[:3], kv_heads, length, splits, parts,
         *logits, *norm, *vectors, *dex, *anneal, lambda_init,
-        G=q_heads // kv_heads, BLOCK_R=block_rows, DV=v_dim, MAX_SPLITS=next_power_of_2(splits),
+        G=groups, BLOCK_R=block_rows, DV=v_dim, MAX_SPLITS=next_power_of_2(splits),
         MODE=mode, ANNEALED=mode != 0 and combine.anneal_steps > 0, D_LAMBDA=d_lambda,
     )
     return out
