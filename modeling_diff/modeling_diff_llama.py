@@ -32,6 +32,7 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .configuration import DiffLlamaConfig
 from . import tensor_parallel  # noqa: F401  (registers the plan's styles for the differential parameters)
+from .generation import graphed_greedy_generate
 from .diff_attention import ATTENTION_CLASSES, DexAttention, DexLambda, DifferentialLambda, DiffAttentionV1, DiffAttentionV2
 from .kernels import resolve, rms_norm, rms_norm_kernel_applies, uses_fast_kernels
 
@@ -318,6 +319,16 @@ class DiffLlamaForCausalLM(DiffLlamaPreTrainedModel, GenerationMixin):
             attentions=outputs.attentions,
             **{CACHE_KWARG: getattr(outputs, CACHE_KWARG)},
         )
+
+    def generate(self, inputs=None, generation_config=None, **kwargs):
+        """transformers' `generate`. Plain greedy decoding with `cache_implementation="static"` on CUDA replays each
+        step as one CUDA graph (`modeling_diff.generation`): the same tokens, without the per-token Python of the
+        decoding loop; `disable_compile=True` or anything else (sampling, beams, processors, a streamer...) takes
+        transformers' loop."""
+        output = graphed_greedy_generate(self, inputs, generation_config, kwargs)
+        if output is not None:
+            return output
+        return super().generate(inputs, generation_config, **kwargs)
 
 
 class DiffLlamaForSequenceClassification(GenericForSequenceClassification, DiffLlamaPreTrainedModel):

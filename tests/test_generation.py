@@ -1,0 +1,109 @@
+"""The whole-step graph of greedy static-cache generation (`modeling_diff/generation.py`) against transformers' own
+decoding loop: the same tokens with left padding, EOS on some rows, the minimum-length rule and an early stop; and
+every request it does not implement goes to transformers' generate. On CPU the steps run eagerly (`capture=False`,
+the loop and bookkeeping the graph replays); on CUDA the graph itself."""
+
+import pytest
+import torch
+from transformers import LogitsProcessorList, TextStreamer
+
+from conftest import MODES, tiny_model
+from modeling_diff import generation
+from modeling_diff.generation import graphed_greedy_generate
+
+STATIC = dict(cache_implementation="static", do_sample=False)
+
+
+def transformers_generate(model, ids, **kwargs):
+    """transformers' decoding loop (GenerationMixin.generate), bypassing the model's override."""
+    return super(type(model), model).generate(ids, **STATIC, **kwargs)
+
+
+def left_padded_prompts(generator: torch.Generator):
+    """Three prompts of 7, 4 and 5 tokens (ids 3..96), left-padded with the pad token 0, and their mask."""
+    lengths = (7, 4, 5)
+    ids = torch.zeros(3, 7, dtype=torch.long)
+    mask = torch.zeros(3, 7, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        ids[row, 7 - length:] = torch.randint(3, 97, (length,), generator=generator)
+        mask[row, 7 - length:] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_graphed_steps_give_transformers_greedy_tokens(mode):
+    model = tiny_model(mode, attn_implementation="sdpa")
+    ids, mask = left_padded_prompts(torch.Generator().manual_seed(1))
+    free = transformers_generate(model, ids, attention_mask=mask, max_new_tokens=12, eos_token_id=None)
+    ours = graphed_greedy_generate(model, ids, None, dict(attention_mask=mask, max_new_tokens=12, eos_token_id=None,
+                                                          **STATIC), capture=False)
+    assert torch.equal(ours, free)
+
+    # EOS = a token that row 0 generates at its 4th step: rows finish at different steps (or not), then get padding
+    eos = int(free[0, 7 + 3])
+    for extra in (dict(), dict(min_new_tokens=6), dict(pad_token_id=5)):
+        expected = transformers_generate(model, ids, attention_mask=mask, max_new_tokens=12, eos_token_id=eos, **extra)
+        got = graphed_greedy_generate(
+            model, ids, None, dict(attention_mask=mask, max_new_tokens=12, eos_token_id=eos, **STATIC, **extra),
+            capture=False,
+        )
+        assert torch.equal(got, expected), extra
+
+
+def test_generation_stops_when_every_row_has_finished(monkeypatch):
+    """All rows end on EOS well before max_new_tokens: the output stops at the step where the last one finished, as
+    transformers' loop does, though the graph only looks every STOP_CHECK_EVERY steps."""
+    monkeypatch.setattr(generation, "STOP_CHECK_EVERY", 4)
+    model = tiny_model("v2", attn_implementation="sdpa")
+    ids = torch.randint(3, 97, (1, 6), generator=torch.Generator().manual_seed(3))
+    free = transformers_generate(model, ids, max_new_tokens=30, eos_token_id=None)
+    eos = int(free[0, 6 + 5])
+    expected = transformers_generate(model, ids, max_new_tokens=30, eos_token_id=eos)
+    got = graphed_greedy_generate(model, ids, None, dict(max_new_tokens=30, eos_token_id=eos, **STATIC), capture=False)
+    assert expected.shape[1] < 6 + 30 and torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("request_", [
+    dict(do_sample=True), dict(num_beams=2), dict(repetition_penalty=1.3), dict(return_dict_in_generate=True),
+    dict(output_scores=True), dict(cache_implementation=None), dict(logits_processor=LogitsProcessorList()),
+    dict(streamer=TextStreamer(tokenizer=None)), dict(disable_compile=True), dict(no_repeat_ngram_size=2),
+])
+def test_everything_else_takes_transformers_generate(request_):
+    model = tiny_model("dex", attn_implementation="sdpa")
+    ids = torch.randint(3, 97, (1, 5))
+    settings = dict(STATIC, max_new_tokens=4)
+    settings.update(request_)
+    assert graphed_greedy_generate(model, ids, None, settings, capture=False) is None
+
+
+def test_the_graph_needs_what_replay_preserves():
+    """Eager attention (an additive float mask), training mode and Python hooks (a graph does not run them) keep
+    transformers' loop; so does a CPU model (no CUDA graphs)."""
+    model = tiny_model("v1", attn_implementation="sdpa")
+    ids = torch.randint(3, 97, (1, 5))
+    assert graphed_greedy_generate(model, ids, None, dict(STATIC, max_new_tokens=4)) is None  # CPU
+    model.config._attn_implementation = "eager"
+    assert not generation._graphable(model)
+    model.config._attn_implementation = "sdpa"
+    handle = model.model.layers[0].register_forward_hook(lambda *args: None)
+    assert not generation._graphable(model)
+    handle.remove()
+    model.train()
+    assert not generation._graphable(model)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
+@pytest.mark.parametrize("mode", MODES)
+def test_cuda_graph_replays_give_the_eager_loop_tokens(mode):
+    """On the GPU, `model.generate` replays the graph (kept for the next call of the same shape) and gives the tokens
+    of transformers' loop run eagerly (`disable_compile=True`) on the same kernels."""
+    model = tiny_model(mode, attn_implementation="sdpa", max_position_embeddings=256).cuda()
+    ids, mask = left_padded_prompts(torch.Generator().manual_seed(2))
+    ids, mask = ids.cuda(), mask.cuda()
+    free = model.generate(ids, attention_mask=mask, max_new_tokens=40, eos_token_id=None, disable_compile=True, **STATIC)
+    eos = int(free[1, 7 + 20])
+    for _ in range(2):  # the second call replays the kept graph
+        expected = model.generate(ids, attention_mask=mask, max_new_tokens=40, eos_token_id=eos, disable_compile=True,
+                                  **STATIC)
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=40, eos_token_id=eos, **STATIC)
+        assert model._greedy_step_graph is not None and torch.equal(got, expected)
