@@ -179,15 +179,15 @@ def graphed_greedy_generate(model, inputs, generation_config, kwargs: dict, capt
     input_ids = kwargs.get("input_ids", inputs)
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or (inputs is not None and "input_ids" in kwargs):
         return None
+    if capture is None:
+        if not (input_ids.is_cuda and _graphable(model)):
+            return None
+        capture = True
     config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
     attention_mask = model_kwargs.pop("attention_mask", None)
     model_kwargs.pop("input_ids", None)
     if model_kwargs or not _plain_greedy(config) or getattr(config, "disable_compile", False):
         return None  # other model inputs (a cache, embeddings, processors, a streamer...) or another strategy
-    if capture is None:
-        if not (input_ids.is_cuda and _graphable(model)):
-            return None
-        capture = True
     batch, prompt_len = input_ids.shape
     new_tokens = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - prompt_len
     if new_tokens < 1:
