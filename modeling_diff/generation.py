@@ -10,9 +10,12 @@ rule, EOS bookkeeping with the pad token on finished rows, the mask and position
 once in a CUDA graph and replayed, with a look at "all rows finished?" every `STOP_CHECK_EVERY` steps. The tokens
 are transformers' greedy tokens (tests/test_generation.py); everything else takes transformers' `generate`.
 
-The graph, its StaticCache and buffers stay on the model for the next call of the same shape (as transformers keeps
-its static cache), and are rebuilt when the shape, the parameters' storage or the attention implementation change.
+The graph, its StaticCache and buffers are kept for the model's next call of the same shape, beside the model (not
+in it: `copy.deepcopy(model)` and pickling stay as they were), and rebuilt when the shape, the parameters'
+storage or the attention implementation change; they go with the model, or with `release_graph(model)`.
 """
+
+import weakref
 
 import torch
 from transformers import GenerationConfig, StaticCache
@@ -70,7 +73,7 @@ class GreedyStepGraph:
     CUDA graph. Shapes: B = batch, S = max_cache_len, N = the most new tokens, E = the EOS ids."""
 
     def __init__(self, model, batch: int, max_cache_len: int, eos_count: int, device: torch.device):
-        self.model = model
+        self.model = weakref.proxy(model)  # so that the kept graph does not keep its model alive
         self.cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
         long = dict(dtype=torch.long, device=device)
         self.token = torch.zeros(batch, 1, **long)  # the token the next forward reads
@@ -166,6 +169,15 @@ class GreedyStepGraph:
         return self.tokens[:, :length].clone()
 
 
+# Each model's kept graph; an entry goes with its model (weak keys; the graph holds the model through a weak proxy).
+_GRAPHS: "weakref.WeakKeyDictionary[torch.nn.Module, GreedyStepGraph]" = weakref.WeakKeyDictionary()
+
+
+def release_graph(model) -> None:
+    """Free the graph, StaticCache and buffers kept for `model`'s next greedy static-cache generation."""
+    _GRAPHS.pop(model, None)
+
+
 def _key(model, batch: int, max_cache_len: int, eos_count: int) -> tuple:
     """What a graph depends on besides its buffers: the shapes, the parameters' and buffers' storage (a `.to()`, a
     reload or new weights move it) and the attention implementation."""
@@ -202,12 +214,12 @@ def graphed_greedy_generate(model, inputs, generation_config, kwargs: dict, capt
     min_generated = max(config.min_new_tokens or 0, (config.min_length or 0) - prompt_len)
     with torch.no_grad():
         key = _key(model, batch, prompt_len + new_tokens, len(eos))
-        steps = getattr(model, "_greedy_step_graph", None)
+        steps = _GRAPHS.get(model)
         if steps is None or steps.key != key or not capture:
-            model._greedy_step_graph = None  # free the previous graph's memory first
+            release_graph(model)  # free the previous graph's memory first
             steps = GreedyStepGraph(model, batch, prompt_len + new_tokens, len(eos), input_ids.device)
             steps.key = key
             if capture:
-                model._greedy_step_graph = steps
+                _GRAPHS[model] = steps
         steps.prefill(input_ids, attention_mask.to(input_ids.device), eos, pad, min_generated)
         return torch.cat([input_ids, steps.run(new_tokens, capture)], dim=-1)

@@ -3,6 +3,8 @@ decoding loop: the same tokens with left padding, EOS on some rows, the minimum-
 every request it does not implement goes to transformers' generate. On CPU the steps run eagerly (`capture=False`,
 the loop and bookkeeping the graph replays); on CUDA the graph itself."""
 
+from copy import deepcopy
+
 import pytest
 import torch
 from transformers import LogitsProcessorList, TextStreamer
@@ -106,4 +108,9 @@ def test_cuda_graph_replays_give_the_eager_loop_tokens(mode):
         expected = model.generate(ids, attention_mask=mask, max_new_tokens=40, eos_token_id=eos, disable_compile=True,
                                   **STATIC)
         got = model.generate(ids, attention_mask=mask, max_new_tokens=40, eos_token_id=eos, **STATIC)
-        assert model._greedy_step_graph is not None and torch.equal(got, expected)
+        assert generation._GRAPHS.get(model) is not None and torch.equal(got, expected)
+    copy = deepcopy(model)  # the kept graph is beside the model, not in it
+    assert generation._GRAPHS.get(copy) is None and torch.equal(copy.generate(ids, attention_mask=mask, max_new_tokens=40,
+                                                                               eos_token_id=eos, **STATIC), expected)
+    generation.release_graph(model)
+    assert generation._GRAPHS.get(model) is None
