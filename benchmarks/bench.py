@@ -29,8 +29,8 @@ routes to the project's fast paths), and V1, V2, DEX with `apply_liger_kernel_to
             `bench_dynamic_lockstep`);
 - generate: what a user calling it gets, `model.generate()` of `--generate-models` (llama, v1, v2, dex) on a
             random 512-token prompt, 128 new tokens, greedy, at batch 1 and 32, with the default DynamicCache and
-            with `cache_implementation="static"` (transformers compiles the step): tok/s = batch x 128 / the wall
-            seconds of one call; one warm-up call per (model, path), then 3 timed rounds, the models in lockstep
+            with `cache_implementation="static"` (Llama: transformers compiles the step; ours: a CUDA graph per
+            step): tok/s = batch x 128 / the wall seconds of one call; one warm-up call per (model, path), then 3 timed rounds, the models in lockstep
             (see `bench_generate_lockstep`); the tok/s cell gives the median and the range over the rounds.
 
 Each row gives tok/s, the ratio to Llama, the work per token relative to Llama (model FLOPs for train and
@@ -324,7 +324,8 @@ def bench_generate_lockstep(names, paths, args) -> list[dict]:
     """The `generate b* dynamic|static` rows: what a user calling `model.generate()` gets, tok/s = batch x
     `generate_new_tokens` / the wall seconds of one call (synchronized before and after), greedy with no early
     stop, on a random prompt of `generate_prompt` tokens; with the default DynamicCache (eager steps) or with
-    `cache_implementation="static"` (transformers then compiles the decoding step, "reduce-overhead": CUDA graphs).
+    `cache_implementation="static"` (transformers compiles Llama's decoding step, "reduce-overhead": CUDA graphs;
+    modeling_diff's models replay their whole-step graph, `modeling_diff/generation.py`).
     The host's speed drifts, so the models run in lockstep: all are loaded in this process, one untimed call per
     (model, path) first (in `paths` order, so each model compiles its static step once per batch size, batch 32
     after batch 1, as for a user generating at both), then `generate_rounds` timed rounds of one call per (model,
