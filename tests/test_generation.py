@@ -65,6 +65,24 @@ def test_generation_stops_when_every_row_has_finished(monkeypatch):
     assert expected.shape[1] < 6 + 30 and torch.equal(got, expected)
 
 
+def test_lengths_and_eos_lists_as_transformers_reads_them():
+    """`max_length` (prompt + new) instead of `max_new_tokens`, a list of EOS ids, and every row finishing on its
+    first token (the prefill's choice): transformers' tokens and length."""
+    model = tiny_model("dex", attn_implementation="sdpa")
+    ids, mask = left_padded_prompts(torch.Generator().manual_seed(4))
+    free = transformers_generate(model, ids, attention_mask=mask, max_new_tokens=8, eos_token_id=None)
+    cases = [
+        dict(max_length=7 + 9, eos_token_id=None),
+        dict(max_new_tokens=8, eos_token_id=[int(free[0, 7 + 2]), int(free[2, 7 + 4])]),
+        dict(max_new_tokens=8, eos_token_id=sorted({int(t) for t in free[:, 7]})),  # all rows end at once
+    ]
+    for case in cases:
+        expected = transformers_generate(model, ids, attention_mask=mask, **case)
+        got = graphed_greedy_generate(model, ids, None, dict(attention_mask=mask, **STATIC, **case), capture=False)
+        assert torch.equal(got, expected), case
+    assert expected.shape[1] == 7 + 1
+
+
 @pytest.mark.parametrize("request_", [
     dict(do_sample=True), dict(num_beams=2), dict(repetition_penalty=1.3), dict(return_dict_in_generate=True),
     dict(output_scores=True), dict(cache_implementation=None), dict(logits_processor=LogitsProcessorList()),
