@@ -51,14 +51,14 @@ def _plain_greedy(config: GenerationConfig) -> bool:
 
 
 def _graphable(model) -> bool:
-    """Whether a replayed graph computes what the model's forward computes: on one CUDA device, in eval mode, plain
+    """Whether a replayed graph computes what the model's forward computes: in eval mode, on one device, plain
     parameters (no DTensor, no PEFT layers), no Python hooks (a graph does not run them), a boolean-mask
-    implementation."""
+    implementation. (The caller checks the device is CUDA.)"""
     parameters = list(model.parameters())
     return (
         not model.training
         and model.config._attn_implementation in BOOLEAN_MASK_IMPLEMENTATIONS
-        and all(type(p) is torch.nn.Parameter and p.is_cuda for p in parameters)
+        and all(type(p) is torch.nn.Parameter for p in parameters)
         and len({p.device for p in parameters}) == 1
         and not any(
             m._forward_hooks or m._forward_pre_hooks or hasattr(m, "base_layer") or hasattr(m, "_hf_hook")
@@ -192,7 +192,7 @@ def graphed_greedy_generate(model, inputs, generation_config, kwargs: dict, capt
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or (inputs is not None and "input_ids" in kwargs):
         return None
     if capture is None:
-        if not (input_ids.is_cuda and _graphable(model)):
+        if not (input_ids.is_cuda and model.device == input_ids.device and _graphable(model)):
             return None
         capture = True
     config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
@@ -215,11 +215,10 @@ def graphed_greedy_generate(model, inputs, generation_config, kwargs: dict, capt
     with torch.no_grad():
         key = _key(model, batch, prompt_len + new_tokens, len(eos))
         steps = _GRAPHS.get(model)
-        if steps is None or steps.key != key or not capture:
+        if steps is None or steps.key != key:
             release_graph(model)  # free the previous graph's memory first
             steps = GreedyStepGraph(model, batch, prompt_len + new_tokens, len(eos), input_ids.device)
             steps.key = key
-            if capture:
-                _GRAPHS[model] = steps
+            _GRAPHS[model] = steps  # captured by its first `run` with `capture`
         steps.prefill(input_ids, attention_mask.to(input_ids.device), eos, pad, min_generated)
         return torch.cat([input_ids, steps.run(new_tokens, capture)], dim=-1)

@@ -3,6 +3,7 @@ decoding loop: the same tokens with left padding, EOS on some rows, the minimum-
 every request it does not implement goes to transformers' generate. On CPU the steps run eagerly (`capture=False`,
 the loop and bookkeeping the graph replays); on CUDA the graph itself."""
 
+import gc
 from copy import deepcopy
 
 import pytest
@@ -102,6 +103,7 @@ def test_the_graph_needs_what_replay_preserves():
     model = tiny_model("v1", attn_implementation="sdpa")
     ids = torch.randint(3, 97, (1, 5))
     assert graphed_greedy_generate(model, ids, None, dict(STATIC, max_new_tokens=4)) is None  # CPU
+    assert generation._graphable(model)  # what a CUDA copy of this model would take
     model.config._attn_implementation = "eager"
     assert not generation._graphable(model)
     model.config._attn_implementation = "sdpa"
@@ -110,6 +112,47 @@ def test_the_graph_needs_what_replay_preserves():
     handle.remove()
     model.train()
     assert not generation._graphable(model)
+
+
+def test_plain_peft_models_keep_transformers_loop():
+    """A LoRA model from plain `peft.get_peft_model` switches adapters in Python (`disable_adapter()`), which a
+    replayed graph would not see."""
+    from peft import LoraConfig, get_peft_model
+
+    model = tiny_model("dex", attn_implementation="sdpa")
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    assert not generation._graphable(peft_model.base_model.model)
+
+
+def test_the_kept_step_state_is_reused_rebuilt_and_released():
+    """The state of a generation (its StaticCache, buffers, and on CUDA the graph) is kept for the next call of the same
+    shape, rebuilt when the shape or the parameters' storage change, kept beside the model (deepcopy copies none of
+    it), and freed by `release_graph` or with the model."""
+    model = tiny_model("v2", attn_implementation="sdpa")
+    ids = torch.randint(3, 97, (2, 5), generator=torch.Generator().manual_seed(5))
+    settings = dict(STATIC, max_new_tokens=6, eos_token_id=None)
+    expected = transformers_generate(model, ids, max_new_tokens=6, eos_token_id=None)
+    assert torch.equal(graphed_greedy_generate(model, ids, None, settings, capture=False), expected)
+    kept = generation._GRAPHS[model]
+    assert torch.equal(graphed_greedy_generate(model, ids, None, settings, capture=False), expected)
+    assert generation._GRAPHS[model] is kept  # reused, reset in place
+    graphed_greedy_generate(model, ids[:1], None, settings, capture=False)
+    assert generation._GRAPHS[model] is not kept  # another batch
+    copy = deepcopy(model)
+    assert generation._GRAPHS.get(copy) is None
+    copy.double()  # new storage for every parameter
+    assert torch.equal(graphed_greedy_generate(copy, ids, None, settings, capture=False),
+                       transformers_generate(copy, ids, max_new_tokens=6, eos_token_id=None))
+    kept = generation._GRAPHS[copy]
+    copy.float()
+    graphed_greedy_generate(copy, ids, None, settings, capture=False)
+    assert generation._GRAPHS[copy] is not kept
+    generation.release_graph(model)
+    assert generation._GRAPHS.get(model) is None
+    entries = len(generation._GRAPHS)
+    del copy, kept
+    gc.collect()
+    assert len(generation._GRAPHS) < entries  # the copy's went with it
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
