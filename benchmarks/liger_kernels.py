@@ -9,6 +9,9 @@ bf16 on one GPU, forward and forward + backward (median ms, `triton.testing.do_b
 - RoPE of queries and keys (head_dim 64): transformers' `apply_rotary_pos_emb`, modeling_diff's one-launch kernel
   (`kernels/rope.py`), Liger's `liger_rope`, for V1 / Llama's 32 query heads and V2's 64, over 8 kv heads;
 - SwiGLU's silu(gate) * up at MLP 8192: PyTorch eager and Liger's kernel;
+- the whole MLP (hidden 2048, MLP 8192): transformers' LlamaMLP, Liger's `LigerSwiGLUMLP` and modeling_diff's
+  `DiffLlamaMLP` (`kernels/swiglu.py`: the activation computed again in the backward instead of kept), with the
+  peak memory of each;
 - lm_head + cross-entropy over vocab 32000: transformers' loss on materialised logits and Liger's fused linear
   cross-entropy, with the peak memory of each.
 """
@@ -21,10 +24,13 @@ import torch.nn.functional as F
 import triton
 from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy, liger_rope, liger_swiglu
 from liger_kernel.transformers.rms_norm import LigerRMSNorm
+from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
 from transformers.loss.loss_utils import ForCausalLMLoss
-from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb
 
+from modeling_diff import DiffLlamaConfig
 from modeling_diff.kernels import apply_rope, rms_norm
+from modeling_diff.modeling_diff_llama import DiffLlamaMLP
 
 HIDDEN, HEAD_DIM, KV_HEADS, MLP, VOCAB = 2048, 64, 8, 8192, 32000
 
@@ -81,6 +87,19 @@ def swiglu_rows(tokens: int) -> list[tuple]:
             (("pytorch", eager), ("liger", liger_swiglu))]
 
 
+def mlp_rows(tokens: int) -> list[tuple]:
+    """The MLP as a module; its weights are inputs too, so that each timed backward starts from no gradients."""
+    config = DiffLlamaConfig(hidden_size=HIDDEN, intermediate_size=MLP, num_attention_heads=32, num_key_value_heads=8)
+    config._attn_implementation = "sdpa"  # DiffLlamaMLP takes its kernel on the fast implementations
+    torch.manual_seed(0)
+    modules = [cls(config).cuda().to(torch.bfloat16) for cls in (LlamaMLP, LigerSwiGLUMLP, DiffLlamaMLP)]
+    for module in modules[1:]:
+        module.load_state_dict(modules[0].state_dict())
+    x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    return [("mlp", f"{tokens} x {HIDDEN} -> {MLP}", name, lambda x, *weights, m=module: m(x),
+             (x, *module.parameters())) for name, module in zip(("transformers", "liger", "modeling_diff"), modules)]
+
+
 def loss_rows(tokens: int) -> list[tuple]:
     hidden = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     weight = (0.02 * torch.randn(VOCAB, HIDDEN, device="cuda", dtype=torch.bfloat16)).requires_grad_()
@@ -96,10 +115,12 @@ def peak_gib(fn, inputs) -> float:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    fn(*inputs).backward()
+    out = fn(*inputs)
+    out.backward(torch.ones_like(out) if out.dim() else None)  # a loss, or the MLP's output
     torch.cuda.synchronize()
     for t in inputs:
         t.grad = None
+    torch.cuda.empty_cache()
     return (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
@@ -114,9 +135,9 @@ def main(argv=None):
     lines = ["| op | shape | implementation | forward ms | forward + backward ms | extra peak GiB (fwd + bwd) |",
              "|---|---|---|---|---|---|"]
     for op, shape, name, fn, inputs in (rms_norm_rows(args.tokens) + rope_rows(args.tokens)
-                                        + swiglu_rows(args.tokens) + loss_rows(args.tokens)):
+                                        + swiglu_rows(args.tokens) + mlp_rows(args.tokens) + loss_rows(args.tokens)):
         forward, both = timed(fn, inputs, backward=False), timed(fn, inputs, backward=True)
-        memory = f"{peak_gib(fn, inputs):.2f}" if op == "lm_head + loss" else ""
+        memory = f"{peak_gib(fn, inputs):.2f}" if op in ("mlp", "lm_head + loss") else ""
         lines.append(f"| {op} | {shape} | {name} | {forward:.3f} | {both:.3f} | {memory} |")
         print(lines[-1], flush=True)
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}\n")

@@ -16,6 +16,7 @@ import weakref
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -26,7 +27,7 @@ from transformers.utils import TransformersKwargs
 from .configuration import DiffLlamaConfig
 from .kernels import (
     DIFF_TRITON, FUSED_DIFF, DexCombine, V1Combine, V2Combine, apply_rope, combined_decode_applies,
-    combined_decode_attention, flash_diff_applies, flash_diff_attention, has_extra_options, resolve,
+    combined_decode_attention, flash_diff_applies, flash_diff_attention, has_extra_options, is_plain_linear, resolve,
     uses_fast_kernels, v1_combine, v2_combine,
 )
 
@@ -414,6 +415,26 @@ class DexAttention(_LlamaLayoutAttention):
         """The layer's lambda(t) at the stored step t, float32 of shape (1,)."""
         return self.dex_lambda(anneal_fraction(self.anneal_step, self.config.anneal_steps))
 
+    def operator_folds_into_o_proj(self, attn_output: torch.Tensor) -> bool:
+        """Whether `o_proj_with_operator` applies: o_proj a plain Linear, and folding costs fewer FLOPs than applying
+        the operator to O (hidden x h x d x d against tokens x h x d x d: more tokens than o_proj has rows)."""
+        tokens = attn_output.numel() // (attn_output.shape[-2] * attn_output.shape[-1])
+        return is_plain_linear(self.o_proj) and tokens > self.o_proj.out_features
+
+    def o_proj_with_operator(self, attn_output: torch.Tensor) -> torch.Tensor:
+        """o_proj(O - lambda_h f_D(O)) as one linear map of O (..., h * d). o_proj reads head h's output through its
+        columns W_h (hidden, d), and f_D is linear, f_D(O_h) = O_h F with F = f_D(I):
+        (O_h - lambda_h O_h F) W_h^T = O_h (W_h - lambda_h W_h F^T)^T. So training keeps no copy of the operator's
+        output for o_proj's backward: o_proj reads the attention's output, which the attention keeps anyway."""
+        d = self.head_dim
+        eye = torch.eye(d, dtype=attn_output.dtype, device=attn_output.device)
+        t_over_T = anneal_fraction(self.anneal_step, self.config.anneal_steps)
+        head_lambda = self.dex_lambda.per_head(t_over_T, self.head_mask).to(attn_output.dtype)  # (h,)
+        weight = self.o_proj.weight.view(self.o_proj.out_features, -1, d)  # (hidden, h, d): W_h of every head
+        # f_D(I) through the module, so that PEFT's trained copy applies
+        weight = weight - head_lambda[:, None] * torch.matmul(weight, self.dex_proj(eye).T)
+        return F.linear(attn_output, weight.flatten(1), self.o_proj.bias)
+
     def forward(
         self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs: Unpack[TransformersKwargs]
     ):
@@ -434,6 +455,8 @@ class DexAttention(_LlamaLayoutAttention):
         attn_output, attn_weights = self.attend(
             implementation, query_states, key_states, value_states, attention_mask, **kwargs
         )  # (B, L, h, d)
+        if uses_fast_kernels(implementation) and self.operator_folds_into_o_proj(attn_output):
+            return self.o_proj_with_operator(attn_output.reshape(*input_shape, -1)), attn_weights
         if self.config.dex_heads is None:
             # Every head carries the operator: O - lam f_D(O) = O (I - lam f_D(I)), f_D linear: one d x d matmul and
             # no elementwise passes over the attention output (exactly O where lam f_D = 0, as at conversion).

@@ -21,7 +21,10 @@ What it replaces (Liger's kernels are Triton: CUDA tensors, or Triton's interpre
   Liger's RMSNorm (Llama's casting: only the inverse RMS in float32). Off, they keep the project's kernel
   (`kernels/rmsnorm.py`), which measured 2.5x faster forward + backward on the H200 (benchmarks/RESULTS.md,
   `liger_kernels.py`). V1's per-head `subln` is never replaced (the attention's combine reads it).
-- `swiglu`: the MLP's silu(gate) * up through Liger's SwiGLU kernel (one pass forward, one backward).
+- `swiglu`: accepted so that configurations naming it apply unchanged; the MLP stays the project's
+  (`DiffLlamaMLP`, `kernels/swiglu.py`): silu(gate) * up in one pass as Liger's kernel does, and in training one
+  (tokens x intermediate) activation fewer kept for the backward than Liger's SwiGLU MLP keeps (benchmarks/RESULTS.md
+  compares them: `liger_kernels.py`).
 - `rope`: accepted so that configurations naming it apply unchanged; RoPE stays the attention's own (on the fast
   paths one Triton launch for queries and keys, `kernels/rope.py`), since the differential layouts (V1's Q1/Q2,
   V2's 2h query heads) are rotated there in one call. benchmarks/RESULTS.md compares it with Liger's kernel.
@@ -40,10 +43,9 @@ try:
     from liger_kernel.transformers.model.llama import lce_maybe_trainable_lm_head
     from liger_kernel.transformers.model.loss_utils import unpack_cross_entropy_result
     from liger_kernel.transformers.monkey_patch import (
-        MODEL_TYPE_TO_APPLY_LIGER_FN, _patch_rms_norm_module, _patch_swiglu_module,
+        MODEL_TYPE_TO_APPLY_LIGER_FN, _patch_rms_norm_module,
     )
     from liger_kernel.transformers.rms_norm import LigerRMSNorm
-    from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
 except ImportError:  # the optional extra [liger] is not installed: everything else works without it
     LIGER_AVAILABLE = False
 else:
@@ -78,17 +80,15 @@ def apply_liger_kernel_to_diff_llama(
     swiglu: bool = True,
     model: DiffLlamaForCausalLM | None = None,
 ) -> None:
-    """Liger's kernels in DiffLlama (see the module docstring); the arguments are `apply_liger_kernel_to_llama`'s.
-    Without `model` the classes are patched (models built afterwards); with it, that model's modules."""
+    """Liger's kernels in DiffLlama (see the module docstring); the arguments are `apply_liger_kernel_to_llama`'s
+    (`rope` and `swiglu` keep the project's kernels). Without `model` the classes are patched (models built
+    afterwards); with it, that model's modules."""
     if not LIGER_AVAILABLE:
         raise ModuleNotFoundError("apply_liger_kernel_to_diff_llama needs the 'liger_kernel' package: "
                                   "pip install 'modeling-diff[liger]'", name="liger_kernel")
     if cross_entropy and fused_linear_cross_entropy:
         raise ValueError("cross_entropy and fused_linear_cross_entropy cannot both be True: the fused loss "
                          "computes the cross-entropy itself, from the hidden states")
-    if swiglu and model is not None and model.config.hidden_act not in ("silu", "swish"):
-        raise ValueError(f"swiglu=True needs hidden_act 'silu' (Liger's SwiGLU kernel); config.hidden_act is "
-                         f"{model.config.hidden_act!r}")
     if cross_entropy:  # as apply_liger_kernel_to_llama does: transformers' loss functions call it
         from transformers.loss.loss_utils import nn
 
@@ -97,8 +97,6 @@ def apply_liger_kernel_to_diff_llama(
     if model is None:
         if rms_norm:
             modeling_diff_llama.DiffLlamaRMSNorm = LigerDiffLlamaRMSNorm
-        if swiglu:
-            modeling_diff_llama.LlamaMLP = LigerSwiGLUMLP
         if fused_linear_cross_entropy:
             DiffLlamaForCausalLM.fused_linear_loss = liger_fused_linear_loss
         return
@@ -108,9 +106,6 @@ def apply_liger_kernel_to_diff_llama(
         for module in base_model.modules():
             if isinstance(module, DiffLlamaRMSNorm):  # not V1's subln: the attention's combine reads it
                 _patch_rms_norm_module(module)
-    if swiglu:
-        for layer in base_model.layers:
-            _patch_swiglu_module(layer.mlp, LigerSwiGLUMLP)
     if fused_linear_cross_entropy and isinstance(model, DiffLlamaForCausalLM):
         model.fused_linear_loss = MethodType(liger_fused_linear_loss, model)
 

@@ -1,8 +1,9 @@
 """DiffLlama models: transformers' Llama with differential attention (V1, V2 or DEX, by `config.diff_mode`).
 
 Structure mirrors transformers' `models/llama/modeling_llama.py`: embeddings -> decoder layers (pre-norm
-attention + SwiGLU MLP) -> norm -> lm_head. MLP and rotary embedding are transformers' own Llama modules,
-RMSNorm is LlamaRMSNorm with a Triton kernel on the fast paths; the attention differs (see `diff_attention.py`).
+attention + SwiGLU MLP) -> norm -> lm_head. The rotary embedding is transformers' own Llama module; RMSNorm and the
+MLP are LlamaRMSNorm and LlamaMLP with Triton kernels on the fast paths; the attention differs (see
+`diff_attention.py`).
 
 transformers renamed the cache argument `past_key_values` to `cache` after 5.17; both names are accepted,
 and outputs carry the cache under the name the installed transformers expects.
@@ -34,7 +35,7 @@ from .configuration import DiffLlamaConfig
 from . import tensor_parallel  # noqa: F401  (registers the plan's styles for the differential parameters)
 from .generation import graphed_greedy_generate
 from .diff_attention import ATTENTION_CLASSES, DexAttention, DexLambda, DifferentialLambda, DiffAttentionV1, DiffAttentionV2
-from .kernels import resolve, rms_norm, rms_norm_kernel_applies, uses_fast_kernels
+from .kernels import resolve, rms_norm, rms_norm_kernel_applies, swiglu_mlp, swiglu_mlp_applies, uses_fast_kernels
 
 # "cache" (transformers > 5.17) or "past_key_values" (5.17): the keyword of masks and model outputs.
 CACHE_KWARG = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
@@ -67,12 +68,23 @@ class DiffLlamaRMSNorm(LlamaRMSNorm):
         return super().forward(hidden_states)
 
 
+class DiffLlamaMLP(LlamaMLP):
+    """transformers' LlamaMLP (same weights, same arithmetic); in training on the project's fast implementations one
+    autograd node that keeps gate(x) and up(x) but not silu(gate(x)) * up(x), which its backward computes again
+    (`kernels/swiglu.py`): one (tokens x intermediate) activation fewer per layer."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if uses_fast_kernels(resolve(self.config._attn_implementation, x)) and swiglu_mlp_applies(self, x):
+            return swiglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+        return super().forward(x)
+
+
 class DiffLlamaDecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: DiffLlamaConfig, layer_idx: int):
         super().__init__()
         self.hidden_size = config.hidden_size
         self.self_attn = ATTENTION_CLASSES[config.diff_mode](config=config, layer_idx=layer_idx)
-        self.mlp = LlamaMLP(config)
+        self.mlp = DiffLlamaMLP(config)
         self.input_layernorm = DiffLlamaRMSNorm(config)
         self.post_attention_layernorm = DiffLlamaRMSNorm(config)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import MODES, tiny_model  # conftest sets TRITON_INTERPRET=1 where there is no GPU
+from conftest import MODES, tiny_config, tiny_model  # conftest sets TRITON_INTERPRET=1 where there is no GPU
 from transformers import DynamicCache, StaticCache
 
 from modeling_diff import preset_config
@@ -23,6 +23,7 @@ from modeling_diff.kernels.decode import decode_attention
 from modeling_diff.kernels.flash_diff import flash_diff_attention
 from modeling_diff.kernels.rmsnorm import rms_norm, rms_norm_kernel_applies
 from modeling_diff.kernels.rope import apply_rope, rope_kernel_applies
+from modeling_diff.kernels.swiglu import swiglu_mlp, swiglu_mlp_applies
 
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
@@ -163,6 +164,117 @@ def test_rms_norm_and_rope_kernels_take_zero_tokens():
     q_out, k_out = apply_rope(query, key, cos, cos, fused=True)
     q_out.sum().backward()
     assert q_out.shape == query.shape and k_out.shape == key.shape and query.grad.shape == query.shape
+
+
+def swiglu_mlp_module(hidden=64 if GPU else 32, intermediate=8192 if GPU else 40, **overrides):
+    """DiffLlamaMLP (transformers' LlamaMLP with the kernel's dispatch) on the test's device and dtype."""
+    from modeling_diff.modeling_diff_llama import DiffLlamaMLP
+
+    config = tiny_config("v1", hidden_size=hidden, intermediate_size=intermediate, **overrides)
+    config._attn_implementation = FAST
+    return DiffLlamaMLP(config).to(DEVICE, DTYPE)
+
+
+def saved_shapes(fn) -> list[tuple]:
+    """The shapes of the distinct tensors autograd keeps for the backward of fn()'s output (and the output)."""
+    shapes, storages = [], set()
+
+    def pack(tensor):
+        if tensor.untyped_storage().data_ptr() not in storages:
+            storages.add(tensor.untyped_storage().data_ptr())
+            shapes.append(tuple(tensor.shape))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = fn()
+    return shapes, out
+
+
+@pytest.mark.parametrize("tokens", [(B, L + 3), (0, 3)])
+def test_swiglu_mlp_forward_and_gradients_match_the_formula(tokens):
+    """down(silu(gate x) * up x) and its gradients, written here in float64, through the kernel's autograd node,
+    with more elements than one program's and a count that is not a multiple of it; and an empty batch."""
+    torch.manual_seed(4)
+    mlp = swiglu_mlp_module()
+    x = rand(*tokens, mlp.hidden_size, grad=True)
+    grad_out = rand(*tokens, mlp.hidden_size)
+    weights = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+    assert swiglu_mlp_applies(mlp, x)
+
+    out = mlp(x)
+    grads = torch.autograd.grad(out, (x, *weights), grad_out)
+
+    x64, g64, u64, d64 = (t.detach().double().requires_grad_() for t in (x, *weights))
+    gate, up = x64 @ g64.T, x64 @ u64.T
+    ref = (gate * torch.sigmoid(gate) * up) @ d64.T
+    ref_grads = torch.autograd.grad(ref, (x64, g64, u64, d64), grad_out.double())
+    for got, want in zip((out, *grads), (ref, *ref_grads)):
+        assert got.shape == want.shape and got.dtype == DTYPE
+        if want.numel() and want.norm() > 0:
+            assert rel_err(got, want) < TOL
+        else:
+            assert not got.any()
+
+
+def test_swiglu_mlp_keeps_one_activation_fewer_than_llama_mlp():
+    """transformers' LlamaMLP keeps gate(x), silu(gate(x)), up(x) and the product for the backward; the kernel's node
+    keeps gate(x) and up(x) and recomputes the product: the same gradients, two (tokens x intermediate) tensors
+    fewer (one fewer than Liger's SwiGLU MLP, which keeps gate(x), up(x) and the product)."""
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    torch.manual_seed(5)
+    mlp = swiglu_mlp_module()
+    llama = LlamaMLP(mlp.config).to(DEVICE, DTYPE)
+    llama.load_state_dict(mlp.state_dict())
+    x = rand(B, L, mlp.hidden_size, grad=True)
+    activation = (B * L, mlp.intermediate_size)
+    ours, out = saved_shapes(lambda: mlp(x))
+    theirs, ref = saved_shapes(lambda: llama(x))
+    assert sum(math.prod(s) == math.prod(activation) for s in theirs) == 4
+    assert sum(math.prod(s) == math.prod(activation) for s in ours) == 2
+    assert rel_err(out, ref) < TOL
+    grads = torch.autograd.grad(out.sum(), (x, *mlp.parameters()))
+    ref_grads = torch.autograd.grad(ref.sum(), (x, *llama.parameters()))
+    for got, want in zip(grads, ref_grads):
+        assert rel_err(got, want) < TOL
+
+
+def test_swiglu_mlp_backward_runs_twice_and_skips_frozen_weights():
+    """A graph kept with retain_graph=True runs backward again to the same gradients (the backward writes only its
+    own buffers), and with frozen weights (PEFT's LoRA elsewhere in the model) only x gets a gradient."""
+    torch.manual_seed(6)
+    mlp = swiglu_mlp_module()
+    x = rand(B, L, mlp.hidden_size, grad=True)
+    out = mlp(x)
+    first = torch.autograd.grad(out.sum(), (x, mlp.gate_proj.weight), retain_graph=True)
+    second = torch.autograd.grad(out.sum(), (x, mlp.gate_proj.weight))
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+    mlp.requires_grad_(False)
+    assert swiglu_mlp_applies(mlp, x)
+    out = mlp(x)
+    (grad_x,) = torch.autograd.grad(out.sum(), x)
+    assert rel_err(grad_x, first[0]) < TOL and all(p.grad is None for p in mlp.parameters())
+
+
+def test_swiglu_mlp_leaves_other_calls_to_llama_mlp():
+    """Inference, autocast, a bias, another activation, a LoRA-wrapped or hooked projection take LlamaMLP's path."""
+    from peft import LoraConfig, get_peft_model
+
+    mlp = swiglu_mlp_module()
+    x = rand(B, L, mlp.hidden_size, grad=True)
+    assert swiglu_mlp_applies(mlp, x)
+    with torch.no_grad():
+        assert not swiglu_mlp_applies(mlp, x)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        assert not swiglu_mlp_applies(mlp, x)
+    assert not swiglu_mlp_applies(swiglu_mlp_module(mlp_bias=True), x)
+    assert not swiglu_mlp_applies(swiglu_mlp_module(hidden_act="gelu"), x)
+    lora = get_peft_model(swiglu_mlp_module(), LoraConfig(target_modules=["up_proj"], r=2)).base_model.model
+    assert not swiglu_mlp_applies(lora, x)
+    hooked = swiglu_mlp_module()
+    hooked.down_proj.register_forward_hook(lambda *args: None)
+    assert not swiglu_mlp_applies(hooked, x)
 
 
 def test_launch_arithmetic_next_power_of_2():
@@ -467,18 +579,19 @@ FAST = "sdpa" if GPU else "diff_triton"  # what a model on CUDA gets by default
 @pytest.mark.parametrize("implementation", [FAST, "fused_diff"])
 def test_fast_path_forward_and_gradients_equal_eager(mode, implementation, monkeypatch):
     """The fast paths equal eager: by default V1 through the flash-diff kernel, V2 through one SDPA call and the
-    fused combine, DEX through SDPA; `fused_diff` puts V2 on the kernel too. RoPE and the decoder's RMSNorm take
-    their Triton kernels on both."""
+    fused combine, DEX through SDPA; `fused_diff` puts V2 on the kernel too. RoPE, the decoder's RMSNorm and the
+    MLP take their Triton kernels on both."""
     import modeling_diff.diff_attention as attention
 
     import modeling_diff.kernels.rope as rope
     import modeling_diff.modeling_diff_llama as modeling
 
-    kernel_calls, rope_calls, norm_calls = [], [], []
-    kernel, rotate, norm = attention.flash_diff_attention, rope._rotate, modeling.rms_norm
+    kernel_calls, rope_calls, norm_calls, mlp_calls = [], [], [], []
+    kernel, rotate, norm, mlp = attention.flash_diff_attention, rope._rotate, modeling.rms_norm, modeling.swiglu_mlp
     monkeypatch.setattr(attention, "flash_diff_attention", lambda *a: kernel_calls.append(1) or kernel(*a))
     monkeypatch.setattr(rope, "_rotate", lambda *a, **k: rope_calls.append(1) or rotate(*a, **k))
     monkeypatch.setattr(modeling, "rms_norm", lambda *a: norm_calls.append(1) or norm(*a))
+    monkeypatch.setattr(modeling, "swiglu_mlp", lambda *a: mlp_calls.append(1) or mlp(*a))
     eager, fast = model_pair(mode, implementation)
     on_kernel = mode == "v1" or (mode == "v2" and implementation == "fused_diff")
     eager.train(), fast.train()
@@ -498,6 +611,36 @@ def test_fast_path_forward_and_gradients_equal_eager(mode, implementation, monke
     layers = eager.config.num_hidden_layers
     assert len(rope_calls) == 2 * 2 * layers  # two steps: q and k in one launch, forward and backward
     assert len(norm_calls) == 2 * (2 * layers + 1)  # two steps: two norms per layer and the final one
+    assert len(mlp_calls) == 2 * layers  # two steps, one MLP per layer
+
+
+@pytest.mark.parametrize("dex_heads", [None, [[0, 3], [1]]])
+def test_dex_operator_folded_into_o_proj_equals_eager(dex_heads, monkeypatch):
+    """With more tokens than o_proj has rows, the fast path folds DEX's operator into o_proj's weight: forward and
+    gradients (f_D's, lambda's, o_proj's) equal eager's, on every head and on a selection of heads."""
+    import modeling_diff.diff_attention as attention
+
+    folds = []
+    fold = attention.DexAttention.o_proj_with_operator
+    monkeypatch.setattr(attention.DexAttention, "o_proj_with_operator", lambda *a: folds.append(1) or fold(*a))
+    overrides = {} if GPU else dict(head_dim=16)
+    eager = tiny_model("dex", dex_heads=dex_heads, **overrides).to(DEVICE, DTYPE).train()
+    fast = tiny_model("dex", dex_heads=dex_heads, attn_implementation=FAST, **overrides).to(DEVICE, DTYPE).train()
+    fast.load_state_dict(eager.state_dict())
+    with torch.no_grad():
+        for model in (eager, fast):
+            for layer in model.model.layers:
+                layer.self_attn.dex_lambda.lambda_learn.fill_(0.7)
+    ids = torch.randint(3, eager.config.vocab_size, (2, 40), device=DEVICE)  # 80 tokens > hidden 64
+    losses = [m(ids, labels=ids).loss for m in (eager, fast)]
+    for loss in losses:
+        loss.backward()
+    assert abs(losses[0].item() - losses[1].item()) < TOL * abs(losses[0].item())
+    for (name, p_eager), p_fast in zip(eager.named_parameters(), fast.parameters()):
+        if p_eager.grad is not None and p_eager.grad.norm() > 0:
+            assert rel_err(p_fast.grad, p_eager.grad) < GRAD_TOL, name
+    assert len(folds) == eager.config.num_hidden_layers
+    assert fast.model.layers[0].self_attn.dex_lambda.lambda_learn.grad.abs().sum() > 0
 
 
 @torch.no_grad()  # as in generate(); the kernel has no backward

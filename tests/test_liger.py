@@ -22,7 +22,6 @@ from modeling_diff import DiffLlamaConfig, DiffLlamaForCausalLM, apply_liger_ker
 
 pytest.importorskip("liger_kernel", reason="liger-kernel (the [liger] extra) is not installed")
 from liger_kernel.transformers.rms_norm import LigerRMSNorm  # noqa: E402
-from liger_kernel.transformers.swiglu import LigerSwiGLUMLP  # noqa: E402
 
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
@@ -108,7 +107,9 @@ def test_diff_llama_is_in_liger_model_type_dispatch():
     norms = [decoder.norm] + [n for layer in decoder.layers for n in (layer.input_layernorm,
                                                                       layer.post_attention_layernorm)]
     assert all("forward" not in vars(n) for n in norms)  # by default the project's RMSNorm kernel stays
-    assert all(layer.mlp._get_name() == "LigerSwiGLUMLP" for layer in decoder.layers)
+    # swiglu=True (the default) keeps the project's MLP: it fuses silu(gate) * up as Liger's does, and keeps less
+    assert all(type(layer.mlp) is modeling_diff_llama.DiffLlamaMLP and "forward" not in vars(layer.mlp)
+               for layer in decoder.layers)
     assert DiffLlamaForCausalLM.fused_linear_loss is None  # the instance, not the class
 
     _apply_liger_kernel_to_instance(model=model, rms_norm=True)  # a liger_kernel_config's keyword arguments
@@ -192,13 +193,14 @@ def test_eval_and_skip_logits():
 def test_class_level_apply_builds_liger_modules_with_the_same_checkpoint(monkeypatch):
     """apply_liger_kernel_to_diff_llama() without a model (as apply_liger_kernel_to_llama()): models built afterwards
     hold Liger's modules under the same parameter names, so a plain checkpoint loads into them."""
-    for name in ("DiffLlamaRMSNorm", "LlamaMLP"):  # restored after the test: the patch is process-wide
+    for name in ("DiffLlamaRMSNorm", "DiffLlamaMLP"):  # restored after the test: the patch is process-wide
         monkeypatch.setattr(modeling_diff_llama, name, getattr(modeling_diff_llama, name))
     monkeypatch.setattr(DiffLlamaForCausalLM, "fused_linear_loss", None)
     plain = tiny_model("v1").to(DEVICE).train()
     apply_liger_kernel_to_diff_llama(rms_norm=True)
     liger = DiffLlamaForCausalLM(plain.config).to(DEVICE).train()
-    assert isinstance(liger.model.norm, LigerRMSNorm) and isinstance(liger.model.layers[0].mlp, LigerSwiGLUMLP)
+    assert isinstance(liger.model.norm, LigerRMSNorm)
+    assert type(liger.model.layers[0].mlp) is modeling_diff_llama.DiffLlamaMLP
     assert list(liger.state_dict()) == list(plain.state_dict())
     liger.load_state_dict(plain.state_dict())
 
@@ -234,9 +236,7 @@ def test_liger_cross_entropy_on_materialised_logits(monkeypatch):
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="cross_entropy and fused_linear_cross_entropy cannot both be True"):
         apply_liger_kernel_to_diff_llama(cross_entropy=True, fused_linear_cross_entropy=True)
-    with pytest.raises(ValueError, match="swiglu=True needs hidden_act 'silu'.*'gelu'"):
-        apply_liger_kernel_to_diff_llama(model=tiny_model("v2", hidden_act="gelu"))
-    apply_liger_kernel_to_diff_llama(model=tiny_model("v2", hidden_act="gelu"), swiglu=False)
+    apply_liger_kernel_to_diff_llama(model=tiny_model("v2", hidden_act="gelu"))  # the MLP is the project's: any act
 
 
 @pytest.mark.skipif(not GPU, reason="the ~1.1B model's lm_head on the GPU")

@@ -1,0 +1,82 @@
+"""The decoder's SwiGLU MLP in training, keeping one (tokens x intermediate) activation fewer per layer.
+
+transformers' LlamaMLP computes down(silu(gate(x)) * up(x)), and autograd keeps four (tokens x intermediate)
+tensors of it for the backward: gate(x), silu(gate(x)), up(x) and the product c (the input of down_proj); Liger's
+SwiGLU MLP keeps three: gate(x), up(x) and c. c is one elementwise pass from gate(x) and up(x), so `swiglu_mlp`
+keeps x, gate(x) and up(x) and computes c again in the backward (`triton_swiglu.py`), just before down_proj's
+weight gradient needs it. In
+the ~1.1B benchmark (MLP 8192) that is 128 MiB per layer per 8192 tokens: 2 GiB of a 2K x 4 step, 16 GiB of a
+64K sequence (benchmarks/RESULTS.md). The arithmetic and its rounding are LlamaMLP's; the backward writes only
+buffers of its own, so a graph kept with `retain_graph=True` can be run backward again.
+
+    swiglu_mlp(x (..., hidden), w_gate (I, hidden), w_up (I, hidden), w_down (hidden, I)) -> (..., hidden)
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ._modules import is_plain_linear
+from ._triton import TRITON_AVAILABLE, cdiv, eager_kernels_run_on, needs_grad
+
+if TRITON_AVAILABLE:
+    from .triton_swiglu import _swiglu_bwd, _swiglu_fwd
+
+BLOCK = 1024  # elements per program
+
+
+def swiglu_mlp_applies(mlp: nn.Module, x: torch.Tensor) -> bool:
+    """Whether an MLP with LlamaMLP's `gate_proj`, `up_proj`, `down_proj` and silu can run as `swiglu_mlp`: a call
+    that records gradients, on the kernels' devices, no autocast (it casts each op's inputs; the module path
+    keeps its behaviour), and three plain bias-free Linear layers without hooks (not PEFT's LoRA layers, a
+    tensor-parallel or offloading wrapper, or a quantized layer: they take the module path)."""
+    projections = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    return (
+        eager_kernels_run_on(x)
+        and not torch.is_autocast_enabled(x.device.type)
+        and mlp.config.hidden_act in ("silu", "swish")
+        and all(is_plain_linear(p) and p.bias is None and p.weight.dtype == x.dtype for p in projections)
+        and type(x) is torch.Tensor
+        and needs_grad(x, *(p.weight for p in projections))
+    )
+
+
+def _silu_mul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(a) * b of two contiguous tensors (into `out` where given)."""
+    out = torch.empty_like(a) if out is None else out
+    _swiglu_fwd[(cdiv(a.numel(), BLOCK),)](a, b, out, a.numel(), BLOCK=BLOCK)
+    return out
+
+
+class _SwiGLUMLP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w_gate, w_up, w_down):
+        rows = x.reshape(-1, x.shape[-1])  # (T, hidden)
+        gate, up = F.linear(rows, w_gate), F.linear(rows, w_up)  # (T, I) each
+        out = F.linear(_silu_mul(gate, up), w_down)  # (T, hidden); the product is freed here
+        ctx.save_for_backward(rows, w_gate, w_up, w_down, gate, up)
+        return out.view(*x.shape[:-1], w_down.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        rows, w_gate, w_up, w_down, gate, up = ctx.saved_tensors
+        need_x, need_gate, need_up, need_down = ctx.needs_input_grad
+        grad_rows = grad_out.reshape(-1, grad_out.shape[-1])  # (T, hidden)
+        grad_w_down = None
+        if need_down:  # c again, used and freed before the next (T, I) buffer is made
+            grad_w_down = grad_rows.t().mm(_silu_mul(gate, up))
+        grad_product = grad_rows.mm(w_down)  # (T, I): dc, then da in place
+        grad_up = torch.empty_like(up)
+        _swiglu_bwd[(cdiv(gate.numel(), BLOCK),)](gate, up, grad_product, grad_up, gate.numel(), BLOCK=BLOCK)
+        grad_gate = grad_product
+        grad_x = None
+        if need_x:
+            grad_x = grad_gate.mm(w_gate).addmm_(grad_up, w_up).view(grad_out.shape)
+        grad_w_gate = grad_gate.t().mm(rows) if need_gate else None
+        grad_w_up = grad_up.t().mm(rows) if need_up else None
+        return grad_x, grad_w_gate, grad_w_up, grad_w_down
+
+
+def swiglu_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """LlamaMLP's forward in training (check `swiglu_mlp_applies` first); see the module docstring."""
+    return _SwiGLUMLP.apply(x, w_gate, w_up, w_down)
