@@ -5,6 +5,7 @@ On a GPU the same tests run at the ~1.1B model's shapes in bfloat16 (`pytest tes
 accelerator machine); tolerances follow the dtype.
 """
 
+import copy
 import functools
 import math
 import sys
@@ -617,29 +618,34 @@ def test_fast_path_forward_and_gradients_equal_eager(mode, implementation, monke
 @pytest.mark.parametrize("dex_heads", [None, [[0, 3], [1]]])
 def test_dex_operator_folded_into_o_proj_equals_eager(dex_heads, monkeypatch):
     """With more tokens than o_proj has rows, the fast path folds DEX's operator into o_proj's weight: forward and
-    gradients (f_D's, lambda's, o_proj's) equal eager's, on every head and on a selection of heads."""
+    gradients (f_D's, lambda's, o_proj's) on every head and on a selection of heads, against eager in float32;
+    on the GPU in bf16, within twice eager bf16's own error, and lambda's within 0.1: its gradient is a sum over
+    every token (eager) or every weight of o_proj (folded) that cancels to ~1e-3, and bf16 rounding leaves eager's
+    own 2-8% from float32 on this model (measured on the H200), the fold's 0.2-6%."""
     import modeling_diff.diff_attention as attention
 
     folds = []
     fold = attention.DexAttention.o_proj_with_operator
     monkeypatch.setattr(attention.DexAttention, "o_proj_with_operator", lambda *a: folds.append(1) or fold(*a))
     overrides = {} if GPU else dict(head_dim=16)
-    eager = tiny_model("dex", dex_heads=dex_heads, **overrides).to(DEVICE, DTYPE).train()
-    fast = tiny_model("dex", dex_heads=dex_heads, attn_implementation=FAST, **overrides).to(DEVICE, DTYPE).train()
-    fast.load_state_dict(eager.state_dict())
+    reference = tiny_model("dex", dex_heads=dex_heads, **overrides).to(DEVICE).train()
     with torch.no_grad():
-        for model in (eager, fast):
-            for layer in model.model.layers:
-                layer.self_attn.dex_lambda.lambda_learn.fill_(0.7)
-    ids = torch.randint(3, eager.config.vocab_size, (2, 40), device=DEVICE)  # 80 tokens > hidden 64
-    losses = [m(ids, labels=ids).loss for m in (eager, fast)]
-    for loss in losses:
-        loss.backward()
-    assert abs(losses[0].item() - losses[1].item()) < TOL * abs(losses[0].item())
-    for (name, p_eager), p_fast in zip(eager.named_parameters(), fast.parameters()):
-        if p_eager.grad is not None and p_eager.grad.norm() > 0:
-            assert rel_err(p_fast.grad, p_eager.grad) < GRAD_TOL, name
-    assert len(folds) == eager.config.num_hidden_layers
+        for layer in reference.model.layers:
+            layer.self_attn.dex_lambda.lambda_learn.fill_(0.7)
+    eager = copy.deepcopy(reference).to(DTYPE)
+    fast = copy.deepcopy(eager)
+    fast.set_attn_implementation(FAST)
+    ids = torch.randint(3, reference.config.vocab_size, (2, 40), device=DEVICE)  # 80 tokens > hidden 64
+    losses = []
+    for model in (reference, eager, fast):
+        losses.append(model(ids, labels=ids).loss)
+        losses[-1].backward()
+    assert abs(losses[2].item() - losses[0].item()) < TOL * abs(losses[0].item())
+    for (name, p_ref), p_eager, p_fast in zip(reference.named_parameters(), eager.parameters(), fast.parameters()):
+        if p_ref.grad is not None and p_ref.grad.norm() > 0:
+            bound = max(GRAD_TOL, 2 * rel_err(p_eager.grad, p_ref.grad), 0.1 if GPU and "lambda" in name else 0)
+            assert rel_err(p_fast.grad, p_ref.grad) < bound, name
+    assert len(folds) == reference.config.num_hidden_layers
     assert fast.model.layers[0].self_attn.dex_lambda.lambda_learn.grad.abs().sum() > 0
 
 

@@ -24,7 +24,9 @@ def _silu(a):
     return a * sig, sig
 
 
-@triton.jit(do_not_specialize=["N"])  # the element count changes with the tokens: one compiled kernel for all
+# N is specialized (Triton compiles one kernel for counts divisible by 16, one for the others): the masks of a
+# count divisible by 16 allow vector loads, which measured 1.5-2x faster on the H200 than without.
+@triton.jit
 def _swiglu_fwd(A, B, C, N, BLOCK: tl.constexpr):
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offsets < N
@@ -34,7 +36,7 @@ def _swiglu_fwd(A, B, C, N, BLOCK: tl.constexpr):
     tl.store(C + offsets, (s * b).to(C.dtype.element_ty), mask=ok)
 
 
-@triton.jit(do_not_specialize=["N"])
+@triton.jit
 def _swiglu_bwd(A, B, DC, DB, N, BLOCK: tl.constexpr):
     # DC <- da in place (each element read before it is written); A and B, kept by autograd, are only read.
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
