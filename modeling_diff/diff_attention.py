@@ -28,7 +28,7 @@ from .configuration import DiffLlamaConfig
 from .kernels import (
     DIFF_TRITON, FUSED_DIFF, DexCombine, V1Combine, V2Combine, apply_rope, combined_decode_applies,
     combined_decode_attention, flash_diff_applies, flash_diff_attention, has_extra_options, is_plain_linear, resolve,
-    uses_fast_kernels, v1_combine, v2_combine,
+    uses_fast_kernels, v1_combine, v2_combine_projected,
 )
 
 
@@ -377,13 +377,12 @@ class DiffAttentionV2(_LlamaLayoutAttention):
         attn_output, attn_weights = self.attend(
             implementation, query_states, key_states, value_states, attention_mask, **kwargs
         )  # (B, L, 2h, d)
-        if attn_weights is None:
-            attn_output = v2_combine(attn_output, weight)  # (B, L, h, d)
-        else:  # eager: (B, 2h, L, S) -> differential maps (B, h, L, S), and the output from them
-            attn_weights = attn_weights[:, 0::2] - weight.transpose(1, 2)[..., None] * attn_weights[:, 1::2]
-            attn_output = differential_maps_output(attn_weights, value_states)
-        attn_output = self.o_proj(attn_output.reshape(*input_shape, -1))
-        return attn_output, attn_weights
+        if attn_weights is None:  # (B, L, 2h, d) -> (B, L, h, d) -> o_proj
+            return v2_combine_projected(attn_output, weight, self.o_proj), None
+        # eager: (B, 2h, L, S) -> differential maps (B, h, L, S), and the output from them
+        attn_weights = attn_weights[:, 0::2] - weight.transpose(1, 2)[..., None] * attn_weights[:, 1::2]
+        attn_output = differential_maps_output(attn_weights, value_states)
+        return self.o_proj(attn_output.reshape(*input_shape, -1)), attn_weights
 
 
 class DexAttention(_LlamaLayoutAttention):

@@ -19,7 +19,7 @@ from transformers import DynamicCache, StaticCache
 
 from modeling_diff import preset_config
 from modeling_diff.kernels._triton import next_power_of_2
-from modeling_diff.kernels.combine import v1_combine_triton, v2_combine_triton
+from modeling_diff.kernels.combine import v1_combine_triton, v2_combine_projection_triton, v2_combine_triton
 from modeling_diff.kernels.decode import decode_attention
 from modeling_diff.kernels.flash_diff import flash_diff_attention
 from modeling_diff.kernels.rmsnorm import rms_norm, rms_norm_kernel_applies
@@ -90,6 +90,34 @@ def test_v2_combine_forward_and_gradients_match_the_formula():
     assert rel_err(out, ref) < TOL
     for got, want in zip(grads, ref_grads):
         assert rel_err(got, want) < TOL
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_v2_combine_and_o_proj_match_the_formula_and_keep_no_combined_heads(bias):
+    """o_proj(signal - w * noise) in one autograd node: its output and the gradients of the pairs, w, o_proj's
+    weight and bias, against the formula in float64; it keeps the pairs (the attention's output) and no
+    (B, L, h, d) combined heads, which o_proj alone would keep."""
+    torch.manual_seed(2)
+    hidden = 48
+    attn = rand(B, L, 2 * H, D // 2, grad=True)
+    weight = torch.sigmoid(rand(B, L, H)).detach().requires_grad_()
+    o_proj = torch.nn.Linear(H * D // 2, hidden, bias=bias, device=DEVICE, dtype=DTYPE)
+    grad_out = rand(B, L, hidden)
+
+    kept, out = saved_shapes(lambda: v2_combine_projection_triton(attn, weight, o_proj))
+    inputs = (attn, weight, *o_proj.parameters())
+    grads = torch.autograd.grad(out, inputs, grad_out)
+
+    a64, w64, *o64 = (t.detach().double().requires_grad_() for t in inputs)
+    ref = torch.nn.functional.linear((a64[:, :, 0::2] - w64[..., None] * a64[:, :, 1::2]).flatten(-2), *o64)
+    ref_grads = torch.autograd.grad(ref, (a64, w64, *o64), grad_out.double())
+
+    assert out.shape == ref.shape and rel_err(out, ref) < TOL
+    for got, want in zip(grads, ref_grads):
+        assert got.shape == want.shape and rel_err(got, want) < TOL
+    combined = B * L * H * D // 2
+    assert not any(math.prod(shape) == combined for shape in kept)
+    assert sum(math.prod(shape) == 2 * combined for shape in kept) == 1  # the pairs
 
 
 @pytest.mark.parametrize("shared_positions", [False, True])  # cos, sin of batch 1, shared by the batch

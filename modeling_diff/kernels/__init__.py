@@ -23,7 +23,7 @@ from .attention import (
     FUSED_DIFF, NAME as DIFF_TRITON, diff_triton_attention_forward, has_extra_options, register, resolve,
     uses_fast_kernels,
 )
-from .combine import v1_combine, v2_combine
+from .combine import v1_combine, v2_combine, v2_combine_projected
 from .decode import DexCombine, V1Combine, V2Combine, combined_decode_applies, combined_decode_attention
 from .flash_diff import flash_diff_applies, flash_diff_attention
 from .rmsnorm import rms_norm, rms_norm_kernel_applies
@@ -36,5 +36,5 @@ __all__ = [
     "DIFF_TRITON", "FUSED_DIFF", "DexCombine", "V1Combine", "V2Combine", "apply_rope", "combined_decode_applies",
     "combined_decode_attention", "diff_triton_attention_forward", "flash_diff_applies", "flash_diff_attention",
     "has_extra_options", "is_plain_linear", "resolve", "rms_norm", "rms_norm_kernel_applies", "swiglu_mlp",
-    "swiglu_mlp_applies", "triton_available", "uses_fast_kernels", "v1_combine", "v2_combine",
+    "swiglu_mlp_applies", "triton_available", "uses_fast_kernels", "v1_combine", "v2_combine", "v2_combine_projected",
 ]

@@ -7,12 +7,15 @@ The attention call returns, for every differential head i, the pair of head outp
 - V2 (unilm Diff-Transformer-V2): `attn[2i] - w[..., i] * attn[2i+1]`, w the per-token noise weight.
 
 The references are the definition (and the path on CPU and under torch.compile, where Inductor fuses them);
-on CUDA the Triton kernels do each combine in one pass forward and one pass backward.
+on CUDA the Triton kernels do each combine in one pass forward and one pass backward. In training, V2's combine
+and o_proj are one autograd node (`v2_combine_projected`), which keeps no combined output.
 """
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from ._modules import is_plain_linear
 from ._triton import TRITON_AVAILABLE, cdiv, is_power_of_2, needs_grad, triton_available
 
 if TRITON_AVAILABLE:
@@ -80,16 +83,21 @@ def _v1_combine_forward(attn, lam, weight, eps, scale):
     return out.view(batch, length, two_h // 2, width), pairs, rstd
 
 
-def _v2_combine_forward(attn, weight):
-    """-> (out (B, L, h, D), pairs (R, 2, D), row_weight (R,)): one launch of the fused V2 combine."""
-    batch, length, two_h, width = attn.shape
-    pairs = attn.contiguous().view(-1, 2, width)  # (R, 2, D)
-    row_weight = weight.contiguous().view(-1)  # (R,)
-    rows = pairs.shape[0]
-    out = torch.empty(rows, width, dtype=attn.dtype, device=attn.device)
+def _v2_combine_rows(pairs, row_weight):
+    """pairs (R, 2, D), row_weight (R,) -> (R, D): one launch of the fused V2 combine."""
+    rows, _, width = pairs.shape
+    out = torch.empty(rows, width, dtype=pairs.dtype, device=pairs.device)
     block = _rows_per_program(width)
     _v2_combine_fwd[(cdiv(rows, block),)](pairs, row_weight, out, rows, width, block)
-    return out.view(batch, length, two_h // 2, width), pairs, row_weight
+    return out
+
+
+def _v2_combine_forward(attn, weight):
+    """-> (out (B, L, h, D), pairs (R, 2, D), row_weight (R,)): the fused V2 combine of the attention's output."""
+    batch, length, two_h, width = attn.shape
+    pairs = attn.contiguous().view(-1, 2, width)  # (R, 2, D), R = B * L * h
+    row_weight = weight.contiguous().view(-1)  # (R,)
+    return _v2_combine_rows(pairs, row_weight).view(batch, length, two_h // 2, width), pairs, row_weight
 
 
 class _V1Combine(torch.autograd.Function):
@@ -121,6 +129,35 @@ class _V2Combine(torch.autograd.Function):
         grad_pairs, grad_weight, _ = v2_combine_backward(pairs, row_weight, grad_out)
         attn_shape, weight_shape = ctx.shapes
         return grad_pairs.view(attn_shape), grad_weight.view(weight_shape)
+
+
+class _V2CombineProjection(torch.autograd.Function):
+    """o_proj(V2 combine): keeps the pairs (the attention call's own output, which it keeps anyway) and not the
+    combined heads (o_proj's input), which the backward computes again for o_proj's weight gradient."""
+
+    @staticmethod
+    def forward(ctx, attn, weight, o_weight, o_bias):
+        out, pairs, row_weight = _v2_combine_forward(attn, weight)  # (B, L, h, d)
+        ctx.save_for_backward(pairs, row_weight, o_weight)
+        ctx.shapes, ctx.has_bias = (attn.shape, weight.shape), o_bias is not None
+        return F.linear(out.flatten(-2), o_weight, o_bias)  # (B, L, hidden)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        pairs, row_weight, o_weight = ctx.saved_tensors
+        attn_shape, weight_shape = ctx.shapes
+        grad_rows = grad_out.reshape(-1, grad_out.shape[-1])  # (B * L, hidden)
+        grad_o_weight = grad_rows.t().mm(_v2_combine_rows(pairs, row_weight).view(grad_rows.shape[0], -1))
+        grad_o_bias = grad_rows.sum(0) if ctx.has_bias else None
+        grad_combined = grad_rows.mm(o_weight).view(-1, pairs.shape[-1])  # (R, d)
+        grad_pairs, grad_weight, _ = v2_combine_backward(pairs, row_weight, grad_combined)
+        return grad_pairs.view(attn_shape), grad_weight.view(weight_shape), grad_o_weight, grad_o_bias
+
+
+def v2_combine_projection_triton(attn: torch.Tensor, weight: torch.Tensor, o_proj: nn.Linear) -> torch.Tensor:
+    """o_proj(v2_combine(attn, weight)), (B, L, 2h, d) -> (B, L, hidden), in one autograd node that keeps no
+    combined output (check `needs_grad` first: without gradients `v2_combine_triton` and o_proj are the same)."""
+    return _V2CombineProjection.apply(attn, weight, o_proj.weight, o_proj.bias)
 
 
 def v1_combine_triton(attn: torch.Tensor, lam: torch.Tensor, subln: nn.Module, scale: float) -> torch.Tensor:
@@ -158,3 +195,11 @@ def v2_combine(attn: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if _fused(attn):
         return v2_combine_triton(attn, weight)
     return v2_combine_reference(attn, weight)
+
+
+def v2_combine_projected(attn: torch.Tensor, weight: torch.Tensor, o_proj: nn.Module) -> torch.Tensor:
+    """o_proj(v2_combine(attn, weight)) (B, L, hidden). In training on the fused path with a plain o_proj, one node
+    that keeps the attention's output but not the combined heads: (tokens x h x d) fewer kept per layer."""
+    if _fused(attn) and is_plain_linear(o_proj) and needs_grad(attn, weight, o_proj.weight):
+        return v2_combine_projection_triton(attn, weight, o_proj)
+    return o_proj(v2_combine(attn, weight).flatten(-2))
