@@ -375,6 +375,19 @@ def bench_generate_lockstep(names, paths, args) -> list[dict]:
     return rows
 
 
+def profiling_args(parser, argv, positive: tuple, script: str):
+    """The profiling scripts' arguments, checked: the `positive` counts >= 1, a CUDA GPU, the --out folder made."""
+    args = parser.parse_args(argv)
+    for field in positive:
+        if getattr(args, field) < 1:
+            parser.error(f"--{field} must be >= 1")
+    if not torch.cuda.is_available():
+        sys.exit(f"{script} needs a CUDA GPU")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+    return args
+
+
 def warm_up_gpu(seconds: float = 3.0):
     """Bring the clocks up before the first measurement (the first model would otherwise pay for it)."""
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)

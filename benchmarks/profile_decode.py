@@ -15,7 +15,6 @@ that calls cuDNN attention (transformers' models) pays ~1.5 ms of CPU per attent
 import argparse
 import gc
 import os
-import sys
 import time
 
 import torch
@@ -23,7 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from bench import MODELS, DecodingSteps, build, kernels_patched, warm_up_gpu
+from bench import MODELS, DecodingSteps, build, kernels_patched, profiling_args, warm_up_gpu
 
 
 @torch.no_grad()
@@ -67,14 +66,7 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=32, help="timed steps")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--out", help="folder for the profiler tables, one file per model")
-    args = parser.parse_args(argv)
-    for name in ("seq", "batch", "steps"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be >= 1")
-    if not torch.cuda.is_available():
-        sys.exit("profile_decode.py needs a CUDA GPU")
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
+    args = profiling_args(parser, argv, ("seq", "batch", "steps"), "profile_decode.py")
     warm_up_gpu()
     rows = []
     for name in tqdm(args.models, desc="models"):

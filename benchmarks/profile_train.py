@@ -12,7 +12,6 @@ saved activations by shape (which tensors a model keeps that another does not).
 
 import argparse
 import os
-import sys
 import time
 from collections import Counter
 
@@ -20,7 +19,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from tqdm import tqdm
 
-from bench import MODELS, build, in_fresh_process, kernels_patched, warm_up_gpu
+from bench import MODELS, build, in_fresh_process, kernels_patched, profiling_args, warm_up_gpu
 
 
 def kernel_class(name: str) -> str:
@@ -93,7 +92,8 @@ def profile_model(name: str, seq: int, batch: int, out: str | None) -> dict:
         with open(os.path.join(out, f"train_{name}_{seq}x{batch}.txt"), "w") as f:
             f.write(f"{row}\n\nkernels by GPU time (ms per step):\n")
             for e in sorted(events, key=lambda e: -e.self_device_time_total)[:40]:
-                f.write(f"{e.self_device_time_total / 1e3:9.3f} {e.count:6d}  {kernel_class(e.key):18s} {e.key[:110]}\n")
+                ms = e.self_device_time_total / 1e3
+                f.write(f"{ms:9.3f} {e.count:6d}  {kernel_class(e.key):18s} {e.key[:110]}\n")
             f.write("\nsaved for the backward (GiB by shape, dtype):\n")
             for (shape, dtype), gib in by_shape.most_common(40):
                 f.write(f"{gib:8.3f}  {shape} {dtype}\n")
@@ -107,14 +107,7 @@ def main(argv=None):
     parser.add_argument("--models", nargs="+", default=["llama-liger", "v1-liger", "v2-liger", "dex-liger"],
                         choices=MODELS)
     parser.add_argument("--out", help="folder for the kernel and activation tables, one file per model")
-    args = parser.parse_args(argv)
-    for field in ("seq", "batch"):
-        if getattr(args, field) < 1:
-            parser.error(f"--{field} must be >= 1")
-    if not torch.cuda.is_available():
-        sys.exit("profile_train.py needs a CUDA GPU")
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
+    args = profiling_args(parser, argv, ("seq", "batch"), "profile_train.py")
     rows = [in_fresh_process(profile_model, name, args.seq, args.batch, args.out)
             for name in tqdm(args.models, desc="models")]
     columns = ["step_ms", "peak_gib", "saved_gib", "gpu_ms", "matmul ms", "attention forward ms",
