@@ -4,6 +4,7 @@ For every model variant saved in DIR by the test, each engine runs one training 
 writes, per variant and engine, the loss and the full (unsharded) gradient of every parameter; rank 0 also runs
 the same step in one process, the reference the test compares against:
 - `fsdp2`: `torch.distributed.fsdp.fully_shard` on every decoder layer and the root (each rank half the batch);
+- `fsdp2_fast`: the same on the project's kernels (`attn_implementation="diff_triton"`);
 - `hsdp`: `fully_shard` on a 2-D (replicate, shard) mesh, two micro-batches of gradient accumulation per rank;
 - `ddp`: `DistributedDataParallel` (each rank half the batch);
 - `tp`: `from_pretrained(..., tp_plan="auto")` (every rank the whole batch, heads split over the ranks);
@@ -26,12 +27,13 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoModelForCausalLM
 
 import modeling_diff  # noqa: F401  (registers the Auto classes)
+from modeling_diff import modeling_diff_llama
 
 torch.set_num_threads(1)
 
 
-def load(path: Path, **kwargs):
-    return AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", **kwargs)
+def load(path: Path, attn_implementation: str = "eager", **kwargs):
+    return AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn_implementation, **kwargs)
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
@@ -84,6 +86,17 @@ def run_variant(path: Path, out: Path, batch: torch.Tensor) -> dict:
         with torch.no_grad():
             reloaded_logits = load(out / "saved")(input_ids=batch).logits
         results["saved"] = {"max_abs_diff": (reloaded_logits - sharded_logits).abs().max().item()}
+
+    # The project's kernels under fully_shard (Triton's interpreter on the CPU): RMSNorm, RoPE and the MLP's node,
+    # which reads the unsharded Linear weights directly.
+    fast = load(path, attn_implementation="diff_triton")
+    shard_layers(fast, init_device_mesh("cpu", (world,)))
+    mlp_calls, mlp = [], modeling_diff_llama.swiglu_mlp
+    modeling_diff_llama.swiglu_mlp = lambda *args: mlp_calls.append(1) or mlp(*args)
+    loss = loss_of(fast, local)
+    modeling_diff_llama.swiglu_mlp = mlp
+    loss.backward()
+    results["fsdp2_fast"] = {"loss": mean_over_ranks(loss), "grads": gradients(fast), "mlp_calls": len(mlp_calls)}
 
     hsdp = load(path)
     shard_layers(hsdp, init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard")))

@@ -54,7 +54,7 @@ VARIANTS = {
     "dex-selected": dict(mode="dex", dex_heads=[[0, 2], [1]], anneal_steps=8),
     "v2-annealed": dict(mode="v2", anneal_steps=8),
 }
-ENGINES = ("fsdp2", "hsdp", "ddp", "tp")
+ENGINES = ("fsdp2", "fsdp2_fast", "hsdp", "ddp", "tp")
 
 
 def variant_model(name: str) -> DiffLlamaForCausalLM:
@@ -98,11 +98,15 @@ def test_two_ranks_give_the_loss_and_gradients_of_one_process(scale_out, variant
     expected = {name: p.grad for name, p in model.named_parameters()}
     got = results[variant][engine]
     assert got["grads"].keys() == expected.keys()
+    # the kernels sum in other orders than eager's (tests/test_kernels.py bounds them at 1e-3 on whole models)
+    rtol, atol = (1e-3, 1e-5) if engine == "fsdp2_fast" else (1e-4, 1e-6)
     for name, grad in expected.items():
-        torch.testing.assert_close(torch.tensor(got["grads"][name]).view_as(grad), grad, rtol=1e-4, atol=1e-6,
+        torch.testing.assert_close(torch.tensor(got["grads"][name]).view_as(grad), grad, rtol=rtol, atol=atol,
                                    msg=lambda m: f"{engine} {name}: {m}")
     if got["loss"] is not None:
         assert got["loss"] == pytest.approx(loss.item(), rel=1e-5)
+    if engine == "fsdp2_fast":  # the MLP's node ran on the unsharded weights, one call per layer
+        assert got["mlp_calls"] == model.config.num_hidden_layers
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
