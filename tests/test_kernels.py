@@ -738,6 +738,42 @@ def test_lora_model_on_the_flash_diff_kernel_equals_eager(monkeypatch):
             assert rel_err(grads[1][name], grad) < GRAD_TOL, name
 
 
+def test_lora_on_attention_only_keeps_the_mlp_node_and_the_dex_fold(monkeypatch):
+    """Plain PEFT with LoRA on q_proj and v_proj (DEX's f_D and lambda trained in full): the MLP's node runs on the
+    frozen MLP weights and the DEX fold reads f_D's trained copy; the gradients are those of the same PEFT model on
+    eager attention in float32."""
+    from peft import LoraConfig, get_peft_model
+
+    import modeling_diff.diff_attention as attention
+    import modeling_diff.modeling_diff_llama as modeling
+    from modeling_diff.lora import DIFFERENTIAL_MODULES
+
+    calls = []
+    fold, mlp = attention.DexAttention.o_proj_with_operator, modeling.swiglu_mlp
+    monkeypatch.setattr(attention.DexAttention, "o_proj_with_operator", lambda *a: calls.append("fold") or fold(*a))
+    monkeypatch.setattr(modeling, "swiglu_mlp", lambda *a: calls.append("mlp") or mlp(*a))
+    eager, _ = model_pair("dex", FAST)
+    config = LoraConfig(r=4, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
+                        modules_to_save=list(DIFFERENTIAL_MODULES))
+    model = get_peft_model(eager, config).train()
+    reference = copy.deepcopy(model).float()
+    reference.base_model.model.set_attn_implementation("eager")
+    model.base_model.model.set_attn_implementation(FAST)
+    length = eager.config.hidden_size // 2 + 8  # 2 x length tokens > hidden: the fold applies
+    ids = torch.randint(3, eager.config.vocab_size, (2, length), device=DEVICE)
+    grads = []
+    for peft_model in (reference, model):
+        peft_model(input_ids=ids, labels=ids).loss.backward()
+        grads.append({n: p.grad for n, p in peft_model.named_parameters() if p.grad is not None})
+    layers = eager.config.num_hidden_layers
+    assert calls.count("fold") == layers and calls.count("mlp") == layers
+    assert any("dex_proj.modules_to_save" in n for n in grads[0]) and grads[0].keys() == grads[1].keys()
+    for name, grad in grads[0].items():
+        if grad.norm() > 0:
+            bound = max(GRAD_TOL, 0.1 if GPU and "lambda" in name else 0)  # see the DEX fold test
+            assert rel_err(grads[1][name], grad) < bound, name
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_lora_model_decoding_on_the_kernel_equals_eager(mode, monkeypatch):
     """Under PEFT the differential modules are trained copies (`modules_to_save`): V1's decode kernel reads the copy's
