@@ -71,7 +71,8 @@ class DiffLlamaRMSNorm(LlamaRMSNorm):
 class DiffLlamaMLP(LlamaMLP):
     """transformers' LlamaMLP (same weights, same arithmetic); in training on the project's fast implementations one
     autograd node that keeps gate(x) and up(x) but not silu(gate(x)) * up(x), which its backward computes again
-    (`kernels/swiglu.py`): one (tokens x intermediate) activation fewer per layer."""
+    (`kernels/swiglu.py`): two (tokens x intermediate) activations a layer, where LlamaMLP keeps four and Liger's
+    SwiGLU MLP three."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if uses_fast_kernels(resolve(self.config._attn_implementation, x)) and swiglu_mlp_applies(self, x):

@@ -139,16 +139,20 @@ class _V2CombineProjection(torch.autograd.Function):
     def forward(ctx, attn, weight, o_weight, o_bias):
         out, pairs, row_weight = _v2_combine_forward(attn, weight)  # (B, L, h, d)
         ctx.save_for_backward(pairs, row_weight, o_weight)
-        ctx.shapes, ctx.has_bias = (attn.shape, weight.shape), o_bias is not None
+        ctx.shapes = attn.shape, weight.shape
         return F.linear(out.flatten(-2), o_weight, o_bias)  # (B, L, hidden)
 
     @staticmethod
     def backward(ctx, grad_out):
         pairs, row_weight, o_weight = ctx.saved_tensors
         attn_shape, weight_shape = ctx.shapes
+        _, _, need_o_weight, need_o_bias = ctx.needs_input_grad
         grad_rows = grad_out.reshape(-1, grad_out.shape[-1])  # (B * L, hidden)
-        grad_o_weight = grad_rows.t().mm(_v2_combine_rows(pairs, row_weight).view(grad_rows.shape[0], -1))
-        grad_o_bias = grad_rows.sum(0) if ctx.has_bias else None
+        grad_o_weight = grad_o_bias = None
+        if need_o_weight:  # the combined heads again, used and freed before the next buffer is made
+            grad_o_weight = grad_rows.t().mm(_v2_combine_rows(pairs, row_weight).view(grad_rows.shape[0], -1))
+        if need_o_bias:
+            grad_o_bias = grad_rows.sum(0)
         grad_combined = grad_rows.mm(o_weight).view(-1, pairs.shape[-1])  # (R, d)
         grad_pairs, grad_weight, _ = v2_combine_backward(pairs, row_weight, grad_combined)
         return grad_pairs.view(attn_shape), grad_weight.view(weight_shape), grad_o_weight, grad_o_bias

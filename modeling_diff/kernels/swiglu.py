@@ -1,13 +1,13 @@
-"""The decoder's SwiGLU MLP in training, keeping one (tokens x intermediate) activation fewer per layer.
+"""The decoder's SwiGLU MLP in training, keeping two (tokens x intermediate) activations a layer, not three or four.
 
 transformers' LlamaMLP computes down(silu(gate(x)) * up(x)), and autograd keeps four (tokens x intermediate)
 tensors of it for the backward: gate(x), silu(gate(x)), up(x) and the product c (the input of down_proj); Liger's
 SwiGLU MLP keeps three: gate(x), up(x) and c. c is one elementwise pass from gate(x) and up(x), so `swiglu_mlp`
 keeps x, gate(x) and up(x) and computes c again in the backward (`triton_swiglu.py`), just before down_proj's
-weight gradient needs it. In
-the ~1.1B benchmark (MLP 8192) that is 128 MiB per layer per 8192 tokens: 2 GiB of a 2K x 4 step, 16 GiB of a
-64K sequence (benchmarks/RESULTS.md). The arithmetic and its rounding are LlamaMLP's; the backward writes only
-buffers of its own, so a graph kept with `retain_graph=True` can be run backward again.
+weight gradient needs it. In the ~1.1B benchmark (MLP 8192) that is 128 MiB per layer per 8192 tokens less than
+Liger's: 2 GiB of a 2K x 4 step, 16 GiB of a 64K sequence (benchmarks/RESULTS.md). The arithmetic and its
+rounding are LlamaMLP's; the backward writes only buffers of its own, so a graph kept with `retain_graph=True` can
+be run backward again.
 
     swiglu_mlp(x (..., hidden), w_gate (I, hidden), w_up (I, hidden), w_down (hidden, I)) -> (..., hidden)
 """
