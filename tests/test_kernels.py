@@ -119,6 +119,11 @@ def test_v2_combine_and_o_proj_match_the_formula_and_keep_no_combined_heads(bias
     assert not any(math.prod(shape) == combined for shape in kept)
     assert sum(math.prod(shape) == 2 * combined for shape in kept) == 1  # the pairs
 
+    o_proj.requires_grad_(False)  # frozen (PEFT elsewhere): no gradient for it, the same for the rest
+    frozen = torch.autograd.grad(v2_combine_projection_triton(attn, weight, o_proj), (attn, weight), grad_out)
+    assert all(rel_err(got, want) < TOL for got, want in zip(frozen, grads))
+    assert all(p.grad is None for p in o_proj.parameters())
+
 
 @pytest.mark.parametrize("shared_positions", [False, True])  # cos, sin of batch 1, shared by the batch
 def test_rope_kernel_forward_and_gradients_match_the_formula(shared_positions):
