@@ -238,14 +238,15 @@ class DiffAttentionV1(_DiffAttentionBase):
         self.subln = LlamaRMSNorm(2 * d, eps=config.rms_norm_eps)  # one norm shared by all heads
 
     def fused_attention(self, implementation, pairs, key, value, attention_mask, kwargs) -> torch.Tensor | None:
-        """Both maps and the combine in one kernel where one applies, -> (B, L, h, 2d): flash-diff (prefill,
-        training) or the decode kernel (decoding steps); None where the plain path runs."""
+        """Both maps and the combine in one kernel where one applies, then o_proj, -> (B, L, hidden): flash-diff
+        (prefill, training; o_proj in its autograd node) or the decode kernel (decoding steps); None where the
+        plain path runs."""
         if type(self.subln.weight) is not nn.Parameter or "forward" in vars(self.subln):
             return None  # a PEFT-wrapped norm, or one whose forward tensor parallelism wraps (its gradient hooks)
         if self.flash_diff_applies(implementation, pairs, key, value, attention_mask, kwargs):
             return flash_diff_attention(
                 pairs, key, value, attention_mask, self.diff_lambda(), self.scaling, self.subln,
-                1 - self.lambda_init,
+                1 - self.lambda_init, o_proj=self.o_proj,
             )
         query = pairs.flatten(2, 3).transpose(1, 2)  # (B, 2h, L, d): heads 2i, 2i+1 = Q1, Q2 of head i
         if self.combined_decode_applies(implementation, query, key, value, attention_mask, kwargs):
@@ -253,7 +254,8 @@ class DiffAttentionV1(_DiffAttentionBase):
                 self.diff_lambda.vectors(), self.lambda_init,
                 self.subln.weight, self.subln.variance_epsilon, 1 - self.lambda_init,
             )
-            return combined_decode_attention(query, key, value, attention_mask, self.scaling, combine)
+            combined = combined_decode_attention(query, key, value, attention_mask, self.scaling, combine)
+            return self.o_proj(combined.flatten(-2))  # (B, L, h, 2d) -> (B, L, hidden)
         return None
 
     def forward(
@@ -277,8 +279,8 @@ class DiffAttentionV1(_DiffAttentionBase):
         attn_output = self.fused_attention(
             implementation, query_states, key_states, value_states, attention_mask, kwargs
         )
-        if attn_output is not None:  # (B, L, h, 2d), combined
-            return self.o_proj(attn_output.reshape(*input_shape, -1)), None
+        if attn_output is not None:  # (B, L, hidden): combined and projected
+            return attn_output, None
 
         # (B, L, h, 2, d) -> (B, L, h, 2, 2d): [Q1, 0] and [0, Q2] -> (B, 2h, L, 2d)
         halves = torch.eye(2, dtype=query_states.dtype, device=query_states.device)[:, :, None]  # (2, 2, 1)
@@ -371,8 +373,10 @@ class DiffAttentionV2(_LlamaLayoutAttention):
         # (B, 2h, L, d) -> (B, L, h, 2, d): the pair (signal, noise) of each differential head
         pairs = query_states.unflatten(1, (-1, 2)).permute(0, 3, 1, 2, 4)
         if self.flash_diff_applies(implementation, pairs, key_states, value_states, attention_mask, kwargs):
-            attn_output = flash_diff_attention(pairs, key_states, value_states, attention_mask, weight, self.scaling)
-            return self.o_proj(attn_output.reshape(*input_shape, -1)), None
+            attn_output = flash_diff_attention(
+                pairs, key_states, value_states, attention_mask, weight, self.scaling, o_proj=self.o_proj
+            )  # (B, L, hidden): combined and projected
+            return attn_output, None
 
         attn_output, attn_weights = self.attend(
             implementation, query_states, key_states, value_states, attention_mask, **kwargs

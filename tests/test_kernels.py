@@ -468,6 +468,50 @@ def test_flash_diff_forward_and_gradients_match_the_formula(
         assert rel_err(got, want) < TOL
 
 
+@pytest.mark.parametrize("mode", ["v1", "v2"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_flash_diff_with_o_proj_matches_the_formula_and_keeps_no_combined_heads(mode, bias):
+    """o_proj in the kernel's autograd node: o_proj(formula) and the gradients of q, k, v, the coefficient, the
+    norm and o_proj in float64; the node keeps the pairs and no (B, L, h, DV) combined heads (what a separate o_proj
+    would keep); a frozen o_proj gets no gradient and the rest the same."""
+    torch.manual_seed(5)
+    batch, length, heads, kv_heads, dqk, hidden = 2, 20, 4, 2, 16, 40
+    dv = 2 * dqk if mode == "v1" else dqk
+    q = rand(batch, length, heads, 2, dqk, grad=True)
+    k = rand(batch, kv_heads, length, 2 * dqk if mode == "v1" else dqk, grad=True)
+    v = rand(batch, kv_heads, length, dv, grad=True)
+    o_proj = torch.nn.Linear(heads * dv, hidden, bias=bias, device=DEVICE, dtype=DTYPE)
+    visible = causally_visible(length, length, False).expand(batch, length, length)
+    if mode == "v1":
+        norm, mu = Norm(dv), torch.tensor(0.37, device=DEVICE, requires_grad=True)
+        call = lambda: flash_diff_attention(q, k, v, None, mu, 0.3, norm, 0.56, o_proj=o_proj)  # noqa: E731
+        combined = flash_diff_formula(q, k, v, visible, mu, 0.3, norm.weight, norm.variance_epsilon, 0.56)
+        inputs = (q, k, v, mu, norm.weight)
+    else:
+        mu = torch.sigmoid(rand(batch, length, heads)).detach().requires_grad_()
+        call = lambda: flash_diff_attention(q, k, v, None, mu, 0.3, o_proj=o_proj)  # noqa: E731
+        combined = flash_diff_formula(q, k, v, visible, mu, 0.3)
+        inputs = (q, k, v, mu)
+    weights = tuple(o_proj.parameters())
+    ref = torch.nn.functional.linear(combined.flatten(-2), *(w.double() for w in weights))
+    kept, out = saved_shapes(call)
+    grad_out = rand(*out.shape)
+
+    assert out.shape == (batch, length, hidden) and rel_err(out, ref) < TOL
+    grads = torch.autograd.grad(out, inputs + weights, grad_out)
+    ref_grads = torch.autograd.grad(ref, inputs + weights, grad_out.double())
+    for got, want in zip(grads, ref_grads):
+        assert got.shape == want.shape and rel_err(got, want) < TOL
+    rows = batch * length * heads
+    combined_shapes = {(batch, length, heads * dv), (batch, length, heads, dv), (rows, dv)}
+    assert not combined_shapes & set(kept) and (rows, 2, dv) in kept  # the pairs, not the combined heads
+
+    o_proj.requires_grad_(False)
+    frozen = torch.autograd.grad(call(), inputs, grad_out)
+    assert all(rel_err(got, want) < TOL for got, want in zip(frozen, grads))
+    assert all(w.grad is None for w in weights)
+
+
 # (mode, heads, kv heads, query tokens, cached tokens, q/k width): decoding steps of V1 (16 heads of 2 x 64 over 4
 # kv heads of 128), V2 (64 query heads over 8) and DEX (32 heads over 8); a few tokens at once; a GQA group of 6
 COMBINED_DECODE_CASES = (
@@ -622,7 +666,7 @@ def test_fast_path_forward_and_gradients_equal_eager(mode, implementation, monke
 
     kernel_calls, rope_calls, norm_calls, mlp_calls = [], [], [], []
     kernel, rotate, norm, mlp = attention.flash_diff_attention, rope._rotate, modeling.rms_norm, modeling.swiglu_mlp
-    monkeypatch.setattr(attention, "flash_diff_attention", lambda *a: kernel_calls.append(1) or kernel(*a))
+    monkeypatch.setattr(attention, "flash_diff_attention", lambda *a, **k: kernel_calls.append(1) or kernel(*a, **k))
     monkeypatch.setattr(rope, "_rotate", lambda *a, **k: rope_calls.append(1) or rotate(*a, **k))
     monkeypatch.setattr(modeling, "rms_norm", lambda *a: norm_calls.append(1) or norm(*a))
     monkeypatch.setattr(modeling, "swiglu_mlp", lambda *a: mlp_calls.append(1) or mlp(*a))
@@ -725,7 +769,7 @@ def test_lora_model_on_the_flash_diff_kernel_equals_eager(monkeypatch):
 
     kernel_calls = []
     kernel = attention.flash_diff_attention
-    monkeypatch.setattr(attention, "flash_diff_attention", lambda *a: kernel_calls.append(1) or kernel(*a))
+    monkeypatch.setattr(attention, "flash_diff_attention", lambda *a, **k: kernel_calls.append(1) or kernel(*a, **k))
     eager, _ = model_pair("v1", FAST)
     model = get_lora_model(eager, lora_config(lora_dropout=0.0)).train()  # no RNG stream to keep aligned
     reference = copy.deepcopy(model).float()

@@ -71,19 +71,25 @@ def v2_combine_backward(pairs, row_weight, grad_out, for_flash: bool = False):
     return grad_pairs, grad_weight, delta
 
 
-def _v1_combine_forward(attn, lam, weight, eps, scale):
-    """-> (out (B, L, h, D), pairs (R, 2, D), rstd (R,)): one launch of the fused V1 combine."""
-    batch, length, two_h, width = attn.shape
-    pairs = attn.contiguous().view(-1, 2, width)  # (R, 2, D), R = B * L * h
-    rows = pairs.shape[0]
-    out = torch.empty(rows, width, dtype=attn.dtype, device=attn.device)
-    rstd = torch.empty(rows, dtype=torch.float32, device=attn.device)
+def v1_combine_rows(pairs, lam, weight, eps, scale):
+    """pairs (R, 2, D) -> (out (R, D), rstd (R,)): one launch of the fused V1 combine."""
+    rows, _, width = pairs.shape
+    out = torch.empty(rows, width, dtype=pairs.dtype, device=pairs.device)
+    rstd = torch.empty(rows, dtype=torch.float32, device=pairs.device)
     block = _rows_per_program(width)
     _v1_combine_fwd[(cdiv(rows, block),)](pairs, lam, weight, out, rstd, rows, eps, scale, width, block)
+    return out, rstd
+
+
+def _v1_combine_forward(attn, lam, weight, eps, scale):
+    """-> (out (B, L, h, D), pairs (R, 2, D), rstd (R,)): the fused V1 combine of the attention's output."""
+    batch, length, two_h, width = attn.shape
+    pairs = attn.contiguous().view(-1, 2, width)  # (R, 2, D), R = B * L * h
+    out, rstd = v1_combine_rows(pairs, lam, weight, eps, scale)
     return out.view(batch, length, two_h // 2, width), pairs, rstd
 
 
-def _v2_combine_rows(pairs, row_weight):
+def v2_combine_rows(pairs, row_weight):
     """pairs (R, 2, D), row_weight (R,) -> (R, D): one launch of the fused V2 combine."""
     rows, _, width = pairs.shape
     out = torch.empty(rows, width, dtype=pairs.dtype, device=pairs.device)
@@ -97,7 +103,7 @@ def _v2_combine_forward(attn, weight):
     batch, length, two_h, width = attn.shape
     pairs = attn.contiguous().view(-1, 2, width)  # (R, 2, D), R = B * L * h
     row_weight = weight.contiguous().view(-1)  # (R,)
-    return _v2_combine_rows(pairs, row_weight).view(batch, length, two_h // 2, width), pairs, row_weight
+    return v2_combine_rows(pairs, row_weight).view(batch, length, two_h // 2, width), pairs, row_weight
 
 
 class _V1Combine(torch.autograd.Function):
@@ -150,7 +156,7 @@ class _V2CombineProjection(torch.autograd.Function):
         grad_rows = grad_out.reshape(-1, grad_out.shape[-1])  # (B * L, hidden)
         grad_o_weight = grad_o_bias = None
         if need_o_weight:  # the combined heads again, used and freed before the next buffer is made
-            grad_o_weight = grad_rows.t().mm(_v2_combine_rows(pairs, row_weight).view(grad_rows.shape[0], -1))
+            grad_o_weight = grad_rows.t().mm(v2_combine_rows(pairs, row_weight).view(grad_rows.shape[0], -1))
         if need_o_bias:
             grad_o_bias = grad_rows.sum(0)
         grad_combined = grad_rows.mm(o_weight).view(-1, pairs.shape[-1])  # (R, d)

@@ -1,6 +1,7 @@
 """Flash-diff attention: a differential head's two softmax maps and their combine in one Triton kernel.
 
-    flash_diff_attention(query, key, value, mask, mu, scale, norm=None, norm_scale=1.0) -> (B, L, h, DV)
+    flash_diff_attention(query, key, value, mask, mu, scale, norm=None, norm_scale=1.0, o_proj=None)
+        -> (B, L, h, DV), or o_proj of it (B, L, hidden)
 
 - query (B, L, h, 2, DQK): Q1 and Q2 of every differential head (any strides, the last dim contiguous);
 - key (B, h_kv, S, 2*DQK) = K1|K2 (V1) or (B, h_kv, S, DQK), one key head for both maps (V2);
@@ -12,15 +13,17 @@ It computes what the modules' plain path computes (one attention call, then `com
 `v2_combine`), causal as transformers' SDPA call means it without a mask (`masks.py`), a bool mask
 (B or 1, 1, L, S) deciding where there is one, forward and backward. Against that path it reads each K/V tile once for both maps, spends DQK (not 2*DQK)
 on V1's Q.K, and writes and saves no zero-padded queries; in training it saves the pair (O1, O2) per head
-for the backward. The reference is the plain path itself (`tests/test_kernels.py` checks both against the
+for the backward, and given o_proj it keeps no combined heads for o_proj's weight gradient either. The reference is the plain path itself (`tests/test_kernels.py` checks both against the
 formula).
 """
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from ._modules import is_plain_linear
 from ._triton import TRITON_AVAILABLE, TRITON_INTERPRETING, cdiv, eager_kernels_run_on, is_power_of_2, needs_grad
-from .combine import v1_combine_backward, v2_combine_backward
+from .combine import v1_combine_backward, v1_combine_rows, v2_combine_backward, v2_combine_rows
 from .masks import causal_offset, kernel_mask
 
 if TRITON_AVAILABLE:
@@ -79,20 +82,43 @@ def _forward(query, key, value, mask, mu, norm_weight, eps, norm_scale, scale, s
     return y, pairs, lse, rstd
 
 
+def _combined_rows(pairs, mu, norm_weight, eps, norm_scale):
+    """The combined heads (R, DV) again from the saved pairs, as the forward's epilogue computed them."""
+    if norm_weight is not None:
+        return v1_combine_rows(pairs, mu, norm_weight, eps, norm_scale)[0]
+    return v2_combine_rows(pairs, mu.reshape(-1))
+
+
 class _FlashDiff(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, query, key, value, mask, mu, norm_weight, eps, norm_scale, scale):
-        y, pairs, lse, rstd = _forward(query, key, value, mask, mu, norm_weight, eps, norm_scale, scale, save=True)
-        ctx.save_for_backward(query, key, value, mask, mu, norm_weight, pairs, lse, rstd)
-        ctx.norm_scale, ctx.scale = norm_scale, scale
-        return y
+    """With o_proj's weight (and bias), o_proj of the combined heads: then the combined heads are not kept for
+    o_proj's weight gradient (the backward computes them again from the pairs, one elementwise pass)."""
 
     @staticmethod
-    def backward(ctx, grad_y):
-        query, key, value, mask, mu, norm_weight, pairs, lse, rstd = ctx.saved_tensors
+    def forward(ctx, query, key, value, mask, mu, norm_weight, eps, norm_scale, scale, o_weight, o_bias):
+        y, pairs, lse, rstd = _forward(query, key, value, mask, mu, norm_weight, eps, norm_scale, scale, save=True)
+        rstd = rstd if norm_weight is not None else None  # V2 has none (the launch's placeholder is y itself)
+        ctx.save_for_backward(query, key, value, mask, mu, norm_weight, pairs, lse, rstd, o_weight)
+        ctx.eps, ctx.norm_scale, ctx.scale = eps, norm_scale, scale
+        if o_weight is None:
+            return y
+        return F.linear(y.flatten(-2), o_weight, o_bias)  # (B, L, hidden)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, mask, mu, norm_weight, pairs, lse, rstd, o_weight = ctx.saved_tensors
         batch, length, heads, _, dqk = query.shape
         kv_heads, kv_length, dv = key.shape[1], key.shape[2], value.shape[-1]
-        grad_rows = grad_y.reshape(-1, dv)
+        grad_o_weight = grad_o_bias = None
+        if o_weight is None:
+            grad_rows = grad_out.reshape(-1, dv)
+        else:
+            grad_tokens = grad_out.reshape(-1, grad_out.shape[-1])  # (B * L, hidden)
+            if ctx.needs_input_grad[9]:
+                combined = _combined_rows(pairs, mu, norm_weight, ctx.eps, ctx.norm_scale)
+                grad_o_weight = grad_tokens.t().mm(combined.view(grad_tokens.shape[0], -1))
+            if ctx.needs_input_grad[10]:
+                grad_o_bias = grad_tokens.sum(0)
+            grad_rows = grad_tokens.mm(o_weight).view(-1, dv)  # (R, DV): the gradient of the combined heads
         if norm_weight is not None:  # V1: through subln and lambda to g = dO1 (dO2 = -lambda g)
             grad_o1, grad_mu, grad_norm, delta = v1_combine_backward(
                 pairs, mu, norm_weight, rstd, grad_rows, ctx.norm_scale, for_flash=True
@@ -134,18 +160,26 @@ class _FlashDiff(torch.autograd.Function):
             *grad_q.stride()[:4],
             heads, length, kv_length, offset, **common, **DQ_FIXED,
         )
-        return grad_q, grad_k, grad_v, None, grad_mu, grad_norm, None, None, None
+        return grad_q, grad_k, grad_v, None, grad_mu, grad_norm, None, None, None, grad_o_weight, grad_o_bias
 
 
 def flash_diff_attention(query, key, value, mask, mu, scale: float, norm: nn.Module | None = None,
-                         norm_scale: float = 1.0) -> torch.Tensor:
-    """See the module docstring. Returns the combined head outputs (B, L, h, DV)."""
+                         norm_scale: float = 1.0, o_proj: nn.Module | None = None) -> torch.Tensor:
+    """See the module docstring. Returns the combined head outputs (B, L, h, DV), or with `o_proj` its output
+    (B, L, hidden): in training with a plain Linear, in the kernel's autograd node, which then keeps no combined
+    heads for o_proj's backward."""
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     mask = None if mask is None else kernel_mask(mask, query)[0]  # uint8 once, for the forward and the backward
     norm_weight = None if norm is None else norm.weight
     eps = 0.0 if norm is None else norm.variance_epsilon
     mu = mu.float() if norm is not None else mu.contiguous()
     inputs = (query, key, value, mu, norm_weight)
-    if needs_grad(*inputs):
-        return _FlashDiff.apply(query, key, value, mask, mu, norm_weight, eps, norm_scale, scale)
-    return _forward(query, key, value, mask, mu, norm_weight, eps, norm_scale, scale, save=False)[0]
+    if needs_grad(*inputs, None if o_proj is None else o_proj.weight):
+        if o_proj is not None and is_plain_linear(o_proj):
+            return _FlashDiff.apply(
+                query, key, value, mask, mu, norm_weight, eps, norm_scale, scale, o_proj.weight, o_proj.bias
+            )
+        y = _FlashDiff.apply(query, key, value, mask, mu, norm_weight, eps, norm_scale, scale, None, None)
+    else:
+        y = _forward(query, key, value, mask, mu, norm_weight, eps, norm_scale, scale, save=False)[0]
+    return y if o_proj is None else o_proj(y.flatten(-2))
