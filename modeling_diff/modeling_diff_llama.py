@@ -35,7 +35,10 @@ from .configuration import DiffLlamaConfig
 from . import tensor_parallel  # noqa: F401  (registers the plan's styles for the differential parameters)
 from .generation import graphed_greedy_generate
 from .diff_attention import ATTENTION_CLASSES, DexAttention, DexLambda, DifferentialLambda, DiffAttentionV1, DiffAttentionV2
-from .kernels import resolve, rms_norm, rms_norm_kernel_applies, swiglu_mlp, swiglu_mlp_applies, uses_fast_kernels
+from .kernels import (
+    resolve, rms_norm, rms_norm_kernel_applies, silu_mul, silu_mul_applies, swiglu_mlp, swiglu_mlp_applies,
+    uses_fast_kernels,
+)
 
 # "cache" (transformers > 5.17) or "past_key_values" (5.17): the keyword of masks and model outputs.
 CACHE_KWARG = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
@@ -72,12 +75,20 @@ class DiffLlamaMLP(LlamaMLP):
     """transformers' LlamaMLP (same weights, same arithmetic); in training on the project's fast implementations one
     autograd node that keeps gate(x) and up(x) but not silu(gate(x)) * up(x), which its backward computes again
     (`kernels/swiglu.py`): two (tokens x intermediate) activations a layer, where LlamaMLP keeps four and Liger's
-    SwiGLU MLP three."""
+    SwiGLU MLP three. With wrapped projections (PEFT's LoRA layers) the activation alone takes a kernel that keeps
+    gate(x) and up(x) and not silu(gate(x))."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if uses_fast_kernels(resolve(self.config._attn_implementation, x)) and swiglu_mlp_applies(self, x):
+        if not uses_fast_kernels(resolve(self.config._attn_implementation, x)):
+            return super().forward(x)
+        if swiglu_mlp_applies(self, x):
             return swiglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
-        return super().forward(x)
+        # wrapped projections (PEFT's LoRA layers, tensor parallelism, hooks): their own forward, the activation
+        # in one pass that keeps gate(x) and up(x) but not silu(gate(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.config.hidden_act in ("silu", "swish") and silu_mul_applies(gate, up):
+            return self.down_proj(silu_mul(gate, up))
+        return self.down_proj(self.act_fn(gate) * up)
 
 
 class DiffLlamaDecoderLayer(GradientCheckpointingLayer):

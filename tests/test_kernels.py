@@ -24,7 +24,7 @@ from modeling_diff.kernels.decode import decode_attention
 from modeling_diff.kernels.flash_diff import flash_diff_attention
 from modeling_diff.kernels.rmsnorm import rms_norm, rms_norm_kernel_applies
 from modeling_diff.kernels.rope import apply_rope, rope_kernel_applies
-from modeling_diff.kernels.swiglu import swiglu_mlp, swiglu_mlp_applies
+from modeling_diff.kernels.swiglu import silu_mul, silu_mul_applies, swiglu_mlp, swiglu_mlp_applies
 
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
@@ -289,6 +289,28 @@ def test_swiglu_mlp_backward_runs_twice_and_skips_frozen_weights():
     out = mlp(x)
     (grad_x,) = torch.autograd.grad(out.sum(), x)
     assert rel_err(grad_x, first[0]) < TOL and all(p.grad is None for p in mlp.parameters())
+
+
+def test_silu_mul_matches_the_formula_and_keeps_its_inputs_only():
+    """silu(a) * b (the activation of an MLP of wrapped layers) and its gradients against the formula in float64;
+    it keeps a and b, not silu(a) (torch's act_fn(a) * b keeps all three); a retained graph runs backward twice."""
+    torch.manual_seed(7)
+    a, b = rand(B, L + 3, 40, grad=True), rand(B, L + 3, 40, grad=True)
+    grad_out = rand(*a.shape)
+    assert silu_mul_applies(a, b)
+    with torch.no_grad():
+        assert not silu_mul_applies(a, b)
+    kept, out = saved_shapes(lambda: silu_mul(a, b))
+    theirs, _ = saved_shapes(lambda: torch.nn.functional.silu(a) * b)
+    assert len(kept) == 2 and len(theirs) == 3
+    grads = torch.autograd.grad(out, (a, b), grad_out, retain_graph=True)
+    again = torch.autograd.grad(out, (a, b), grad_out)
+    a64, b64 = (t.detach().double().requires_grad_() for t in (a, b))
+    ref = a64 * torch.sigmoid(a64) * b64
+    ref_grads = torch.autograd.grad(ref, (a64, b64), grad_out.double())
+    assert rel_err(out, ref) < TOL
+    for got, repeated, want in zip(grads, again, ref_grads):
+        assert rel_err(got, want) < TOL and torch.equal(got, repeated)
 
 
 def test_swiglu_mlp_leaves_other_calls_to_llama_mlp():
@@ -759,7 +781,8 @@ def test_decoding_steps_on_the_kernel_equal_eager(mode, cache_class, monkeypatch
 
 
 def test_lora_model_on_the_flash_diff_kernel_equals_eager(monkeypatch):
-    """Under PEFT, V1's subln is a ModulesToSaveWrapper: the kernel must read the trained copy's weight. The
+    """Under PEFT, V1's subln is a ModulesToSaveWrapper: the kernel must read the trained copy's weight, and the
+    MLP of LoRA layers takes the activation kernel. The
     reference is the same LoRA model on eager attention in float32 (on a GPU the kernel runs in bfloat16, and
     lambda's gradient, a sum with much cancellation, would otherwise be measured against eager's own rounding)."""
     import copy
@@ -767,9 +790,12 @@ def test_lora_model_on_the_flash_diff_kernel_equals_eager(monkeypatch):
     import modeling_diff.diff_attention as attention
     from modeling_diff.lora import get_lora_model, lora_config
 
-    kernel_calls = []
-    kernel = attention.flash_diff_attention
+    import modeling_diff.modeling_diff_llama as modeling
+
+    kernel_calls, activation_calls = [], []
+    kernel, activation = attention.flash_diff_attention, modeling.silu_mul
     monkeypatch.setattr(attention, "flash_diff_attention", lambda *a, **k: kernel_calls.append(1) or kernel(*a, **k))
+    monkeypatch.setattr(modeling, "silu_mul", lambda *a: activation_calls.append(1) or activation(*a))
     eager, _ = model_pair("v1", FAST)
     model = get_lora_model(eager, lora_config(lora_dropout=0.0)).train()  # no RNG stream to keep aligned
     reference = copy.deepcopy(model).float()
@@ -780,7 +806,7 @@ def test_lora_model_on_the_flash_diff_kernel_equals_eager(monkeypatch):
     for peft_model in (reference, model):
         peft_model(input_ids=ids, labels=ids).loss.backward()
         grads.append({n: p.grad for n, p in peft_model.named_parameters() if p.grad is not None})
-    assert len(kernel_calls) == eager.config.num_hidden_layers
+    assert len(kernel_calls) == len(activation_calls) == eager.config.num_hidden_layers  # LoRA on the MLP too
     assert any("subln.modules_to_save" in n for n in grads[0])
     for name, grad in grads[0].items():
         if grad.norm() > 0:

@@ -7,7 +7,7 @@
 - `rope.py`: the rotary embedding of queries and keys in one Triton launch for both (`triton_rope.py`).
 - `rmsnorm.py`: the decoder's RMSNorm in one Triton pass forward and one backward (`triton_rmsnorm.py`).
 - `swiglu.py`: the decoder's SwiGLU MLP in training, its activation computed again in the backward instead of
-  kept (`triton_swiglu.py`).
+  kept, and silu(gate) * up alone for MLPs of wrapped layers (`triton_swiglu.py`).
 - `decode.py`: split-KV attention for decoding steps, one read of the KV cache per step, with each mode's
   differential term in its reduce (`triton_decode.py`).
 - `attention.py`: the attention implementations `"diff_triton"` (chosen automatically for `sdpa` on CUDA) and
@@ -28,13 +28,14 @@ from .decode import DexCombine, V1Combine, V2Combine, combined_decode_applies, c
 from .flash_diff import flash_diff_applies, flash_diff_attention
 from .rmsnorm import rms_norm, rms_norm_kernel_applies
 from .rope import apply_rope
-from .swiglu import swiglu_mlp, swiglu_mlp_applies
+from .swiglu import silu_mul, silu_mul_applies, swiglu_mlp, swiglu_mlp_applies
 
 register()
 
 __all__ = [
     "DIFF_TRITON", "FUSED_DIFF", "DexCombine", "V1Combine", "V2Combine", "apply_rope", "combined_decode_applies",
     "combined_decode_attention", "diff_triton_attention_forward", "flash_diff_applies", "flash_diff_attention",
-    "has_extra_options", "is_plain_linear", "resolve", "rms_norm", "rms_norm_kernel_applies", "swiglu_mlp",
+    "has_extra_options", "is_plain_linear", "resolve", "rms_norm", "rms_norm_kernel_applies", "silu_mul",
+    "silu_mul_applies", "swiglu_mlp",
     "swiglu_mlp_applies", "triton_available", "uses_fast_kernels", "v1_combine", "v2_combine", "v2_combine_projected",
 ]

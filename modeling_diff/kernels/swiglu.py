@@ -32,7 +32,8 @@ def swiglu_mlp_applies(mlp: nn.Module, x: torch.Tensor) -> bool:
     tensor-parallel or offloading wrapper, or a quantized layer: they take the module path)."""
     projections = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
     return (
-        eager_kernels_run_on(x)
+        torch.is_grad_enabled()  # first: decoding steps (no gradients) are bound by host work
+        and eager_kernels_run_on(x)
         and not torch.is_autocast_enabled(x.device.type)
         and mlp.config.hidden_act in ("silu", "swish")
         and all(is_plain_linear(p) and p.bias is None and p.weight.dtype == x.dtype for p in projections)
@@ -67,7 +68,9 @@ class _SwiGLUMLP(torch.autograd.Function):
             grad_w_down = grad_rows.t().mm(_silu_mul(gate, up))
         grad_product = grad_rows.mm(w_down)  # (T, I): dc, then da in place
         grad_up = torch.empty_like(up)
-        _swiglu_bwd[(cdiv(gate.numel(), BLOCK),)](gate, up, grad_product, grad_up, gate.numel(), BLOCK=BLOCK)
+        _swiglu_bwd[(cdiv(gate.numel(), BLOCK),)](
+            gate, up, grad_product, grad_product, grad_up, gate.numel(), BLOCK=BLOCK
+        )
         grad_gate = grad_product
         grad_x = None
         if need_x:
@@ -80,3 +83,37 @@ class _SwiGLUMLP(torch.autograd.Function):
 def swiglu_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
     """LlamaMLP's forward in training (check `swiglu_mlp_applies` first); see the module docstring."""
     return _SwiGLUMLP.apply(x, w_gate, w_up, w_down)
+
+
+class _SiLUMul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        a, b = a.contiguous(), b.contiguous()
+        ctx.save_for_backward(a, b)
+        return _silu_mul(a, b)
+
+    @staticmethod
+    def backward(ctx, grad_c):
+        a, b = ctx.saved_tensors
+        grad_a, grad_b = torch.empty_like(a), torch.empty_like(b)
+        _swiglu_bwd[(cdiv(a.numel(), BLOCK),)](a, b, grad_c.contiguous(), grad_a, grad_b, a.numel(), BLOCK=BLOCK)
+        return grad_a, grad_b
+
+
+def silu_mul_applies(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `silu_mul` takes silu(a) * b: a call that records gradients, on the kernels' devices, two plain
+    tensors of one shape and dtype."""
+    return (
+        needs_grad(a, b)  # first: decoding steps (no gradients) are bound by host work
+        and eager_kernels_run_on(a)
+        and type(a) is torch.Tensor and type(b) is torch.Tensor
+        and a.shape == b.shape and a.dtype == b.dtype
+    )
+
+
+def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """silu(a) * b in one pass, keeping a and b for the backward and not silu(a) (check `silu_mul_applies`
+    first): the MLP's activation where its projections are not plain Linear layers (PEFT's LoRA layers, tensor
+    parallelism, hooks), which keep their own inputs. One (tokens x intermediate) tensor fewer than LlamaMLP's
+    act_fn(gate) * up keeps, as Liger's SwiGLU kernel does."""
+    return _SiLUMul.apply(a, b)

@@ -37,8 +37,9 @@ def _swiglu_fwd(A, B, C, N, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _swiglu_bwd(A, B, DC, DB, N, BLOCK: tl.constexpr):
-    # DC <- da in place (each element read before it is written); A and B, kept by autograd, are only read.
+def _swiglu_bwd(A, B, DC, DA, DB, N, BLOCK: tl.constexpr):
+    # DA may be DC (da in place: each element is read before it is written); A and B, kept by autograd, are only
+    # read.
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offsets < N
     a = tl.load(A + offsets, mask=ok, other=0.0).to(tl.float32)
@@ -46,5 +47,5 @@ def _swiglu_bwd(A, B, DC, DB, N, BLOCK: tl.constexpr):
     dc = tl.load(DC + offsets, mask=ok, other=0.0).to(tl.float32)
     silu, sig = _silu(a)
     ds = (dc * b).to(DC.dtype.element_ty).to(tl.float32)
-    tl.store(DC + offsets, (ds * sig * (1.0 + a * (1.0 - sig))).to(DC.dtype.element_ty), mask=ok)
+    tl.store(DA + offsets, (ds * sig * (1.0 + a * (1.0 - sig))).to(DA.dtype.element_ty), mask=ok)
     tl.store(DB + offsets, (dc * silu.to(A.dtype.element_ty).to(tl.float32)).to(DB.dtype.element_ty), mask=ok)
