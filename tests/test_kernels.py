@@ -313,8 +313,9 @@ def test_silu_mul_matches_the_formula_and_keeps_its_inputs_only():
         assert rel_err(got, want) < TOL and torch.equal(got, repeated)
 
 
-def test_swiglu_mlp_leaves_other_calls_to_llama_mlp():
-    """Inference, autocast, a bias, another activation, a LoRA-wrapped or hooked projection take LlamaMLP's path."""
+def test_swiglu_mlp_leaves_other_calls_to_the_projections_own_forward():
+    """Inference, autocast, a bias, another activation, a LoRA-wrapped or hooked projection: not the MLP's node (the
+    projections' own forward, and `silu_mul` for the activation where it applies)."""
     from peft import LoraConfig, get_peft_model
 
     mlp = swiglu_mlp_module()
