@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._modules import is_plain_linear
+from ._modules import is_plain_linear, recomputed_linear_backward
 from ._triton import TRITON_AVAILABLE, cdiv, is_power_of_2, needs_grad, triton_available
 
 if TRITON_AVAILABLE:
@@ -153,13 +153,10 @@ class _V2CombineProjection(torch.autograd.Function):
         pairs, row_weight, o_weight = ctx.saved_tensors
         attn_shape, weight_shape = ctx.shapes
         _, _, need_o_weight, need_o_bias = ctx.needs_input_grad
-        grad_rows = grad_out.reshape(-1, grad_out.shape[-1])  # (B * L, hidden)
-        grad_o_weight = grad_o_bias = None
-        if need_o_weight:  # the combined heads again, used and freed before the next buffer is made
-            grad_o_weight = grad_rows.t().mm(v2_combine_rows(pairs, row_weight).view(grad_rows.shape[0], -1))
-        if need_o_bias:
-            grad_o_bias = grad_rows.sum(0)
-        grad_combined = grad_rows.mm(o_weight).view(-1, pairs.shape[-1])  # (R, d)
+        grad_combined, grad_o_weight, grad_o_bias = recomputed_linear_backward(  # the combined heads again
+            grad_out, o_weight, lambda: v2_combine_rows(pairs, row_weight), need_o_weight, need_o_bias
+        )
+        grad_combined = grad_combined.view(-1, pairs.shape[-1])  # (R, d)
         grad_pairs, grad_weight, _ = v2_combine_backward(pairs, row_weight, grad_combined)
         return grad_pairs.view(attn_shape), grad_weight.view(weight_shape), grad_o_weight, grad_o_bias
 

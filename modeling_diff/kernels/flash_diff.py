@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._modules import is_plain_linear
+from ._modules import is_plain_linear, recomputed_linear_backward
 from ._triton import TRITON_AVAILABLE, TRITON_INTERPRETING, cdiv, eager_kernels_run_on, is_power_of_2, needs_grad
 from .combine import v1_combine_backward, v1_combine_rows, v2_combine_backward, v2_combine_rows
 from .masks import causal_offset, kernel_mask
@@ -111,14 +111,12 @@ class _FlashDiff(torch.autograd.Function):
         grad_o_weight = grad_o_bias = None
         if o_weight is None:
             grad_rows = grad_out.reshape(-1, dv)
-        else:
-            grad_tokens = grad_out.reshape(-1, grad_out.shape[-1])  # (B * L, hidden)
-            if ctx.needs_input_grad[9]:
-                combined = _combined_rows(pairs, mu, norm_weight, ctx.eps, ctx.norm_scale)
-                grad_o_weight = grad_tokens.t().mm(combined.view(grad_tokens.shape[0], -1))
-            if ctx.needs_input_grad[10]:
-                grad_o_bias = grad_tokens.sum(0)
-            grad_rows = grad_tokens.mm(o_weight).view(-1, dv)  # (R, DV): the gradient of the combined heads
+        else:  # the combined heads again, for o_proj's weight
+            grad_rows, grad_o_weight, grad_o_bias = recomputed_linear_backward(
+                grad_out, o_weight, lambda: _combined_rows(pairs, mu, norm_weight, ctx.eps, ctx.norm_scale),
+                *ctx.needs_input_grad[9:11],
+            )
+            grad_rows = grad_rows.view(-1, dv)  # (R, DV): the gradient of the combined heads
         if norm_weight is not None:  # V1: through subln and lambda to g = dO1 (dO2 = -lambda g)
             grad_o1, grad_mu, grad_norm, delta = v1_combine_backward(
                 pairs, mu, norm_weight, rstd, grad_rows, ctx.norm_scale, for_flash=True

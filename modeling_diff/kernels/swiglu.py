@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._modules import is_plain_linear
+from ._modules import is_plain_linear, recomputed_linear_backward
 from ._triton import TRITON_AVAILABLE, cdiv, eager_kernels_run_on, needs_grad
 
 if TRITON_AVAILABLE:
@@ -62,11 +62,9 @@ class _SwiGLUMLP(torch.autograd.Function):
     def backward(ctx, grad_out):
         rows, w_gate, w_up, w_down, gate, up = ctx.saved_tensors
         need_x, need_gate, need_up, need_down = ctx.needs_input_grad
-        grad_rows = grad_out.reshape(-1, grad_out.shape[-1])  # (T, hidden)
-        grad_w_down = None
-        if need_down:  # c again, used and freed before the next (T, I) buffer is made
-            grad_w_down = grad_rows.t().mm(_silu_mul(gate, up))
-        grad_product = grad_rows.mm(w_down)  # (T, I): dc, then da in place
+        grad_product, grad_w_down, _ = recomputed_linear_backward(  # c again for down_proj's weight
+            grad_out, w_down, lambda: _silu_mul(gate, up), need_down, need_bias=False
+        )  # (T, I): dc, then da in place
         grad_up = torch.empty_like(up)
         _swiglu_bwd[(cdiv(gate.numel(), BLOCK),)](
             gate, up, grad_product, grad_product, grad_up, gate.numel(), BLOCK=BLOCK
