@@ -9,12 +9,12 @@
 - V1: mu = lambda (a float32 scalar tensor), norm = the subln RMSNorm, norm_scale = 1 - lambda_init;
   V2: mu = the per-token noise weight (B, L, h), norm = None.
 
-It computes what the modules' plain path computes (one attention call, then `combine.v1_combine` or
-`v2_combine`), causal as transformers' SDPA call means it without a mask (`masks.py`), a bool mask
-(B or 1, 1, L, S) deciding where there is one, forward and backward. Against that path it reads each K/V tile once for both maps, spends DQK (not 2*DQK)
-on V1's Q.K, and writes and saves no zero-padded queries; in training it saves the pair (O1, O2) per head
-for the backward, and given o_proj it keeps no combined heads for o_proj's weight gradient either. The reference is the plain path itself (`tests/test_kernels.py` checks both against the
-formula).
+It computes what the modules' plain path computes (one attention call, then `combine.v1_combine` or `v2_combine`),
+causal as transformers' SDPA call means it without a mask (`masks.py`), a bool mask (B or 1, 1, L, S) deciding
+where there is one, forward and backward. Against that path it reads each K/V tile once for both maps, spends DQK
+(not 2*DQK) on V1's Q.K, and writes and saves no zero-padded queries; in training it saves the pair (O1, O2) per
+head for the backward, and given o_proj it keeps no combined heads for o_proj's weight gradient either. The
+reference is the plain path itself (`tests/test_kernels.py` checks both against the formula).
 """
 
 import torch
