@@ -1,0 +1,131 @@
+"""The Linear maps of a decoding step: cuBLAS (one F.linear per weight) against modeling_diff's projection kernels
+(`kernels/projection.py`: q, k, v and V2's lambda_proj in one launch; gate and up with silu(gate) * up in one),
+each timed as a CUDA graph of 20 calls replayed (what a graph-replayed decoding step pays, without launch overhead
+from the host).
+
+    python benchmarks/projection_bench.py [--sweep] [--out $OUT/projections.json]
+
+Shapes: the ~1.1B presets (hidden 2048, MLP 8192, vocab 32000), at 1 and 32 tokens. Prints per shape the time of
+each and the bandwidth reached (the weights' bytes / time; the copy bandwidth measured in the same run beside it).
+`--sweep` also times the kernels at other block sizes, warps and pipeline stages, to choose the defaults.
+"""
+
+import argparse
+import itertools
+import json
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from bench import copy_bandwidth, warm_up_gpu, write_atomically
+from modeling_diff.kernels._triton import cdiv, next_power_of_2
+from modeling_diff.kernels.projection import block_k, block_rows
+from modeling_diff.kernels.triton_projection import _gated_projection, _projections
+
+HIDDEN, MLP, VOCAB = 2048, 8192, 32000
+# (name, output widths of the weights read together, input width, gated)
+SHAPES = [
+    ("qkv (dex, llama 32x64 / 8 kv)", (2048, 512, 512), HIDDEN, False),
+    ("qkv + lambda_proj (v2)", (4096, 512, 512, 32), HIDDEN, False),
+    ("o_proj", (2048,), HIDDEN, False),
+    ("gate, up + silu * up", (MLP,), HIDDEN, True),
+    ("down_proj", (HIDDEN,), MLP, False),
+    ("lm_head", (VOCAB,), HIDDEN, False),
+]
+CALLS = 20  # per graph
+
+
+def graph_time(fn) -> float:
+    """Seconds per call of `fn`, CALLS calls captured in one CUDA graph, the median of 20 replays."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS):
+            fn()
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / CALLS)
+    return sorted(times)[len(times) // 2]
+
+
+def kernel_call(x, weights, gated, block_n, bk, warps, stages):
+    m, k = x.shape
+    block_m = max(16, next_power_of_2(m))
+    if gated:
+        n = weights[0].shape[0]
+        y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        return lambda: _gated_projection[(cdiv(n, block_n),)](
+            x, weights[0], weights[1], y, m, n, K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk,
+            num_warps=warps, num_stages=stages,
+        )
+    ys = [torch.empty(m, w.shape[0], dtype=x.dtype, device=x.device) for w in weights]
+    pad = 4 - len(weights)
+    programs = sum(cdiv(w.shape[0], block_n) for w in weights)
+    return lambda: _projections[(programs,)](
+        x, *weights, *weights[:1] * pad, *ys, *ys[:1] * pad, m, *(w.shape[0] for w in weights), *(0,) * pad,
+        K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+    )
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sweep", action="store_true", help="time other block sizes, warps and stages too")
+    parser.add_argument("--out", help="JSON file for the rows")
+    args = parser.parse_args(argv)
+    warm_up_gpu()
+    bandwidth = copy_bandwidth()
+    rows = []
+    cases = [(s, m) for s in SHAPES for m in (1, 32)]
+    for (name, widths, k, gated), m in tqdm(cases, desc="shapes"):
+        torch.manual_seed(0)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for n in widths]
+        if gated:
+            weights.append(torch.randn_like(weights[0]))
+        nbytes = sum(w.numel() * 2 for w in weights)
+        if gated:
+            cublas = lambda: F.silu(F.linear(x, weights[0])) * F.linear(x, weights[1])  # noqa: E731
+        else:
+            cublas = lambda: [F.linear(x, w) for w in weights]  # noqa: E731
+        row = dict(shape=name, tokens=m, mbytes=nbytes / 1e6, cublas_us=graph_time(cublas) * 1e6)
+        default = (block_rows(max(widths)), block_k(k), 4, 3)
+        configs = [default]
+        if args.sweep:
+            configs += list(itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 4)))
+        timed = []
+        for config in dict.fromkeys(configs):
+            try:
+                timed.append((graph_time(kernel_call(x, weights, gated, *config)) * 1e6, config))
+            except Exception as error:  # a config out of the GPU's shared memory
+                tqdm.write(f"{name} m={m} {config}: {type(error).__name__}")
+        row["kernel_us"] = timed[0][0]
+        row["best_us"], row["best_config"] = min(timed)
+        row["cublas_tbs"] = nbytes / row["cublas_us"] / 1e6
+        row["kernel_tbs"] = nbytes / row["kernel_us"] / 1e6
+        row["best_tbs"] = nbytes / row["best_us"] / 1e6
+        rows.append(row)
+        tqdm.write(json.dumps(row))
+    print(f"\ncopy bandwidth {bandwidth / 1e12:.2f} TB/s; (block rows, block k, warps, stages) of the best config")
+    print("| weights | tokens | MB | cuBLAS us (TB/s) | kernel us (TB/s) | best us (TB/s), config | kernel vs cuBLAS |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['shape']} | {r['tokens']} | {r['mbytes']:.1f} | {r['cublas_us']:.1f} ({r['cublas_tbs']:.2f}) | "
+              f"{r['kernel_us']:.1f} ({r['kernel_tbs']:.2f}) | {r['best_us']:.1f} ({r['best_tbs']:.2f}), "
+              f"{r['best_config']} | {r['cublas_us'] / r['kernel_us']:.2f}x |")
+    if args.out:
+        write_atomically(args.out, json.dumps(dict(bandwidth_tbs=bandwidth / 1e12, rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""Triton projections of a few rows (decoding steps): several Linear maps of one input in one launch.
+
+Imported only when triton is installed (see `kernels/projection.py` for the reference, the dispatch and the block
+sizes). x (M, K) with M a decoding step's tokens (batch x new tokens, at most 64), weights (N_i, K) row-major as
+nn.Linear keeps them. A program owns BLOCK_N rows of one weight and every row of x; it walks K in BLOCK_K steps and
+multiplies on the tensor cores (x padded to BLOCK_M >= 16 rows: the step is bound by the weight's bytes, not by
+arithmetic):
+
+    projections        y_i = x W_i^T for up to four weights (q, k, v and V2's lambda_proj), programs in turn
+    gated_projection   y = silu(x W_g^T) * (x W_u^T), each rounded to the dtype as LlamaMLP rounds them
+"""
+
+# In a try block because transformers' remote-code loader requires every *unguarded* import of a Hub export's
+# files to be installed; this module is imported only where triton is (see _triton.TRITON_AVAILABLE).
+try:
+    import triton
+    import triton.language as tl
+except ImportError as error:
+    raise ImportError("modeling_diff's Triton kernels need the triton package") from error
+
+from .triton_swiglu import _silu
+
+
+@triton.jit
+def _row_block_products(X, W, V, M, row0, N, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, GATED: tl.constexpr):
+    """float32 (BLOCK_M, BLOCK_N) blocks of x W^T and, where GATED, of x V^T, for the weights' rows row0 + [0,
+    BLOCK_N); K a multiple of BLOCK_K. Both weights are read in the same loop (twice the bytes in flight)."""
+    rows = tl.arange(0, BLOCK_M)
+    cols = row0 + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    x_ptrs = X + rows[:, None] * K + ks[None, :]
+    w_offsets = cols[:, None].to(tl.int64) * K + ks[None, :]
+    x_ok = rows[:, None] < M
+    w_ok = cols[:, None] < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc_v = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k in range(0, K, BLOCK_K):
+        x = tl.load(x_ptrs + k, mask=x_ok, other=0.0)
+        acc = tl.dot(x, tl.trans(tl.load(W + w_offsets + k, mask=w_ok, other=0.0)), acc)
+        if GATED:
+            acc_v = tl.dot(x, tl.trans(tl.load(V + w_offsets + k, mask=w_ok, other=0.0)), acc_v)
+    return acc, acc_v
+
+
+@triton.jit
+def _store_rows(Y, y, M, row0, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.arange(0, BLOCK_M)
+    cols = row0 + tl.arange(0, BLOCK_N)
+    tl.store(Y + rows[:, None] * N + cols[None, :], y.to(Y.dtype.element_ty),
+             mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+@triton.jit(do_not_specialize=["M"])  # the tokens of a step change with the batch: one compiled kernel for all
+def _projections(X, W0, W1, W2, W3, Y0, Y1, Y2, Y3, M, N0, N1, N2, N3, K: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # K (the input width) is a constant of the compiled kernel: two per model (hidden and MLP widths).
+    # The first cdiv(N0, BLOCK_N) programs compute Y0 = X W0^T, the next ones Y1, ...; an unused weight has N_i = 0.
+    pid = tl.program_id(0)
+    end0 = tl.cdiv(N0, BLOCK_N)
+    end1 = end0 + tl.cdiv(N1, BLOCK_N)
+    end2 = end1 + tl.cdiv(N2, BLOCK_N)
+    if pid < end0:
+        W, Y, N, row0 = W0, Y0, N0, pid * BLOCK_N
+    elif pid < end1:
+        W, Y, N, row0 = W1, Y1, N1, (pid - end0) * BLOCK_N
+    elif pid < end2:
+        W, Y, N, row0 = W2, Y2, N2, (pid - end1) * BLOCK_N
+    else:
+        W, Y, N, row0 = W3, Y3, N3, (pid - end2) * BLOCK_N
+    acc, _ = _row_block_products(X, W, W, M, row0, N, K, BLOCK_M, BLOCK_N, BLOCK_K, False)
+    _store_rows(Y, acc, M, row0, N, BLOCK_M, BLOCK_N)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gated_projection(X, WG, WU, Y, M, N, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    row0 = tl.program_id(0) * BLOCK_N
+    gate, up = _row_block_products(X, WG, WU, M, row0, N, K, BLOCK_M, BLOCK_N, BLOCK_K, True)
+    dtype = Y.dtype.element_ty
+    silu = _silu(gate.to(dtype).to(tl.float32))[0].to(dtype).to(tl.float32)
+    _store_rows(Y, silu * up.to(dtype).to(tl.float32), M, row0, N, BLOCK_M, BLOCK_N)
