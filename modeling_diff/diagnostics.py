@@ -180,7 +180,7 @@ def _pair_weight(module: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor
     """The weight of A2 in the differential map, broadcastable to (B, h, L, S): V1's lambda, V2's per-token one."""
     if isinstance(module, DiffAttentionV1):
         return module.diff_lambda().reshape(1, 1, 1, 1)
-    return module.noise_weight(hidden_states).transpose(1, 2)[..., None].float()  # (B, h, L, 1)
+    return module.noise_weight(module.lambda_proj(hidden_states)).transpose(1, 2)[..., None].float()  # (B, h, L, 1)
 
 
 def probe_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):

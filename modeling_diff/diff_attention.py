@@ -27,8 +27,8 @@ from transformers.utils import TransformersKwargs
 from .configuration import DiffLlamaConfig
 from .kernels import (
     DIFF_TRITON, FUSED_DIFF, DexCombine, V1Combine, V2Combine, apply_rope, combined_decode_applies,
-    combined_decode_attention, flash_diff_applies, flash_diff_attention, has_extra_options, is_plain_linear, resolve,
-    uses_fast_kernels, v1_combine, v2_combine_projected,
+    combined_decode_attention, flash_diff_applies, flash_diff_attention, has_extra_options, is_plain_linear,
+    linear_maps, resolve, uses_fast_kernels, v1_combine, v2_combine_projected,
 )
 
 
@@ -264,9 +264,13 @@ class DiffAttentionV1(_DiffAttentionBase):
         input_shape = hidden_states.shape[:-1]  # (B, L)
         d = self.head_dim
         implementation = self.implementation(hidden_states)
-        query_states = self.q_proj(hidden_states).view(*input_shape, -1, d)  # (B, L, 2h, d): (Q1, Q2) per head
-        key_states = self.k_proj(hidden_states).view(*input_shape, -1, d)  # (B, L, 2h_kv, d): (K1, K2) per head
-        value_states = self.v_proj(hidden_states).view(*input_shape, -1, 2 * d).transpose(1, 2)  # (B, h_kv, L, 2d)
+        # one launch for the three in a decoding step (`kernels/projection.py`), each layer's forward otherwise
+        query_states, key_states, value_states = linear_maps(
+            hidden_states, self.q_proj, self.k_proj, self.v_proj, fused=uses_fast_kernels(implementation)
+        )
+        query_states = query_states.view(*input_shape, -1, d)  # (B, L, 2h, d): (Q1, Q2) per head
+        key_states = key_states.view(*input_shape, -1, d)  # (B, L, 2h_kv, d): (K1, K2) per head
+        value_states = value_states.view(*input_shape, -1, 2 * d).transpose(1, 2)  # (B, h_kv, L, 2d)
 
         cos, sin = position_embeddings  # (B, L, d), the same rotation for every head and both halves
         query_states, key_states = apply_rope(query_states, key_states, cos, sin, uses_fast_kernels(implementation))
@@ -315,19 +319,24 @@ class _LlamaLayoutAttention(_DiffAttentionBase):
         self.v_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * d, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * d, config.hidden_size, bias=bias)
 
-    def project(self, implementation, hidden_states, position_embeddings, cache):
-        """-> query (B, query_heads, L, d), key and value (B, h_kv, S, d), RoPE applied and the cache updated."""
+    def project(self, implementation, hidden_states, position_embeddings, cache, side=()):
+        """-> query (B, query_heads, L, d), key and value (B, h_kv, S, d), RoPE applied and the cache updated, and
+        the outputs of the `side` layers of the same input (V2's lambda_proj), (B, L, .) each."""
         hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-        query_states = self.q_proj(hidden_states).view(hidden_shape)  # (B, L, query_heads, d)
-        key_states = self.k_proj(hidden_states).view(hidden_shape)  # (B, L, h_kv, d)
-        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, h_kv, L, d)
+        # one launch for all of them in a decoding step (`kernels/projection.py`), each layer's forward otherwise
+        query_states, key_states, value_states, *side_outputs = linear_maps(
+            hidden_states, self.q_proj, self.k_proj, self.v_proj, *side, fused=uses_fast_kernels(implementation)
+        )
+        query_states = query_states.view(hidden_shape)  # (B, L, query_heads, d)
+        key_states = key_states.view(hidden_shape)  # (B, L, h_kv, d)
+        value_states = value_states.view(hidden_shape).transpose(1, 2)  # (B, h_kv, L, d)
 
         cos, sin = position_embeddings
         query_states, key_states = apply_rope(query_states, key_states, cos, sin, uses_fast_kernels(implementation))
         query_states, key_states = query_states.transpose(1, 2), key_states.transpose(1, 2)
         if cache is not None:
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
-        return query_states, key_states, value_states
+        return query_states, key_states, value_states, side_outputs
 
     def attend(self, implementation, query_states, key_states, value_states, attention_mask, **kwargs):
         """-> per-head outputs (B, L, query_heads, d) and, with eager, maps (B, query_heads, L, S)."""
@@ -352,24 +361,26 @@ class DiffAttentionV2(_LlamaLayoutAttention):
         if config.anneal_steps > 0:
             _ANNEALED_ATTENTIONS.add(self)
 
-    def noise_weight(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Per-token, per-pair weight of the noise head: (B, L, h)."""
+    def noise_weight(self, noise_logits: torch.Tensor) -> torch.Tensor:
+        """Per-token, per-pair weight of the noise head from lambda_proj(x) (B, L, h): (B, L, h)."""
         fraction = anneal_fraction(self.anneal_step, self.config.anneal_steps).clamp(max=1.0)
-        return torch.sigmoid(self.lambda_proj(hidden_states)) * fraction.to(hidden_states.dtype)
+        return torch.sigmoid(noise_logits) * fraction.to(noise_logits.dtype)
 
     def forward(
         self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs: Unpack[TransformersKwargs]
     ):
         input_shape = hidden_states.shape[:-1]
         implementation = self.implementation(hidden_states)
-        query_states, key_states, value_states = self.project(implementation, hidden_states, position_embeddings, cache)
+        query_states, key_states, value_states, (noise_logits,) = self.project(
+            implementation, hidden_states, position_embeddings, cache, side=(self.lambda_proj,)
+        )  # noise_logits = lambda_proj(x) (B, L, h)
         if self.combined_decode_applies(implementation, query_states, key_states, value_states, attention_mask, kwargs):
-            combine = V2Combine(self.lambda_proj(hidden_states), self.anneal_step, self.config.anneal_steps)
+            combine = V2Combine(noise_logits, self.anneal_step, self.config.anneal_steps)
             attn_output = combined_decode_attention(
                 query_states, key_states, value_states, attention_mask, self.scaling, combine
             )  # (B, L, h, d), combined
             return self.o_proj(attn_output.reshape(*input_shape, -1)), None
-        weight = self.noise_weight(hidden_states)  # (B, L, h)
+        weight = self.noise_weight(noise_logits)  # (B, L, h)
         # (B, 2h, L, d) -> (B, L, h, 2, d): the pair (signal, noise) of each differential head
         pairs = query_states.unflatten(1, (-1, 2)).permute(0, 3, 1, 2, 4)
         if self.flash_diff_applies(implementation, pairs, key_states, value_states, attention_mask, kwargs):
@@ -443,7 +454,9 @@ class DexAttention(_LlamaLayoutAttention):
     ):
         input_shape = hidden_states.shape[:-1]
         implementation = self.implementation(hidden_states)
-        query_states, key_states, value_states = self.project(implementation, hidden_states, position_embeddings, cache)
+        query_states, key_states, value_states, _ = self.project(
+            implementation, hidden_states, position_embeddings, cache
+        )
         if type(self.dex_proj.weight) is nn.Parameter and self.combined_decode_applies(
             implementation, query_states, key_states, value_states, attention_mask, kwargs
         ):  # f_D plain or PEFT's trained copy (a LoRA-adapted f_D takes the plain path)

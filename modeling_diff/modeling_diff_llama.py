@@ -36,8 +36,8 @@ from . import tensor_parallel  # noqa: F401  (registers the plan's styles for th
 from .generation import graphed_greedy_generate
 from .diff_attention import ATTENTION_CLASSES, DexAttention, DexLambda, DifferentialLambda, DiffAttentionV1, DiffAttentionV2
 from .kernels import (
-    resolve, rms_norm, rms_norm_kernel_applies, silu_mul, silu_mul_applies, swiglu_mlp, swiglu_mlp_applies,
-    uses_fast_kernels,
+    gated_projection, gated_projection_applies, resolve, rms_norm, rms_norm_kernel_applies, silu_mul, silu_mul_applies,
+    swiglu_mlp, swiglu_mlp_applies, uses_fast_kernels,
 )
 
 # "cache" (transformers > 5.17) or "past_key_values" (5.17): the keyword of masks and model outputs.
@@ -76,17 +76,21 @@ class DiffLlamaMLP(LlamaMLP):
     autograd node that keeps gate(x) and up(x) but not silu(gate(x)) * up(x), which its backward computes again
     (`kernels/swiglu.py`): two (tokens x intermediate) activations a layer, where LlamaMLP keeps four and Liger's
     SwiGLU MLP three. With wrapped projections (PEFT's LoRA layers) the activation alone takes a kernel that keeps
-    gate(x) and up(x) and not silu(gate(x))."""
+    gate(x) and up(x) and not silu(gate(x)). In a decoding step gate, up and the activation are one launch
+    (`kernels/projection.py`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not uses_fast_kernels(resolve(self.config._attn_implementation, x)):
             return super().forward(x)
+        silu = self.config.hidden_act in ("silu", "swish")
+        if silu and gated_projection_applies(x, self.gate_proj, self.up_proj):  # decoding steps (no gradients)
+            return self.down_proj(gated_projection(x, self.gate_proj, self.up_proj))
         if swiglu_mlp_applies(self, x):
             return swiglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
         # wrapped projections (PEFT's LoRA layers, tensor parallelism, hooks): their own forward, the activation
         # in one pass that keeps gate(x) and up(x) but not silu(gate(x))
         gate, up = self.gate_proj(x), self.up_proj(x)
-        if self.config.hidden_act in ("silu", "swish") and silu_mul_applies(gate, up):
+        if silu and silu_mul_applies(gate, up):
             return self.down_proj(silu_mul(gate, up))
         return self.down_proj(self.act_fn(gate) * up)
 

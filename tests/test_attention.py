@@ -153,7 +153,7 @@ def test_v2_anneal_factor_scales_the_noise_term():
     for t, factor in ((0, 0.0), (1, 0.25), (9, 1.0)):
         attn.anneal_step.fill_(t)
         expected = factor * torch.sigmoid(x @ attn.lambda_proj.weight.T)
-        torch.testing.assert_close(attn.noise_weight(x), expected)
+        torch.testing.assert_close(attn.noise_weight(attn.lambda_proj(x)), expected)
 
 
 def test_lambda_init_follows_depth_schedule():

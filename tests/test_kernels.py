@@ -334,6 +334,78 @@ def test_swiglu_mlp_leaves_other_calls_to_the_projections_own_forward():
     assert not swiglu_mlp_applies(hooked, x)
 
 
+class CountedKernel:
+    """A Triton kernel that records its launches: `kernel[grid](...)` as the wrappers call it."""
+
+    def __init__(self, kernel, calls: list):
+        self.kernel, self.calls = kernel, calls
+
+    def __getitem__(self, grid):
+        self.calls.append(grid)
+        return self.kernel[grid]
+
+
+def linear_layer(width_in, width_out, bias=False):
+    layer = torch.nn.Linear(width_in, width_out, bias=bias, device=DEVICE, dtype=DTYPE)
+    torch.nn.init.normal_(layer.weight, std=width_in**-0.5)
+    return layer
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 33 if GPU else 17, 64])
+def test_projections_of_a_decoding_step_match_the_formula(tokens, monkeypatch):
+    """q, k, v, lambda_proj (and a fifth layer: a second launch) of a step in one launch each, every output x W^T;
+    widths not a multiple of a program's rows; a LoRA-wrapped and a biased layer take their own forward, in order."""
+    import modeling_diff.kernels.projection as projection
+    from peft import LoraConfig, get_peft_model
+
+    launches = []
+    monkeypatch.setattr(projection, "_projections", CountedKernel(projection._projections, launches))
+    torch.manual_seed(3)
+    hidden = 2048 if GPU else 64
+    widths = (hidden, hidden // 4, hidden // 4, 24, 40)
+    layers = [linear_layer(hidden, n) for n in widths]
+    x = rand(tokens, 1, hidden)  # (B, L = 1, hidden): a decoding step of `tokens` rows
+    with torch.no_grad():
+        outputs = projection.linear_maps(x, *layers, fused=True)
+        assert len(launches) == 2
+        for layer, out in zip(layers, outputs):
+            assert out.shape == (tokens, 1, layer.out_features)
+            assert rel_err(out, x.float() @ layer.weight.float().T) < TOL
+        wrapped = get_peft_model(torch.nn.Sequential(layers[1]), LoraConfig(target_modules=["0"], r=2))
+        torch.nn.init.normal_(wrapped.base_model.model[0].lora_B.default.weight)  # a LoRA update that shows
+        mixed = (layers[0], wrapped.base_model.model[0], linear_layer(hidden, 8, bias=True), layers[2])
+        outputs = projection.linear_maps(x, *mixed, fused=True)
+        assert len(launches) == 3  # layers 0 and 3 in one launch
+        for layer, out in zip(mixed, outputs):
+            assert rel_err(out, layer(x)) < TOL
+        projection.linear_maps(x, *layers, fused=False)
+        projection.linear_maps(rand(65, 1, hidden), *layers, fused=True)  # more rows than a step's
+    projection.linear_maps(x, *layers, fused=True)  # gradients recorded
+    assert len(launches) == 3
+
+
+@pytest.mark.parametrize("tokens", [1, 33 if GPU else 17])
+def test_gated_projection_matches_llama_mlp(tokens):
+    """silu(gate(x)) * up(x) in one launch against LlamaMLP's activation (ACT2FN["silu"], each step rounded to the
+    dtype), and the MLP's output in a decoding step."""
+    from transformers.activations import ACT2FN
+
+    from modeling_diff.kernels.projection import gated_projection, gated_projection_applies
+
+    torch.manual_seed(4)
+    mlp = swiglu_mlp_module()
+    x = rand(tokens, 1, mlp.hidden_size)
+    with torch.no_grad():
+        assert gated_projection_applies(x, mlp.gate_proj, mlp.up_proj)
+        out = gated_projection(x, mlp.gate_proj, mlp.up_proj)
+        ref = ACT2FN["silu"](mlp.gate_proj(x)) * mlp.up_proj(x)
+        assert out.shape == ref.shape and rel_err(out, ref) < TOL
+        assert rel_err(mlp(x), mlp.down_proj(ref)) < TOL  # the module's decoding path
+        assert not gated_projection_applies(x, mlp.gate_proj, linear_layer(mlp.hidden_size, 8))  # shapes differ
+        assert not gated_projection_applies(rand(65, 1, mlp.hidden_size), mlp.gate_proj, mlp.up_proj)
+    assert not gated_projection_applies(x, mlp.gate_proj, mlp.up_proj)  # gradients recorded: training's node
+
+
 def test_launch_arithmetic_next_power_of_2():
     """The smallest power of two >= n, for ints and for int-like values (what torch.compile traces: SymInts)."""
 
@@ -766,19 +838,24 @@ def decode(model, cache_class, ids, mask, steps):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("cache_class", [DynamicCache, StaticCache])
 def test_decoding_steps_on_the_kernel_equal_eager(mode, cache_class, monkeypatch):
-    """Prefill, then decoding steps through the split-KV kernel with the differential term in it, with left
+    """Prefill, then decoding steps through the split-KV kernel with the differential term in it, and the
+    projections' kernels (q, k, v and V2's lambda_proj in one launch, the MLP's gate and up in one), with left
     padding, dynamic and static caches."""
     import modeling_diff.diff_attention as attention
+    import modeling_diff.kernels.projection as projection
 
-    kernel_calls = []
+    kernel_calls, projections, gated = [], [], []
     kernel = attention.combined_decode_attention
     monkeypatch.setattr(attention, "combined_decode_attention", lambda *a: kernel_calls.append(1) or kernel(*a))
+    monkeypatch.setattr(projection, "_projections", CountedKernel(projection._projections, projections))
+    monkeypatch.setattr(projection, "_gated_projection", CountedKernel(projection._gated_projection, gated))
     eager, fast = model_pair(mode, FAST)
     ids, mask = padded_batch(eager.config.vocab_size, length=40)  # prefill: SDPA (more rows than the kernel's)
     steps = torch.randint(3, eager.config.vocab_size, (ids.shape[0], 2), device=DEVICE)
     logits = [decode(model, cache_class, ids, mask, steps) for model in (eager, fast)]
     assert rel_err(logits[1], logits[0]) < TOL
     assert len(kernel_calls) == steps.shape[1] * eager.config.num_hidden_layers  # every decoding step
+    assert len(projections) == len(gated) == len(kernel_calls)  # the prefill's 80 tokens take cuBLAS
 
 
 def test_lora_model_on_the_flash_diff_kernel_equals_eager(monkeypatch):

@@ -7,16 +7,16 @@ on q and o (8 MB), against a 4.2 TB/s copy (benchmarks/RESULTS.md); one launch o
 every program of the GPU busy, and the gated one reads gate and up side by side and writes only silu(gate) * up,
 not gate, up and the product. The reference is the layers' own forward (F.linear and LlamaMLP's activation).
 
-    linear_maps(x (..., K), *linears) -> each linear(x), (..., N_i)
+    linear_maps(x (..., K), *linears, fused) -> each linear(x), (..., N_i)
     gated_projection(x (..., K), gate, up) -> silu(gate(x)) * up(x), (..., I)
 
-Both take the kernel only where it applies (`few_rows_apply`): no gradient, on CUDA (or the interpreter) outside
-torch.compile, at most MAX_ROWS tokens, plain bias-free Linear layers of x's 16-bit dtype; elsewhere each layer runs
-its own forward, so PEFT's LoRA layers, tensor-parallel or quantized layers and hooks keep their behaviour.
+The kernels take x where `few_rows_apply`: no gradient, on CUDA (or the interpreter) outside torch.compile, at most
+MAX_ROWS tokens of a 16-bit dtype; and they read plain bias-free Linear layers of its dtype (`kernel_reads`). Every
+other layer runs its own forward, so PEFT's LoRA layers, tensor-parallel or quantized layers and hooks keep their
+behaviour. Block sizes: what measured fastest on the H200 (`benchmarks/projection_bench.py --sweep`).
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ._modules import is_plain_linear
@@ -27,73 +27,77 @@ if TRITON_AVAILABLE:
 
 MAX_ROWS = 64  # tokens of a step the kernels take (x padded to a power of two >= 16 rows on the tensor cores)
 MAX_WEIGHTS = 4  # weights of one `_projections` launch
-BLOCK_K = 256  # of the reduction dimension per step of a program's loop
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def few_rows_apply(x: torch.Tensor, linears) -> bool:
-    """Whether the kernels compute these layers of x (see the module docstring); the cheap checks first."""
+def few_rows_apply(x: torch.Tensor) -> bool:
+    """Whether the kernels take this input (see the module docstring); the cheap checks first."""
     return (
         not torch.is_grad_enabled()
         and eager_kernels_run_on(x)
         and type(x) is torch.Tensor
         and x.numel() <= MAX_ROWS * x.shape[-1]
         and (x.dtype in KERNEL_DTYPES or TRITON_INTERPRETING)
-        and block_k(x.shape[-1]) >= 16
-        and all(
-            is_plain_linear(layer) and layer.bias is None and layer.weight.dtype == x.dtype
-            and layer.weight.device == x.device and layer.weight.is_contiguous()
-            for layer in linears
-        )
+        and x.shape[-1] % 16 == 0
     )
 
 
-def block_k(width: int) -> int:
-    """The reduction's step: the largest power of two <= BLOCK_K dividing the width (the loop has no mask)."""
-    return min(BLOCK_K, width & -width)
+def kernel_reads(layer: nn.Module, x: torch.Tensor) -> bool:
+    """Whether the kernels can read this layer's weight for x: a plain bias-free Linear of x's dtype and device."""
+    return (
+        is_plain_linear(layer) and layer.bias is None and layer.weight.dtype == x.dtype
+        and layer.weight.device == x.device and layer.weight.is_contiguous()
+    )
 
 
-def block_rows(n: int) -> int:
-    """Weight rows per program: 16 (the tensor cores' least) for the small matrices of a step, so that even k and v
-    give the GPU's multiprocessors a program each; 32 for the MLP's and the lm_head's."""
-    return 16 if n <= 4096 else 32
+def block_k(width: int, block_n: int) -> int:
+    """The reduction's step: about 16K weight elements per program and step (what measured fastest on the H200,
+    `benchmarks/projection_bench.py --sweep`), a power of two dividing the width (the loop has no mask)."""
+    return min(16384 // block_n, width & -width)
 
 
-def linear_maps(x: torch.Tensor, *linears: nn.Linear) -> tuple[torch.Tensor, ...]:
-    """(linear(x) for each of `linears`): the kernel's launches where they apply, each layer's forward otherwise."""
-    if not few_rows_apply(x, linears):
+def linear_maps(x: torch.Tensor, *linears: nn.Linear, fused: bool) -> tuple[torch.Tensor, ...]:
+    """(layer(x) for each of `linears`): with `fused` (the caller is on a fast implementation), the plain layers'
+    products in one launch (per MAX_WEIGHTS) where the kernel takes x; every other layer through its own forward."""
+    if not (fused and few_rows_apply(x)):
         return tuple(layer(x) for layer in linears)
+    outputs = {i: layer(x) for i, layer in enumerate(linears) if not kernel_reads(layer, x)}
+    read = [i for i in range(len(linears)) if i not in outputs]
     rows = x.reshape(-1, x.shape[-1]).contiguous()  # (M, K)
     m, k = rows.shape
     block_m = max(16, next_power_of_2(m))  # x's rows padded for the tensor cores
-    outputs = []
-    for start in range(0, len(linears), MAX_WEIGHTS):
-        group = linears[start:start + MAX_WEIGHTS]
-        weights = [layer.weight for layer in group]
+    for start in range(0, len(read), MAX_WEIGHTS):
+        group = read[start:start + MAX_WEIGHTS]
+        weights = [linears[i].weight for i in group]
         ys = [torch.empty(m, w.shape[0], dtype=x.dtype, device=x.device) for w in weights]
-        block_n = block_rows(max(w.shape[0] for w in weights))
+        total = sum(w.shape[0] for w in weights)
+        block_n = 32 if total <= 4096 else 64  # fewer, fuller programs measured faster than one per multiprocessor
         programs = sum(cdiv(w.shape[0], block_n) for w in weights)
         pad = MAX_WEIGHTS - len(group)
         _projections[(programs,)](
-            rows, *weights, *weights[:1] * pad, *ys, *ys[:1] * pad, m,
-            *(w.shape[0] for w in weights), *(0,) * pad, K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k(k),
+            rows, *weights, *weights[:1] * pad, *ys, *ys[:1] * pad, m, *(w.shape[0] for w in weights), *(0,) * pad,
+            K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k(k, block_n), num_stages=4 if block_n == 32 else 3,
         )
-        outputs += ys
-    return tuple(y.view(*x.shape[:-1], y.shape[-1]) for y in outputs)
+        outputs.update((i, y.view(*x.shape[:-1], y.shape[-1])) for i, y in zip(group, ys))
+    return tuple(outputs[i] for i in range(len(linears)))
+
+
+def gated_projection_applies(x: torch.Tensor, gate: nn.Module, up: nn.Module) -> bool:
+    return (
+        few_rows_apply(x) and kernel_reads(gate, x) and kernel_reads(up, x) and gate.weight.shape == up.weight.shape
+    )
 
 
 def gated_projection(x: torch.Tensor, gate: nn.Linear, up: nn.Linear) -> torch.Tensor:
-    """silu(gate(x)) * up(x), LlamaMLP's activation with its rounding (gate(x), silu and the product each rounded to
-    the dtype): one launch where the kernel applies, the layers' forward otherwise."""
-    if not (few_rows_apply(x, (gate, up)) and gate.weight.shape == up.weight.shape):
-        return F.silu(gate(x)) * up(x)
+    """silu(gate(x)) * up(x) in one launch (check `gated_projection_applies` first), LlamaMLP's activation with its
+    rounding: gate(x), up(x), silu and the product each rounded to the dtype."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()  # (M, K)
     m, k = rows.shape
     n = gate.weight.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    block_m = max(16, next_power_of_2(m))  # x's rows padded for the tensor cores
-    block_n = block_rows(n)
+    block_n = 32 if m <= 16 else 64
     _gated_projection[(cdiv(n, block_n),)](
-        rows, gate.weight, up.weight, y, m, n, K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k(k),
+        rows, gate.weight, up.weight, y, m, n, K=k, BLOCK_M=max(16, next_power_of_2(m)), BLOCK_N=block_n,
+        BLOCK_K=min(128, k & -k), num_stages=4,
     )
     return y.view(*x.shape[:-1], n)
