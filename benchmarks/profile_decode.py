@@ -29,7 +29,7 @@ from bench import MODELS, DecodingSteps, build, kernels_patched, profiling_args,
 def profile_model(name: str, seq: int, batch: int, steps: int, out: str | None) -> dict:
     model = build(name, max_positions=seq + 2 * steps + 16).eval()
     cache = DynamicCache(config=model.config)
-    step = DecodingSteps(model, cache, batch, seq)
+    step = DecodingSteps(model, cache, batch, seq, chunk_tokens=4096)
     for _ in range(4):  # warm-up: compiles the Triton kernels
         step()
     torch.cuda.synchronize()

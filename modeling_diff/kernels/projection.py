@@ -27,6 +27,7 @@ if TRITON_AVAILABLE:
 
 MAX_ROWS = 64  # tokens of a step the kernels take (x padded to a power of two >= 16 rows on the tensor cores)
 MAX_WEIGHTS = 4  # weights of one `_projections` launch
+SHARED_MEMORY = 200 * 1024  # bytes of a program's pipeline buffers (the H200 has 227 KiB per multiprocessor)
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -56,6 +57,11 @@ def block_k(width: int, block_n: int) -> int:
     return min(16384 // block_n, width & -width)
 
 
+def pipeline_stages(block_m: int, weight_rows: int, block_k: int, itemsize: int) -> int:
+    """Loads in flight per program: 4 (fastest measured), fewer where x's and the weights' tiles would not fit."""
+    return max(1, min(4, SHARED_MEMORY // ((block_m + weight_rows) * block_k * itemsize)))
+
+
 def linear_maps(x: torch.Tensor, *linears: nn.Linear, fused: bool) -> tuple[torch.Tensor, ...]:
     """(layer(x) for each of `linears`): with `fused` (the caller is on a fast implementation), the plain layers'
     products in one launch (per MAX_WEIGHTS) where the kernel takes x; every other layer through its own forward."""
@@ -74,9 +80,11 @@ def linear_maps(x: torch.Tensor, *linears: nn.Linear, fused: bool) -> tuple[torc
         block_n = 32 if total <= 4096 else 64  # fewer, fuller programs measured faster than one per multiprocessor
         programs = sum(cdiv(w.shape[0], block_n) for w in weights)
         pad = MAX_WEIGHTS - len(group)
+        step = block_k(k, block_n)
         _projections[(programs,)](
             rows, *weights, *weights[:1] * pad, *ys, *ys[:1] * pad, m, *(w.shape[0] for w in weights), *(0,) * pad,
-            K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k(k, block_n), num_stages=4 if block_n == 32 else 3,
+            K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=step,
+            num_stages=pipeline_stages(block_m, block_n, step, x.element_size()),
         )
         outputs.update((i, y.view(*x.shape[:-1], y.shape[-1])) for i, y in zip(group, ys))
     return tuple(outputs[i] for i in range(len(linears)))
@@ -95,9 +103,9 @@ def gated_projection(x: torch.Tensor, gate: nn.Linear, up: nn.Linear) -> torch.T
     m, k = rows.shape
     n = gate.weight.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    block_n = 32 if m <= 16 else 64
+    block_m, block_n, step = max(16, next_power_of_2(m)), 32 if m <= 16 else 64, min(128, k & -k)
     _gated_projection[(cdiv(n, block_n),)](
-        rows, gate.weight, up.weight, y, m, n, K=k, BLOCK_M=max(16, next_power_of_2(m)), BLOCK_N=block_n,
-        BLOCK_K=min(128, k & -k), num_stages=4,
+        rows, gate.weight, up.weight, y, m, n, K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=step,
+        num_stages=pipeline_stages(block_m, 2 * block_n, step, x.element_size()),
     )
     return y.view(*x.shape[:-1], n)
