@@ -1,7 +1,8 @@
 """The Linear maps of a decoding step: cuBLAS (one F.linear per weight) against modeling_diff's projection kernels
 (`kernels/projection.py`: q, k, v and V2's lambda_proj in one launch; gate and up with silu(gate) * up in one),
 each timed as a CUDA graph of 20 calls replayed (what a graph-replayed decoding step pays, without launch overhead
-from the host).
+from the host), and the host time of a call issued eagerly (the layers' own forward against the kernel's wrapper:
+what an eager DynamicCache step, bound by the host CPU, pays).
 
     python benchmarks/projection_bench.py [--sweep] [--out $OUT/projections.json]
 
@@ -13,6 +14,7 @@ each and the bandwidth reached (the weights' bytes / time; the copy bandwidth me
 import argparse
 import itertools
 import json
+import time
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +61,22 @@ def graph_time(fn) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def host_time(fn, calls: int = 300) -> float:
+    """Seconds of host time per call of `fn` issued back to back (the launch queue absorbs the GPU's share): what an
+    eager decoding step, bound by the host CPU, pays. The median of 5 rounds."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls)
+        torch.cuda.synchronize()
+    return sorted(times)[2]
+
+
 def kernel_call(x, weights, gated, block_n, bk, warps, stages):
     m, k = x.shape
     block_m = max(16, next_power_of_2(m))
@@ -102,9 +120,14 @@ def main(argv=None):
         layers = [torch.nn.Linear(k, w.shape[0], bias=False, device="cuda", dtype=w.dtype) for w in weights]
         for layer, w in zip(layers, weights):
             layer.weight.data = w
+        if gated:  # the modules' own forward, as the model calls them without the kernels
+            module_calls = lambda: F.silu(layers[0](x)) * layers[1](x)  # noqa: E731
+        else:
+            module_calls = lambda: [layer(x) for layer in layers]  # noqa: E731
         with torch.no_grad():  # the model's call, with its block sizes
             call = (lambda: gated_projection(x, *layers)) if gated else (lambda: linear_maps(x, *layers, fused=True))
             row["kernel_us"] = graph_time(call) * 1e6
+            row["cublas_host_us"], row["kernel_host_us"] = host_time(module_calls) * 1e6, host_time(call) * 1e6
         configs = itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 4)) if args.sweep else ()
         timed = [(row["kernel_us"], "default")]
         for config in configs:
@@ -119,12 +142,14 @@ def main(argv=None):
         rows.append(row)
         tqdm.write(json.dumps(row))
     print(f"\ncopy bandwidth {bandwidth / 1e12:.2f} TB/s; (block rows, block k, warps, stages) of the best config")
-    print("| weights | tokens | MB | cuBLAS us (TB/s) | kernel us (TB/s) | best us (TB/s), config | kernel vs cuBLAS |")
-    print("|---|---|---|---|---|---|---|")
+    print("| weights | tokens | MB | cuBLAS us (TB/s) | kernel us (TB/s) | best us (TB/s), config | kernel vs cuBLAS | "
+          "host us: modules / kernel |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['shape']} | {r['tokens']} | {r['mbytes']:.1f} | {r['cublas_us']:.1f} ({r['cublas_tbs']:.2f}) | "
               f"{r['kernel_us']:.1f} ({r['kernel_tbs']:.2f}) | {r['best_us']:.1f} ({r['best_tbs']:.2f}), "
-              f"{r['best_config']} | {r['cublas_us'] / r['kernel_us']:.2f}x |")
+              f"{r['best_config']} | {r['cublas_us'] / r['kernel_us']:.2f}x | "
+              f"{r['cublas_host_us']:.1f} / {r['kernel_host_us']:.1f} |")
     if args.out:
         write_atomically(args.out, json.dumps(dict(bandwidth_tbs=bandwidth / 1e12, rows=rows), indent=1))
 

@@ -64,30 +64,35 @@ def pipeline_stages(block_m: int, weight_rows: int, block_k: int, itemsize: int)
 
 def linear_maps(x: torch.Tensor, *linears: nn.Linear, fused: bool) -> tuple[torch.Tensor, ...]:
     """(layer(x) for each of `linears`): with `fused` (the caller is on a fast implementation), the plain layers'
-    products in one launch (per MAX_WEIGHTS) where the kernel takes x; every other layer through its own forward."""
+    products in one launch (per MAX_WEIGHTS) where the kernel takes x; every other layer through its own forward.
+    The kernel's outputs are column blocks of one (tokens, sum of widths) buffer: views with x's leading dims, their
+    rows `sum of widths` apart (decoding steps are bound by host work: one allocation, one split)."""
     if not (fused and few_rows_apply(x)):
         return tuple(layer(x) for layer in linears)
-    outputs = {i: layer(x) for i, layer in enumerate(linears) if not kernel_reads(layer, x)}
-    read = [i for i in range(len(linears)) if i not in outputs]
-    rows = x.reshape(-1, x.shape[-1]).contiguous()  # (M, K)
+    read = [layer for layer in linears if kernel_reads(layer, x)]
+    if len(read) < len(linears):
+        outputs = {id(layer): layer(x) for layer in linears if not kernel_reads(layer, x)}
+    rows = x.reshape(-1, x.shape[-1])
+    rows = rows if rows.is_contiguous() else rows.contiguous()  # (M, K)
     m, k = rows.shape
     block_m = max(16, next_power_of_2(m))  # x's rows padded for the tensor cores
+    products = []
     for start in range(0, len(read), MAX_WEIGHTS):
-        group = read[start:start + MAX_WEIGHTS]
-        weights = [linears[i].weight for i in group]
-        ys = [torch.empty(m, w.shape[0], dtype=x.dtype, device=x.device) for w in weights]
-        total = sum(w.shape[0] for w in weights)
-        block_n = 32 if total <= 4096 else 64  # fewer, fuller programs measured faster than one per multiprocessor
-        programs = sum(cdiv(w.shape[0], block_n) for w in weights)
-        pad = MAX_WEIGHTS - len(group)
+        weights = [layer.weight for layer in read[start:start + MAX_WEIGHTS]]
+        widths = [w.shape[0] for w in weights]
+        y = torch.empty(*x.shape[:-1], sum(widths), dtype=x.dtype, device=x.device)
+        block_n = 32 if sum(widths) <= 4096 else 64  # fewer, fuller programs measured faster than one per SM
         step = block_k(k, block_n)
-        _projections[(programs,)](
-            rows, *weights, *weights[:1] * pad, *ys, *ys[:1] * pad, m, *(w.shape[0] for w in weights), *(0,) * pad,
-            K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=step,
-            num_stages=pipeline_stages(block_m, block_n, step, x.element_size()),
+        pad = MAX_WEIGHTS - len(weights)
+        _projections[(sum(cdiv(n, block_n) for n in widths),)](
+            rows, *weights, *weights[:1] * pad, y, m, *widths, *(0,) * pad, K=k, BLOCK_M=block_m, BLOCK_N=block_n,
+            BLOCK_K=step, num_stages=pipeline_stages(block_m, block_n, step, x.element_size()),
         )
-        outputs.update((i, y.view(*x.shape[:-1], y.shape[-1])) for i, y in zip(group, ys))
-    return tuple(outputs[i] for i in range(len(linears)))
+        products += y.split(widths, dim=-1)
+    if len(read) == len(linears):
+        return tuple(products)
+    outputs.update((id(layer), y) for layer, y in zip(read, products))
+    return tuple(outputs[id(layer)] for layer in linears)
 
 
 def gated_projection_applies(x: torch.Tensor, gate: nn.Module, up: nn.Module) -> bool:

@@ -6,7 +6,8 @@ nn.Linear keeps them. A program owns BLOCK_N rows of one weight and every row of
 multiplies on the tensor cores (x padded to BLOCK_M >= 16 rows: the step is bound by the weight's bytes, not by
 arithmetic):
 
-    projections        y_i = x W_i^T for up to four weights (q, k, v and V2's lambda_proj), programs in turn
+    projections        [y_1 | y_2 | ...] = x [W_1; W_2; ...]^T for up to four weights (q, k, v and V2's lambda_proj)
+                       in one output, each weight's programs in turn
     gated_projection   y = silu(x W_g^T) * (x W_u^T), each rounded to the dtype as LlamaMLP rounds them
 """
 
@@ -44,38 +45,41 @@ def _row_block_products(X, W, V, M, row0, N, K: tl.constexpr, BLOCK_M: tl.conste
 
 
 @triton.jit
-def _store_rows(Y, y, M, row0, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _store_rows(Y, y, M, row0, N, stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # y (BLOCK_M, BLOCK_N) -> Y[:M, row0:row0 + BLOCK_N] of a row-major (M, stride) output, columns < N
     rows = tl.arange(0, BLOCK_M)
     cols = row0 + tl.arange(0, BLOCK_N)
-    tl.store(Y + rows[:, None] * N + cols[None, :], y.to(Y.dtype.element_ty),
+    tl.store(Y + rows[:, None] * stride + cols[None, :], y.to(Y.dtype.element_ty),
              mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
 @triton.jit(do_not_specialize=["M"])  # the tokens of a step change with the batch: one compiled kernel for all
-def _projections(X, W0, W1, W2, W3, Y0, Y1, Y2, Y3, M, N0, N1, N2, N3, K: tl.constexpr,
+def _projections(X, W0, W1, W2, W3, Y, M, N0, N1, N2, N3, K: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # K (the input width) is a constant of the compiled kernel: two per model (hidden and MLP widths).
-    # The first cdiv(N0, BLOCK_N) programs compute Y0 = X W0^T, the next ones Y1, ...; an unused weight has N_i = 0.
+    # Y (M, N0 + N1 + N2 + N3) = X [W0; W1; W2; W3]^T: the first cdiv(N0, BLOCK_N) programs compute its first N0
+    # columns from W0, the next ones the N1 after them from W1, ...; an unused weight has N_i = 0. K (the input
+    # width) is a constant of the compiled kernel: two per model (hidden and MLP widths).
     pid = tl.program_id(0)
     end0 = tl.cdiv(N0, BLOCK_N)
     end1 = end0 + tl.cdiv(N1, BLOCK_N)
     end2 = end1 + tl.cdiv(N2, BLOCK_N)
     if pid < end0:
-        W, Y, N, row0 = W0, Y0, N0, pid * BLOCK_N
+        W, N, row0, col0 = W0, N0, pid * BLOCK_N, 0
     elif pid < end1:
-        W, Y, N, row0 = W1, Y1, N1, (pid - end0) * BLOCK_N
+        W, N, row0, col0 = W1, N1, (pid - end0) * BLOCK_N, N0
     elif pid < end2:
-        W, Y, N, row0 = W2, Y2, N2, (pid - end1) * BLOCK_N
+        W, N, row0, col0 = W2, N2, (pid - end1) * BLOCK_N, N0 + N1
     else:
-        W, Y, N, row0 = W3, Y3, N3, (pid - end2) * BLOCK_N
+        W, N, row0, col0 = W3, N3, (pid - end2) * BLOCK_N, N0 + N1 + N2
     acc, _ = _row_block_products(X, W, W, M, row0, N, K, BLOCK_M, BLOCK_N, BLOCK_K, False)
-    _store_rows(Y, acc, M, row0, N, BLOCK_M, BLOCK_N)
+    _store_rows(Y + col0, acc, M, row0, N, N0 + N1 + N2 + N3, BLOCK_M, BLOCK_N)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _gated_projection(X, WG, WU, Y, M, N, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gated_projection(X, WG, WU, Y, M, N, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
     row0 = tl.program_id(0) * BLOCK_N
     gate, up = _row_block_products(X, WG, WU, M, row0, N, K, BLOCK_M, BLOCK_N, BLOCK_K, True)
     dtype = Y.dtype.element_ty
     silu = _silu(gate.to(dtype).to(tl.float32))[0].to(dtype).to(tl.float32)
-    _store_rows(Y, silu * up.to(dtype).to(tl.float32), M, row0, N, BLOCK_M, BLOCK_N)
+    _store_rows(Y, silu * up.to(dtype).to(tl.float32), M, row0, N, N, BLOCK_M, BLOCK_N)
