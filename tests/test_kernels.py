@@ -354,7 +354,8 @@ def linear_layer(width_in, width_out, bias=False):
 @pytest.mark.parametrize("tokens", [1, 5, 33 if GPU else 17, 64])
 def test_projections_of_a_decoding_step_match_the_formula(tokens, monkeypatch):
     """q, k, v, lambda_proj (and a fifth layer: a second launch) of a step in one launch each, every output x W^T;
-    widths not a multiple of a program's rows; a LoRA-wrapped and a biased layer take their own forward, in order."""
+    widths not a multiple of a program's rows; a LoRA-wrapped and a biased layer take their own forward, in order;
+    a single plain layer stays on its forward too."""
     import modeling_diff.kernels.projection as projection
     from peft import LoraConfig, get_peft_model
 
@@ -380,6 +381,7 @@ def test_projections_of_a_decoding_step_match_the_formula(tokens, monkeypatch):
             assert rel_err(out, layer(x)) < TOL
         projection.linear_maps(x, *layers, fused=False)
         projection.linear_maps(rand(65, 1, hidden), *layers, fused=True)  # more rows than a step's
+        projection.linear_maps(x, layers[0], wrapped.base_model.model[0], fused=True)  # one plain weight: cuBLAS
     projection.linear_maps(x, *layers, fused=True)  # gradients recorded
     assert len(launches) == 3
 

@@ -63,13 +63,16 @@ def pipeline_stages(block_m: int, weight_rows: int, block_k: int, itemsize: int)
 
 
 def linear_maps(x: torch.Tensor, *linears: nn.Linear, fused: bool) -> tuple[torch.Tensor, ...]:
-    """(layer(x) for each of `linears`): with `fused` (the caller is on a fast implementation), the plain layers'
-    products in one launch (per MAX_WEIGHTS) where the kernel takes x; every other layer through its own forward.
+    """(layer(x) for each of `linears`): with `fused` (the caller is on a fast implementation), the products of two or
+    more plain layers in one launch (per MAX_WEIGHTS) where the kernel takes x; every other layer through its own
+    forward.
     The kernel's outputs are column blocks of one (tokens, sum of widths) buffer: views with x's leading dims, their
     rows `sum of widths` apart (decoding steps are bound by host work: one allocation, one split)."""
     if not (fused and few_rows_apply(x)):
         return tuple(layer(x) for layer in linears)
     read = [layer for layer in linears if kernel_reads(layer, x)]
+    if len(read) < 2:  # one weight alone: cuBLAS measured as fast (o_proj), and its launch costs less host time
+        return tuple(layer(x) for layer in linears)
     if len(read) < len(linears):
         outputs = {id(layer): layer(x) for layer in linears if not kernel_reads(layer, x)}
     rows = x.reshape(-1, x.shape[-1])
