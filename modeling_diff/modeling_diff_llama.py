@@ -36,8 +36,8 @@ from . import tensor_parallel  # noqa: F401  (registers the plan's styles for th
 from .generation import graphed_greedy_generate
 from .diff_attention import ATTENTION_CLASSES, DexAttention, DexLambda, DifferentialLambda, DiffAttentionV1, DiffAttentionV2
 from .kernels import (
-    gated_projection, gated_projection_applies, resolve, rms_norm, rms_norm_kernel_applies, silu_mul, silu_mul_applies,
-    swiglu_mlp, swiglu_mlp_applies, uses_fast_kernels,
+    add_rms_norm, add_rms_norm_applies, gated_projection, gated_projection_applies, resolve, rms_norm,
+    rms_norm_kernel_applies, silu_mul, silu_mul_applies, swiglu_mlp, swiglu_mlp_applies, uses_fast_kernels,
 )
 
 # "cache" (transformers > 5.17) or "past_key_values" (5.17): the keyword of masks and model outputs.
@@ -57,7 +57,8 @@ def _renamed_cache_kwarg(forward):
 
 class DiffLlamaRMSNorm(LlamaRMSNorm):
     """transformers' LlamaRMSNorm (same weight, same arithmetic); on the project's fast implementations (`sdpa` on
-    CUDA, `diff_triton`, `fused_diff`) one Triton pass forward and one backward (`kernels/rmsnorm.py`)."""
+    CUDA, `diff_triton`, `fused_diff`) one Triton pass forward and one backward (`kernels/rmsnorm.py`), and in
+    decoding steps the residual add before it in the same pass (`add_and_norm`)."""
 
     def __init__(self, config: DiffLlamaConfig):
         super().__init__(config.hidden_size, eps=config.rms_norm_eps)
@@ -69,6 +70,18 @@ class DiffLlamaRMSNorm(LlamaRMSNorm):
         ):
             return rms_norm(hidden_states, self.weight, self.variance_epsilon)
         return super().forward(hidden_states)
+
+    def add_and_norm(self, residual: torch.Tensor, update: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual + update, this norm of it): one Triton pass without gradients (decoding, inference) on the fast
+        implementations where the module has no hooks; the add, then the module's forward, otherwise."""
+        if (
+            not (self._forward_hooks or self._forward_pre_hooks)
+            and uses_fast_kernels(resolve(self.config._attn_implementation, update))
+            and add_rms_norm_applies(residual, update, self.weight)
+        ):
+            return add_rms_norm(residual, update, self.weight, self.variance_epsilon)
+        hidden_states = residual + update
+        return hidden_states, self(hidden_states)
 
 
 class DiffLlamaMLP(LlamaMLP):
@@ -117,10 +130,8 @@ class DiffLlamaDecoderLayer(GradientCheckpointingLayer):
             cache=cache,
             **kwargs,
         )
-        hidden_states = residual + hidden_states
-
-        residual = hidden_states
-        hidden_states = self.post_attention_layernorm(hidden_states)
+        # residual + attention, and its norm (one pass in decoding steps)
+        residual, hidden_states = self.post_attention_layernorm.add_and_norm(residual, hidden_states)
         hidden_states = self.mlp(hidden_states)
         return residual + hidden_states
 

@@ -187,6 +187,35 @@ def test_rms_norm_kernel_forward_and_gradients_match_the_formula(width):
         assert rel_err(got, want) < TOL
 
 
+def test_add_rms_norm_matches_the_add_then_the_formula():
+    """residual + update (rounded to the dtype) and LlamaRMSNorm of it, in one pass; not where gradients are
+    recorded or the shapes differ."""
+    from modeling_diff.kernels.rmsnorm import add_rms_norm, add_rms_norm_applies
+
+    torch.manual_seed(5)
+    norm = Norm(48)
+    residual, update = rand(B, L, 48), rand(B, L, 48)
+    with torch.no_grad():
+        assert add_rms_norm_applies(residual, update, norm.weight)
+        total, normed = add_rms_norm(residual, update, norm.weight, norm.variance_epsilon)
+        assert not add_rms_norm_applies(residual, update[:, :1], norm.weight)
+    assert not add_rms_norm_applies(residual, update, norm.weight)  # the weight records gradients
+    expected = residual + update
+    x = expected.float()
+    reference = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)).to(DTYPE)
+    assert torch.equal(total, expected)
+    assert rel_err(normed, reference) < TOL
+    from modeling_diff.modeling_diff_llama import DiffLlamaRMSNorm  # the module's method: a hook still sees its call
+
+    config = tiny_config("dex", hidden_size=48)
+    config._attn_implementation = FAST
+    module, seen = DiffLlamaRMSNorm(config).to(DEVICE, DTYPE), []
+    module.register_forward_hook(lambda *args: seen.append(1))
+    with torch.no_grad():
+        total, normed = module.add_and_norm(residual, update)
+    assert seen == [1] and torch.equal(total, expected)
+
+
 def test_rms_norm_and_rope_kernels_take_zero_tokens():
     """An empty batch or prompt passes through with its shape (and empty gradients), as through the formulas."""
     weight = torch.nn.Parameter(torch.ones(32, device=DEVICE, dtype=DTYPE))
@@ -840,15 +869,18 @@ def decode(model, cache_class, ids, mask, steps):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("cache_class", [DynamicCache, StaticCache])
 def test_decoding_steps_on_the_kernel_equal_eager(mode, cache_class, monkeypatch):
-    """Prefill, then decoding steps through the split-KV kernel with the differential term in it, and the
-    projections' kernels (q, k, v and V2's lambda_proj in one launch, the MLP's gate and up in one), with left
-    padding, dynamic and static caches."""
+    """Prefill, then decoding steps through the split-KV kernel with the differential term in it, the
+    projections' kernels (q, k, v and V2's lambda_proj in one launch, the MLP's gate and up in one) and the residual
+    add with the norm after it in one pass, with left padding, dynamic and static caches."""
     import modeling_diff.diff_attention as attention
     import modeling_diff.kernels.projection as projection
 
-    kernel_calls, projections, gated = [], [], []
-    kernel = attention.combined_decode_attention
+    import modeling_diff.modeling_diff_llama as modeling
+
+    kernel_calls, projections, gated, added = [], [], [], []
+    kernel, add_norm = attention.combined_decode_attention, modeling.add_rms_norm
     monkeypatch.setattr(attention, "combined_decode_attention", lambda *a: kernel_calls.append(1) or kernel(*a))
+    monkeypatch.setattr(modeling, "add_rms_norm", lambda *a: added.append(1) or add_norm(*a))
     monkeypatch.setattr(projection, "_projections", CountedKernel(projection._projections, projections))
     monkeypatch.setattr(projection, "_gated_projection", CountedKernel(projection._gated_projection, gated))
     eager, fast = model_pair(mode, FAST)
@@ -858,6 +890,7 @@ def test_decoding_steps_on_the_kernel_equal_eager(mode, cache_class, monkeypatch
     assert rel_err(logits[1], logits[0]) < TOL
     assert len(kernel_calls) == steps.shape[1] * eager.config.num_hidden_layers  # every decoding step
     assert len(projections) == len(gated) == len(kernel_calls)  # the prefill's 80 tokens take cuBLAS
+    assert len(added) == (1 + steps.shape[1]) * eager.config.num_hidden_layers  # the add before the MLP's norm
 
 
 def test_lora_model_on_the_flash_diff_kernel_equals_eager(monkeypatch):

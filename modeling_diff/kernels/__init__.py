@@ -5,7 +5,8 @@
 - `flash_diff.py`: both softmax maps of a differential head and the combine in one flash-attention kernel
   (`triton_flash_diff.py`), forward and backward, for V1 and V2 prefill and training.
 - `rope.py`: the rotary embedding of queries and keys in one Triton launch for both (`triton_rope.py`).
-- `rmsnorm.py`: the decoder's RMSNorm in one Triton pass forward and one backward (`triton_rmsnorm.py`).
+- `rmsnorm.py`: the decoder's RMSNorm in one Triton pass forward and one backward (`triton_rmsnorm.py`), and
+  without gradients the residual add before it in the same pass.
 - `swiglu.py`: the decoder's SwiGLU MLP in training, its activation computed again in the backward instead of
   kept, and silu(gate) * up alone for MLPs of wrapped layers (`triton_swiglu.py`).
 - `projection.py`: the Linear maps of a decoding step in fewer launches: q, k, v (and V2's lambda_proj) in one,
@@ -29,16 +30,17 @@ from .combine import v1_combine, v2_combine, v2_combine_projected
 from .decode import DexCombine, V1Combine, V2Combine, combined_decode_applies, combined_decode_attention
 from .flash_diff import flash_diff_applies, flash_diff_attention
 from .projection import gated_projection, gated_projection_applies, linear_maps
-from .rmsnorm import rms_norm, rms_norm_kernel_applies
+from .rmsnorm import add_rms_norm, add_rms_norm_applies, rms_norm, rms_norm_kernel_applies
 from .rope import apply_rope
 from .swiglu import silu_mul, silu_mul_applies, swiglu_mlp, swiglu_mlp_applies
 
 register()
 
 __all__ = [
-    "DIFF_TRITON", "FUSED_DIFF", "DexCombine", "V1Combine", "V2Combine", "apply_rope", "combined_decode_applies",
-    "combined_decode_attention", "diff_triton_attention_forward", "flash_diff_applies", "flash_diff_attention",
-    "gated_projection", "gated_projection_applies", "has_extra_options", "is_plain_linear", "linear_maps", "resolve",
-    "rms_norm", "rms_norm_kernel_applies", "silu_mul", "silu_mul_applies", "swiglu_mlp", "swiglu_mlp_applies",
-    "triton_available", "uses_fast_kernels", "v1_combine", "v2_combine", "v2_combine_projected",
+    "DIFF_TRITON", "FUSED_DIFF", "DexCombine", "V1Combine", "V2Combine", "add_rms_norm", "add_rms_norm_applies",
+    "apply_rope", "combined_decode_applies", "combined_decode_attention", "diff_triton_attention_forward",
+    "flash_diff_applies", "flash_diff_attention", "gated_projection", "gated_projection_applies", "has_extra_options",
+    "is_plain_linear", "linear_maps", "resolve", "rms_norm", "rms_norm_kernel_applies", "silu_mul", "silu_mul_applies",
+    "swiglu_mlp", "swiglu_mlp_applies", "triton_available", "uses_fast_kernels", "v1_combine", "v2_combine",
+    "v2_combine_projected",
 ]

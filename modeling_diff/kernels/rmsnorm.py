@@ -4,7 +4,9 @@ LlamaRMSNorm (Zhang & Sennrich, arXiv 1910.07467) runs as about six elementwise 
 the hidden states, and autograd keeps two of those copies for the backward. The kernel (`triton_rmsnorm.py`)
 reads and writes the hidden states once, keeps only the input and one float32 per row for the backward, and
 rounds where LlamaRMSNorm does (the normalized states to the input dtype before the weight). The decoder's norms
-take it on the project's fast paths (`modeling_diff_llama.DiffLlamaRMSNorm`).
+take it on the project's fast paths (`modeling_diff_llama.DiffLlamaRMSNorm`). Without gradients (decoding steps),
+`add_rms_norm` also takes the residual add before the post-attention norm into the same pass: one launch a layer
+fewer.
 """
 
 import torch
@@ -33,8 +35,8 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, eps: float, save: bool):
     rows = x.numel() // width
     y = torch.empty(x.shape, dtype=promoted_dtype(weight.dtype, x.dtype), device=x.device)
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device) if save else None
-    _rms_norm_fwd[(rows,)](x, weight, y, y if rstd is None else rstd, rows, width, eps,
-                           BLOCK_N=next_power_of_2(width), SAVE=save)
+    _rms_norm_fwd[(rows,)](x, weight, y, y if rstd is None else rstd, x, x, rows, width, eps,
+                           BLOCK_N=next_power_of_2(width), SAVE=save, ADD=False)
     return y, rstd
 
 
@@ -58,6 +60,30 @@ class _RMSNorm(torch.autograd.Function):
             BLOCK_N=next_power_of_2(width), ROWS=BACKWARD_ROWS,
         )
         return grad_x, grad_parts.sum(0).to(weight.dtype), None
+
+
+def add_rms_norm_applies(residual: torch.Tensor, update: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `add_rms_norm` takes the sum and its norm in one pass: no gradients (decoding, inference), two
+    contiguous plain tensors of one shape and dtype, and the norm's kernel applies."""
+    return (
+        not needs_grad(residual, update, weight)
+        and type(update) is torch.Tensor
+        and residual.shape == update.shape and residual.dtype == update.dtype
+        and residual.is_contiguous() and update.is_contiguous()
+        and rms_norm_kernel_applies(residual, weight)
+    )
+
+
+def add_rms_norm(residual: torch.Tensor, update: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(residual + update, LlamaRMSNorm of it) in one pass (check `add_rms_norm_applies` first): the decoder layer's
+    residual add and the norm after it, the sum rounded to the dtype as `residual + update` rounds it."""
+    width = residual.shape[-1]
+    rows = residual.numel() // width
+    total = torch.empty_like(residual)
+    y = torch.empty(residual.shape, dtype=promoted_dtype(weight.dtype, residual.dtype), device=residual.device)
+    _rms_norm_fwd[(rows,)](update, weight, y, y, residual, total, rows, width, eps,
+                           BLOCK_N=next_power_of_2(width), SAVE=False, ADD=True)
+    return total, y
 
 
 def rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

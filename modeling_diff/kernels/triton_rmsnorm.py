@@ -3,6 +3,7 @@
 Imported only when triton is installed (see `kernels/rmsnorm.py` for the reference, the dispatch and autograd).
 
     forward   r = rsqrt(mean(x^2) + eps),  n = x r rounded to x's dtype,  y = w n
+              (x = res + update rounded to the dtype, written too, where a residual add comes first)
     backward  dx = r (g - n mean(g n)), g = dy w (n in float32);  dw = sum over rows of dy n
 """
 
@@ -16,12 +17,18 @@ except ImportError as error:
 
 
 @triton.jit(do_not_specialize=["R"])  # the row count (tokens) changes every call: one compiled kernel for all
-def _rms_norm_fwd(X, W, Y, Rstd, R, N, eps, BLOCK_N: tl.constexpr, SAVE: tl.constexpr):
-    # X, Y: (R, N) contiguous; one program per row; Rstd (R,) float32, saved for the backward where SAVE.
+def _rms_norm_fwd(X, W, Y, Rstd, Res, Sum, R, N, eps, BLOCK_N: tl.constexpr, SAVE: tl.constexpr,
+                  ADD: tl.constexpr):
+    # X, Y: (R, N) contiguous; one program per row; Rstd (R,) float32, saved for the backward where SAVE. Where ADD,
+    # the norm is of x + res rounded to the dtype (a residual add: Res (R, N)), which is written to Sum (R, N).
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     ok = cols < N
-    x = tl.load(X + row * N + cols, mask=ok, other=0.0).to(tl.float32)
+    x = tl.load(X + row * N + cols, mask=ok, other=0.0)
+    if ADD:
+        x = (x.to(tl.float32) + tl.load(Res + row * N + cols, mask=ok, other=0.0).to(tl.float32)).to(X.dtype.element_ty)
+        tl.store(Sum + row * N + cols, x, mask=ok)
+    x = x.to(tl.float32)
     w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
     n = (x * rstd).to(X.dtype.element_ty).to(tl.float32)
