@@ -9,10 +9,10 @@ from torch import nn
 def is_plain_linear(module: nn.Module) -> bool:
     """A torch Linear as built: its own Parameter and no hooks. Not PEFT's LoRA layers, a tensor-parallel,
     offloading (accelerate's `_hf_hook` forward) or quantized layer: those keep their own forward."""
-    return (
+    return (  # the module's dicts read directly: decoding steps ask this of every projection, bound by host work
         type(module) is nn.Linear
-        and type(module.weight) is nn.Parameter
-        and not (module._forward_hooks or module._forward_pre_hooks or "forward" in vars(module))
+        and type(module._parameters.get("weight")) is nn.Parameter
+        and not (module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__)
     )
 
 

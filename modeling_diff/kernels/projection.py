@@ -45,10 +45,10 @@ def few_rows_apply(x: torch.Tensor) -> bool:
 
 def kernel_reads(layer: nn.Module, x: torch.Tensor) -> bool:
     """Whether the kernels can read this layer's weight for x: a plain bias-free Linear of x's dtype and device."""
-    return (
-        is_plain_linear(layer) and layer.bias is None and layer.weight.dtype == x.dtype
-        and layer.weight.device == x.device and layer.weight.is_contiguous()
-    )
+    if not is_plain_linear(layer) or layer._parameters.get("bias") is not None:
+        return False
+    weight = layer._parameters["weight"]
+    return weight.dtype == x.dtype and weight.get_device() == x.get_device() and weight.is_contiguous()
 
 
 def block_k(width: int, block_n: int) -> int:
@@ -81,7 +81,7 @@ def linear_maps(x: torch.Tensor, *linears: nn.Linear, fused: bool) -> tuple[torc
     block_m = max(16, next_power_of_2(m))  # x's rows padded for the tensor cores
     products = []
     for start in range(0, len(read), MAX_WEIGHTS):
-        weights = [layer.weight for layer in read[start:start + MAX_WEIGHTS]]
+        weights = [layer._parameters["weight"] for layer in read[start:start + MAX_WEIGHTS]]
         widths = [w.shape[0] for w in weights]
         y = torch.empty(*x.shape[:-1], sum(widths), dtype=x.dtype, device=x.device)
         block_n = 32 if sum(widths) <= 4096 else 64  # fewer, fuller programs measured faster than one per SM
@@ -100,7 +100,8 @@ def linear_maps(x: torch.Tensor, *linears: nn.Linear, fused: bool) -> tuple[torc
 
 def gated_projection_applies(x: torch.Tensor, gate: nn.Module, up: nn.Module) -> bool:
     return (
-        few_rows_apply(x) and kernel_reads(gate, x) and kernel_reads(up, x) and gate.weight.shape == up.weight.shape
+        few_rows_apply(x) and kernel_reads(gate, x) and kernel_reads(up, x)
+        and gate._parameters["weight"].shape == up._parameters["weight"].shape
     )
 
 
@@ -109,11 +110,12 @@ def gated_projection(x: torch.Tensor, gate: nn.Linear, up: nn.Linear) -> torch.T
     rounding: gate(x), up(x), silu and the product each rounded to the dtype."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()  # (M, K)
     m, k = rows.shape
-    n = gate.weight.shape[0]
+    w_gate, w_up = gate._parameters["weight"], up._parameters["weight"]  # (I, K) each
+    n = w_gate.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     block_m, block_n, step = max(16, next_power_of_2(m)), 32 if m <= 16 else 64, min(128, k & -k)
     _gated_projection[(cdiv(n, block_n),)](
-        rows, gate.weight, up.weight, y, m, n, K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=step,
+        rows, w_gate, w_up, y, m, n, K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=step,
         num_stages=pipeline_stages(block_m, 2 * block_n, step, x.element_size()),
     )
     return y.view(*x.shape[:-1], n)
