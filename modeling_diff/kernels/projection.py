@@ -73,8 +73,6 @@ def linear_maps(x: torch.Tensor, *linears: nn.Linear, fused: bool) -> tuple[torc
     read = [layer for layer in linears if kernel_reads(layer, x)]
     if len(read) < 2:  # one weight alone: cuBLAS measured as fast (o_proj), and its launch costs less host time
         return tuple(layer(x) for layer in linears)
-    if len(read) < len(linears):
-        outputs = {id(layer): layer(x) for layer in linears if not kernel_reads(layer, x)}
     rows = x.reshape(-1, x.shape[-1])
     rows = rows if rows.is_contiguous() else rows.contiguous()  # (M, K)
     m, k = rows.shape
@@ -94,8 +92,8 @@ def linear_maps(x: torch.Tensor, *linears: nn.Linear, fused: bool) -> tuple[torc
         products += y.split(widths, dim=-1)
     if len(read) == len(linears):
         return tuple(products)
-    outputs.update((id(layer), y) for layer, y in zip(read, products))
-    return tuple(outputs[id(layer)] for layer in linears)
+    computed = {id(layer): y for layer, y in zip(read, products)}
+    return tuple(computed[id(layer)] if id(layer) in computed else layer(x) for layer in linears)
 
 
 def gated_projection_applies(x: torch.Tensor, gate: nn.Module, up: nn.Module) -> bool:
