@@ -380,7 +380,7 @@ def linear_layer(width_in, width_out, bias=False):
     return layer
 
 
-@pytest.mark.parametrize("tokens", [1, 5, 33 if GPU else 17, 64])
+@pytest.mark.parametrize("tokens", [0, 1, 5, 33 if GPU else 17, 64])
 def test_projections_of_a_decoding_step_match_the_formula(tokens, monkeypatch):
     """q, k, v, lambda_proj (and a fifth layer: a second launch) of a step in one launch each, every output x W^T;
     widths not a multiple of a program's rows; a LoRA-wrapped and a biased layer take their own forward, in order;
@@ -400,22 +400,28 @@ def test_projections_of_a_decoding_step_match_the_formula(tokens, monkeypatch):
         assert len(launches) == 2
         for layer, out in zip(layers, outputs):
             assert out.shape == (tokens, 1, layer.out_features)
-            assert rel_err(out, x.float() @ layer.weight.float().T) < TOL
+            assert tokens == 0 or rel_err(out, x.float() @ layer.weight.float().T) < TOL
         wrapped = get_peft_model(torch.nn.Sequential(layers[1]), LoraConfig(target_modules=["0"], r=2))
         torch.nn.init.normal_(wrapped.base_model.model[0].lora_B.default.weight)  # a LoRA update that shows
         mixed = (layers[0], wrapped.base_model.model[0], linear_layer(hidden, 8, bias=True), layers[2])
         outputs = projection.linear_maps(x, *mixed, fused=True)
         assert len(launches) == 3  # layers 0 and 3 in one launch
         for layer, out in zip(mixed, outputs):
-            assert rel_err(out, layer(x)) < TOL
+            assert out.shape == layer(x).shape and (tokens == 0 or rel_err(out, layer(x)) < TOL)
+        if tokens > 1:  # a NaN token stays in its own row, as in x W^T
+            poisoned = x.clone()
+            poisoned[0] = float("nan")
+            out = projection.linear_maps(poisoned, *layers[:3], fused=True)[0]
+            assert out[0].isnan().all() and rel_err(out[1:], x[1:].float() @ layers[0].weight.float().T) < TOL
+        launched = len(launches)
         projection.linear_maps(x, *layers, fused=False)
         projection.linear_maps(rand(65, 1, hidden), *layers, fused=True)  # more rows than a step's
         projection.linear_maps(x, layers[0], wrapped.base_model.model[0], fused=True)  # one plain weight: cuBLAS
     projection.linear_maps(x, *layers, fused=True)  # gradients recorded
-    assert len(launches) == 3
+    assert len(launches) == launched
 
 
-@pytest.mark.parametrize("tokens", [1, 33 if GPU else 17])
+@pytest.mark.parametrize("tokens", [0, 1, 33 if GPU else 17])
 def test_gated_projection_matches_llama_mlp(tokens):
     """silu(gate(x)) * up(x) in one launch against LlamaMLP's activation (ACT2FN["silu"], each step rounded to the
     dtype), and the MLP's output in a decoding step."""
@@ -430,8 +436,8 @@ def test_gated_projection_matches_llama_mlp(tokens):
         assert gated_projection_applies(x, mlp.gate_proj, mlp.up_proj)
         out = gated_projection(x, mlp.gate_proj, mlp.up_proj)
         ref = ACT2FN["silu"](mlp.gate_proj(x)) * mlp.up_proj(x)
-        assert out.shape == ref.shape and rel_err(out, ref) < TOL
-        assert rel_err(mlp(x), mlp.down_proj(ref)) < TOL  # the module's decoding path
+        assert out.shape == ref.shape and (tokens == 0 or rel_err(out, ref) < TOL)
+        assert tokens == 0 or rel_err(mlp(x), mlp.down_proj(ref)) < TOL  # the module's decoding path
         assert not gated_projection_applies(x, mlp.gate_proj, linear_layer(mlp.hidden_size, 8))  # shapes differ
         assert not gated_projection_applies(rand(65, 1, mlp.hidden_size), mlp.gate_proj, mlp.up_proj)
     assert not gated_projection_applies(x, mlp.gate_proj, mlp.up_proj)  # gradients recorded: training's node
