@@ -421,6 +421,22 @@ def test_projections_of_a_decoding_step_match_the_formula(tokens, monkeypatch):
     assert len(launches) == launched
 
 
+@pytest.mark.parametrize("device_shared_memory", [232448, 166912, 101376])  # H200 / H100, A100, most other GPUs
+def test_projection_pipelines_fit_the_devices_shared_memory(device_shared_memory, monkeypatch):
+    """Loads in flight: 4 where they fit, fewer where x's and the weights' tiles would overflow a device's shared
+    memory (a 64-token step asks 384 KiB at 4 stages of 512-wide tiles), never below one."""
+    import modeling_diff.kernels.projection as projection
+
+    monkeypatch.setattr(projection, "shared_memory", lambda device: device_shared_memory)
+    x = torch.zeros(1, dtype=torch.bfloat16)
+    for block_m, rows, width in ((16, 32, 512), (64, 32, 512), (64, 64, 256), (64, 128, 128), (64, 64, 1024)):
+        stages = projection.pipeline_stages(block_m, rows, width, x)
+        stage_bytes = (block_m + rows) * width * 2
+        assert 1 <= stages <= 4
+        assert stages == 1 or stages * stage_bytes <= device_shared_memory
+        assert stages == 4 or (stages + 1) * stage_bytes > 0.9 * device_shared_memory
+
+
 @pytest.mark.parametrize("tokens", [0, 1, 33 if GPU else 17])
 def test_gated_projection_matches_llama_mlp(tokens):
     """silu(gate(x)) * up(x) in one launch against LlamaMLP's activation (ACT2FN["silu"], each step rounded to the

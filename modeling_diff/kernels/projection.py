@@ -16,6 +16,8 @@ other layer runs its own forward, so PEFT's LoRA layers, tensor-parallel or quan
 behaviour. Block sizes: what measured fastest on the H200 (`benchmarks/projection_bench.py --sweep`).
 """
 
+import functools
+
 import torch
 from torch import nn
 
@@ -27,8 +29,23 @@ if TRITON_AVAILABLE:
 
 MAX_ROWS = 64  # tokens of a step the kernels take (x padded to a power of two >= 16 rows on the tensor cores)
 MAX_WEIGHTS = 4  # weights of one `_projections` launch
-SHARED_MEMORY = 200 * 1024  # bytes of a program's pipeline buffers (the H200 has 227 KiB per multiprocessor)
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+INTERPRETER_SHARED_MEMORY = 227 * 1024  # the H200's, where the interpreter runs the kernels (CI)
+
+
+@functools.cache
+def shared_memory(device: torch.device) -> int:
+    """Bytes of shared memory one program may use on `device`: the pipeline's buffers must fit (227 KiB on an H200,
+    163 KiB on an A100, 99 KiB on most other GPUs)."""
+    if device.type != "cuda":
+        return INTERPRETER_SHARED_MEMORY
+    return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 99 * 1024)
+
+
+@functools.cache
+def _tensor_cores_take_16_bit(device: torch.device) -> bool:
+    """Whether tl.dot takes bfloat16 here: compute capability 8.0 (Ampere) or later, or the interpreter."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def few_rows_apply(x: torch.Tensor) -> bool:
@@ -40,6 +57,7 @@ def few_rows_apply(x: torch.Tensor) -> bool:
         and x.numel() <= MAX_ROWS * x.shape[-1]
         and (x.dtype in KERNEL_DTYPES or TRITON_INTERPRETING)
         and x.shape[-1] % 16 == 0
+        and _tensor_cores_take_16_bit(x.device)
     )
 
 
@@ -57,9 +75,11 @@ def block_k(width: int, block_n: int) -> int:
     return min(16384 // block_n, width & -width)
 
 
-def pipeline_stages(block_m: int, weight_rows: int, block_k: int, itemsize: int) -> int:
-    """Loads in flight per program: 4 (fastest measured), fewer where x's and the weights' tiles would not fit."""
-    return max(1, min(4, SHARED_MEMORY // ((block_m + weight_rows) * block_k * itemsize)))
+def pipeline_stages(block_m: int, weight_rows: int, block_k: int, x: torch.Tensor) -> int:
+    """Loads in flight per program: 4 (fastest measured on the H200), fewer where x's and the weights' tiles would
+    not fit in 90% of the device's shared memory (the rest for Triton's own scratch)."""
+    stage = (block_m + weight_rows) * block_k * x.element_size()
+    return max(1, min(4, int(0.9 * shared_memory(x.device)) // stage))
 
 
 def linear_maps(x: torch.Tensor, *linears: nn.Linear, fused: bool) -> tuple[torch.Tensor, ...]:
@@ -87,7 +107,7 @@ def linear_maps(x: torch.Tensor, *linears: nn.Linear, fused: bool) -> tuple[torc
         pad = MAX_WEIGHTS - len(weights)
         _projections[(sum(cdiv(n, block_n) for n in widths),)](
             rows, *weights, *weights[:1] * pad, y, m, *widths, *(0,) * pad, K=k, BLOCK_M=block_m, BLOCK_N=block_n,
-            BLOCK_K=step, num_stages=pipeline_stages(block_m, block_n, step, x.element_size()),
+            BLOCK_K=step, num_stages=pipeline_stages(block_m, block_n, step, x),
         )
         products += y.split(widths, dim=-1)
     if len(read) == len(linears):
@@ -114,6 +134,6 @@ def gated_projection(x: torch.Tensor, gate: nn.Linear, up: nn.Linear) -> torch.T
     block_m, block_n, step = max(16, next_power_of_2(m)), 32 if m <= 16 else 64, min(128, k & -k)
     _gated_projection[(cdiv(n, block_n),)](
         rows, w_gate, w_up, y, m, n, K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=step,
-        num_stages=pipeline_stages(block_m, 2 * block_n, step, x.element_size()),
+        num_stages=pipeline_stages(block_m, 2 * block_n, step, x),
     )
     return y.view(*x.shape[:-1], n)
