@@ -57,8 +57,8 @@ def _renamed_cache_kwarg(forward):
 
 class DiffLlamaRMSNorm(LlamaRMSNorm):
     """transformers' LlamaRMSNorm (same weight, same arithmetic); on the project's fast implementations (`sdpa` on
-    CUDA, `diff_triton`, `fused_diff`) one Triton pass forward and one backward (`kernels/rmsnorm.py`), and in
-    decoding steps the residual add before it in the same pass (`add_and_norm`)."""
+    CUDA, `diff_triton`, `fused_diff`) one Triton pass forward and one backward (`kernels/rmsnorm.py`); in
+    decoding steps the decoder layer's residual add before it joins its pass (`add_and_norm`)."""
 
     def __init__(self, config: DiffLlamaConfig):
         super().__init__(config.hidden_size, eps=config.rms_norm_eps)
@@ -71,17 +71,25 @@ class DiffLlamaRMSNorm(LlamaRMSNorm):
             return rms_norm(hidden_states, self.weight, self.variance_epsilon)
         return super().forward(hidden_states)
 
-    def add_and_norm(self, residual: torch.Tensor, update: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(residual + update, this norm of it): one Triton pass without gradients (decoding, inference) on the fast
-        implementations where the module has no hooks; the add, then the module's forward, otherwise."""
-        if (
-            not (self._forward_hooks or self._forward_pre_hooks)
-            and uses_fast_kernels(resolve(self.config._attn_implementation, update))
-            and add_rms_norm_applies(residual, update, self.weight)
-        ):
-            return add_rms_norm(residual, update, self.weight, self.variance_epsilon)
-        hidden_states = residual + update
-        return hidden_states, self(hidden_states)
+
+# The norms whose residual add may join their pass (`add_and_norm`): exact types, so that Liger's norm, PEFT's
+# wrappers and subclasses with other arithmetic keep their own forward (a module-level tuple: Liger's class-level
+# patch rebinds the name DiffLlamaRMSNorm, not this).
+ADD_FUSED_NORMS = (DiffLlamaRMSNorm, LlamaRMSNorm)
+
+
+def add_and_norm(norm: nn.Module, residual: torch.Tensor, update: torch.Tensor, implementation: str):
+    """(residual + update, norm of it): one Triton pass without gradients (decoding, inference) on the fast
+    implementations, where `norm` is a LlamaRMSNorm without hooks; the add, then the norm's forward, otherwise."""
+    if (
+        type(norm) in ADD_FUSED_NORMS
+        and not (norm._forward_hooks or norm._forward_pre_hooks)
+        and uses_fast_kernels(implementation)
+        and add_rms_norm_applies(residual, update, norm.weight)
+    ):
+        return add_rms_norm(residual, update, norm.weight, norm.variance_epsilon)
+    hidden_states = residual + update
+    return hidden_states, norm(hidden_states)
 
 
 class DiffLlamaMLP(LlamaMLP):
@@ -111,6 +119,7 @@ class DiffLlamaMLP(LlamaMLP):
 class DiffLlamaDecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: DiffLlamaConfig, layer_idx: int):
         super().__init__()
+        self.config = config
         self.hidden_size = config.hidden_size
         self.self_attn = ATTENTION_CLASSES[config.diff_mode](config=config, layer_idx=layer_idx)
         self.mlp = DiffLlamaMLP(config)
@@ -131,7 +140,10 @@ class DiffLlamaDecoderLayer(GradientCheckpointingLayer):
             **kwargs,
         )
         # residual + attention, and its norm (one pass in decoding steps)
-        residual, hidden_states = self.post_attention_layernorm.add_and_norm(residual, hidden_states)
+        residual, hidden_states = add_and_norm(
+            self.post_attention_layernorm, residual, hidden_states,
+            resolve(self.config._attn_implementation, hidden_states),
+        )
         hidden_states = self.mlp(hidden_states)
         return residual + hidden_states
 

@@ -205,15 +205,23 @@ def test_add_rms_norm_matches_the_add_then_the_formula():
     reference = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)).to(DTYPE)
     assert torch.equal(total, expected)
     assert rel_err(normed, reference) < TOL
-    from modeling_diff.modeling_diff_llama import DiffLlamaRMSNorm  # the module's method: a hook still sees its call
+    # the decoder layer's call: a norm with a hook, or of another class (Liger's, a subclass), keeps its forward
+    from modeling_diff.modeling_diff_llama import DiffLlamaRMSNorm, add_and_norm
+
+    class OtherNorm(DiffLlamaRMSNorm):
+        def forward(self, hidden_states):
+            seen.append("other")
+            return super().forward(hidden_states)
 
     config = tiny_config("dex", hidden_size=48)
-    config._attn_implementation = FAST
-    module, seen = DiffLlamaRMSNorm(config).to(DEVICE, DTYPE), []
-    module.register_forward_hook(lambda *args: seen.append(1))
+    seen = []
+    hooked, other = DiffLlamaRMSNorm(config).to(DEVICE, DTYPE), OtherNorm(config).to(DEVICE, DTYPE)
+    hooked.register_forward_hook(lambda *args: seen.append("hook"))
     with torch.no_grad():
-        total, normed = module.add_and_norm(residual, update)
-    assert seen == [1] and torch.equal(total, expected)
+        for module in (hooked, other):
+            total, normed = add_and_norm(module, residual, update, FAST)
+            assert torch.equal(total, expected) and rel_err(normed, module(expected)) < TOL
+    assert seen == ["hook", "hook", "other", "other"]
 
 
 def test_rms_norm_and_rope_kernels_take_zero_tokens():
