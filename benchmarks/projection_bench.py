@@ -21,9 +21,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from bench import copy_bandwidth, warm_up_gpu, write_atomically
-from modeling_diff.kernels._triton import cdiv, next_power_of_2
-from modeling_diff.kernels.projection import gated_projection, linear_maps
-from modeling_diff.kernels.triton_projection import _gated_projection, _projections
+from modeling_diff.kernels.projection import gated_projection, launch_gated_projection, launch_projections, linear_maps
 
 HIDDEN, MLP, VOCAB = 2048, 8192, 32000
 # (name, output widths of the weights read together, input width, gated)
@@ -77,23 +75,13 @@ def host_time(fn, calls: int = 300) -> float:
     return sorted(times)[2]
 
 
-def kernel_call(x, weights, gated, block_n, bk, warps, stages):
-    m, k = x.shape
-    block_m = max(16, next_power_of_2(m))
+def kernel_call(x, weights, gated, block_n, step, warps, stages):
+    """The kernel at one configuration of the sweep, through the launches the model's wrappers use."""
     if gated:
-        n = weights[0].shape[0]
-        y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-        return lambda: _gated_projection[(cdiv(n, block_n),)](
-            x, weights[0], weights[1], y, m, n, K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk,
-            num_warps=warps, num_stages=stages,
-        )
-    ys = [torch.empty(m, w.shape[0], dtype=x.dtype, device=x.device) for w in weights]
-    pad = 4 - len(weights)
-    programs = sum(cdiv(w.shape[0], block_n) for w in weights)
-    return lambda: _projections[(programs,)](
-        x, *weights, *weights[:1] * pad, *ys, *ys[:1] * pad, m, *(w.shape[0] for w in weights), *(0,) * pad,
-        K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, num_warps=warps, num_stages=stages,
-    )
+        y = torch.empty(x.shape[0], weights[0].shape[0], dtype=x.dtype, device=x.device)
+        return lambda: launch_gated_projection(x, weights[0], weights[1], y, block_n, step, stages, warps)
+    y = torch.empty(x.shape[0], sum(w.shape[0] for w in weights), dtype=x.dtype, device=x.device)
+    return lambda: launch_projections(x, weights, y, block_n, step, stages, warps)
 
 
 def main(argv=None):

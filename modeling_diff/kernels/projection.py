@@ -82,6 +82,28 @@ def pipeline_stages(block_m: int, weight_rows: int, block_k: int, x: torch.Tenso
     return max(1, min(4, int(0.9 * shared_memory(x.device)) // stage))
 
 
+def launch_projections(rows, weights, y, block_n: int, step: int, stages: int, warps: int = 4) -> None:
+    """One `_projections` launch: y (M, sum of widths), contiguous, = rows (M, K) [W_1; W_2; ...]^T for up to
+    MAX_WEIGHTS weights (N_i, K); `step` divides K. The block sizes are the caller's (`benchmarks/projection_bench.py
+    --sweep` tries others)."""
+    m, k = rows.shape
+    widths = [w.shape[0] for w in weights]
+    pad = MAX_WEIGHTS - len(weights)
+    _projections[(sum(cdiv(n, block_n) for n in widths),)](
+        rows, *weights, *weights[:1] * pad, y, m, *widths, *(0,) * pad, K=k, BLOCK_M=max(16, next_power_of_2(m)),
+        BLOCK_N=block_n, BLOCK_K=step, num_stages=stages, num_warps=warps,
+    )
+
+
+def launch_gated_projection(rows, w_gate, w_up, y, block_n: int, step: int, stages: int, warps: int = 4) -> None:
+    """One `_gated_projection` launch: y (M, I) = silu(rows W_gate^T) * (rows W_up^T), rows (M, K) contiguous."""
+    m, k = rows.shape
+    _gated_projection[(cdiv(w_gate.shape[0], block_n),)](
+        rows, w_gate, w_up, y, m, w_gate.shape[0], K=k, BLOCK_M=max(16, next_power_of_2(m)), BLOCK_N=block_n,
+        BLOCK_K=step, num_stages=stages, num_warps=warps,
+    )
+
+
 def linear_maps(x: torch.Tensor, *linears: nn.Linear, fused: bool) -> tuple[torch.Tensor, ...]:
     """(layer(x) for each of `linears`): with `fused` (the caller is on a fast implementation), the products of two or
     more plain layers in one launch (per MAX_WEIGHTS) where the kernel takes x; every other layer through its own
@@ -93,22 +115,16 @@ def linear_maps(x: torch.Tensor, *linears: nn.Linear, fused: bool) -> tuple[torc
     read = [layer for layer in linears if kernel_reads(layer, x)]
     if len(read) < 2:  # one weight alone: cuBLAS measured as fast (o_proj), and its launch costs less host time
         return tuple(layer(x) for layer in linears)
-    rows = x.reshape(-1, x.shape[-1])
-    rows = rows if rows.is_contiguous() else rows.contiguous()  # (M, K)
-    m, k = rows.shape
-    block_m = max(16, next_power_of_2(m))  # x's rows padded for the tensor cores
+    rows = x.reshape(-1, x.shape[-1]).contiguous()  # (M, K)
+    block_m = max(16, next_power_of_2(rows.shape[0]))  # x's rows padded for the tensor cores
     products = []
     for start in range(0, len(read), MAX_WEIGHTS):
         weights = [layer._parameters["weight"] for layer in read[start:start + MAX_WEIGHTS]]
         widths = [w.shape[0] for w in weights]
         y = torch.empty(*x.shape[:-1], sum(widths), dtype=x.dtype, device=x.device)
         block_n = 32 if sum(widths) <= 4096 else 64  # fewer, fuller programs measured faster than one per SM
-        step = block_k(k, block_n)
-        pad = MAX_WEIGHTS - len(weights)
-        _projections[(sum(cdiv(n, block_n) for n in widths),)](
-            rows, *weights, *weights[:1] * pad, y, m, *widths, *(0,) * pad, K=k, BLOCK_M=block_m, BLOCK_N=block_n,
-            BLOCK_K=step, num_stages=pipeline_stages(block_m, block_n, step, x),
-        )
+        step = block_k(rows.shape[1], block_n)
+        launch_projections(rows, weights, y, block_n, step, pipeline_stages(block_m, block_n, step, x))
         products += y.split(widths, dim=-1)
     if len(read) == len(linears):
         return tuple(products)
@@ -129,11 +145,7 @@ def gated_projection(x: torch.Tensor, gate: nn.Linear, up: nn.Linear) -> torch.T
     rows = x.reshape(-1, x.shape[-1]).contiguous()  # (M, K)
     m, k = rows.shape
     w_gate, w_up = gate._parameters["weight"], up._parameters["weight"]  # (I, K) each
-    n = w_gate.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(m, w_gate.shape[0], dtype=x.dtype, device=x.device)
     block_m, block_n, step = max(16, next_power_of_2(m)), 32 if m <= 16 else 64, min(128, k & -k)
-    _gated_projection[(cdiv(n, block_n),)](
-        rows, w_gate, w_up, y, m, n, K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=step,
-        num_stages=pipeline_stages(block_m, 2 * block_n, step, x),
-    )
-    return y.view(*x.shape[:-1], n)
+    launch_gated_projection(rows, w_gate, w_up, y, block_n, step, pipeline_stages(block_m, 2 * block_n, step, x))
+    return y.view(*x.shape[:-1], w_gate.shape[0])
