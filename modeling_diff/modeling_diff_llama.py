@@ -78,14 +78,15 @@ class DiffLlamaRMSNorm(LlamaRMSNorm):
 ADD_FUSED_NORMS = (DiffLlamaRMSNorm, LlamaRMSNorm)
 
 
-def add_and_norm(norm: nn.Module, residual: torch.Tensor, update: torch.Tensor, implementation: str):
+def add_and_norm(norm: nn.Module, residual: torch.Tensor, update: torch.Tensor, config: DiffLlamaConfig):
     """(residual + update, norm of it): one Triton pass without gradients (decoding, inference) on the fast
-    implementations, where `norm` is a LlamaRMSNorm without hooks; the add, then the norm's forward, otherwise."""
+    implementations, where `norm` is a LlamaRMSNorm without hooks; the add, then the norm's forward, otherwise.
+    The config (its attention implementation) is read last: training leaves at the gradient check."""
     if (
         type(norm) in ADD_FUSED_NORMS
         and not (norm._forward_hooks or norm._forward_pre_hooks)
-        and uses_fast_kernels(implementation)
         and add_rms_norm_applies(residual, update, norm.weight)
+        and uses_fast_kernels(resolve(config._attn_implementation, update))
     ):
         return add_rms_norm(residual, update, norm.weight, norm.variance_epsilon)
     hidden_states = residual + update
@@ -140,10 +141,7 @@ class DiffLlamaDecoderLayer(GradientCheckpointingLayer):
             **kwargs,
         )
         # residual + attention, and its norm (one pass in decoding steps)
-        residual, hidden_states = add_and_norm(
-            self.post_attention_layernorm, residual, hidden_states,
-            resolve(self.config._attn_implementation, hidden_states),
-        )
+        residual, hidden_states = add_and_norm(self.post_attention_layernorm, residual, hidden_states, self.config)
         hidden_states = self.mlp(hidden_states)
         return residual + hidden_states
 

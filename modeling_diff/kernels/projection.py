@@ -11,9 +11,9 @@ not gate, up and the product. The reference is the layers' own forward (F.linear
     gated_projection(x (..., K), gate, up) -> silu(gate(x)) * up(x), (..., I)
 
 The kernels take x where `few_rows_apply`: no gradient, on CUDA of compute capability 8.0+ (or the interpreter)
-outside torch.compile, at most MAX_ROWS tokens of a 16-bit dtype; and they read plain bias-free Linear layers of its dtype (`kernel_reads`). Every
-other layer runs its own forward, so PEFT's LoRA layers, tensor-parallel or quantized layers and hooks keep their
-behaviour. Block sizes: what measured fastest on the H200 (`benchmarks/projection_bench.py --sweep`).
+outside torch.compile, at most MAX_ROWS tokens of a 16-bit dtype; and they read plain bias-free Linear layers of
+its dtype (`kernel_reads`). Every other layer runs its own forward, so PEFT's LoRA layers, tensor-parallel or
+quantized layers and hooks keep their behaviour. Block sizes: what measured fastest on the H200 (`benchmarks/projection_bench.py --sweep`).
 """
 
 import functools

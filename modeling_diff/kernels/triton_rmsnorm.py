@@ -26,7 +26,8 @@ def _rms_norm_fwd(X, W, Y, Rstd, Res, Sum, R, N, eps, BLOCK_N: tl.constexpr, SAV
     ok = cols < N
     x = tl.load(X + row * N + cols, mask=ok, other=0.0)
     if ADD:
-        x = (x.to(tl.float32) + tl.load(Res + row * N + cols, mask=ok, other=0.0).to(tl.float32)).to(X.dtype.element_ty)
+        res = tl.load(Res + row * N + cols, mask=ok, other=0.0).to(tl.float32)
+        x = (x.to(tl.float32) + res).to(X.dtype.element_ty)
         tl.store(Sum + row * N + cols, x, mask=ok)
     x = x.to(tl.float32)
     w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
