@@ -1,20 +1,26 @@
 """One attention layer of the ~1.1B models, forward and forward + backward, on one GPU: which path is faster.
 
     python benchmarks/attention_bench.py --seq 2048 8192
+    python benchmarks/attention_bench.py --sweep     # V1's flash-diff backward kernels over a grid of block sizes
 
 Rows: transformers' LlamaAttention (32 heads of 64, 8 kv heads; SDPA) as the reference; modeling_diff V1 and
 V2 through the flash-diff kernel (`kernels/flash_diff.py`, attn_implementation "fused_diff") and through the
 plain path (one SDPA call of the pairs, then the fused Triton combine). Projections, RoPE and the output
 projection are included, as in the model. Tokens per batch: 8192 (4 x 2048, or 1 x 8192).
+
+`--sweep` times each of V1's two backward kernels (dK/dV, dQ) alone at the model's shapes for every block size,
+warp count and pipeline depth of a grid (how the autotuner's candidates in `triton_flash_diff.py` were chosen),
+beside the candidate the autotuner picked.
 """
 
 import argparse
+import itertools
 import sys
 
 import torch
 from tqdm import tqdm
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from modeling_diff import preset_config
 from modeling_diff.diff_attention import ATTENTION_CLASSES
@@ -66,14 +72,111 @@ def measure(name: str, seq: int, tokens: int, repeats: int) -> dict:
     return dict(model=name, seq=seq, forward_ms=milliseconds(forward, repeats), train_ms=milliseconds(train, repeats))
 
 
+class FixedLaunch:
+    """A Triton kernel launched with fixed block sizes and options in place of its autotuned wrapper; it keeps its
+    last launch so that the kernel can be timed alone (`relaunch`, which returns the compiled kernel)."""
+
+    def __init__(self, kernel, **options):
+        self.kernel, self.options, self.last = kernel, options, None
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            meta = {**kwargs, **self.options}
+            self.last = (grid(meta) if callable(grid) else grid, args, meta)
+            self.relaunch()
+        return launch
+
+    def relaunch(self):
+        grid, args, meta = self.last
+        return self.kernel[grid](*args, **meta)
+
+
+def _grid(blocks, warps, stages):
+    return [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)
+            for (m, n), w, s in itertools.product(blocks, warps, stages)]
+
+
+DKDV_BLOCKS = [(16, 32), (32, 32), (64, 32), (128, 32), (16, 64), (32, 64), (64, 64), (32, 128)]
+DKDV_GRID = [*_grid(DKDV_BLOCKS, [4], [2, 3]), *_grid([(32, 64), (64, 64), (32, 128)], [8], [3])]
+DQ_GRID = _grid([(64, 32), (64, 64), (128, 32), (128, 64)], [4, 8], [2, 3])
+
+
+def sweep_backward(seq: int, tokens: int) -> list[dict]:
+    """V1's backward kernels at the ~1.1B model's shapes (16 heads, 4 kv heads, d 64, V 128), each config of the
+    grid timed alone (median ms of triton.testing.do_bench), the other kernel left to its autotuner; the dK/dV
+    kernel also with one query head per program (`flash_diff.dkdv_heads_per_program`). Each config's gradients
+    are compared with the autotuned kernels' (max relative error)."""
+    import triton
+
+    import modeling_diff.kernels.flash_diff as flash_diff
+    import modeling_diff.kernels.triton_flash_diff as kernels
+
+    config = preset_config("1.1b-v1")
+    batch, heads, kv_heads, d = max(1, tokens // seq), config.num_attention_heads, config.num_key_value_heads, 64
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    query = torch.randn(batch, seq, heads, 2, d, **bf16, requires_grad=True)
+    key = torch.randn(batch, kv_heads, seq, 2 * d, **bf16, requires_grad=True)
+    value = torch.randn(batch, kv_heads, seq, 2 * d, **bf16, requires_grad=True)
+    lam = torch.tensor(0.3, device="cuda", requires_grad=True)
+    norm = LlamaRMSNorm(2 * d).to(**bf16)  # V1's subln
+    grad = torch.randn(batch, seq, heads, 2 * d, **bf16)
+
+    def step():
+        out = flash_diff.flash_diff_attention(query, key, value, None, lam, d**-0.5, norm=norm, norm_scale=0.8)
+        return torch.autograd.grad(out, (query, key, value), grad)
+
+    reference = step()  # the autotuned kernels' choice
+    rows = []
+    long_keys = flash_diff.LONG_KEYS
+    runs = [("dkdv", kernels._flash_diff_bwd_dkdv, DKDV_GRID, long_keys), ("dkdv", kernels._flash_diff_bwd_dkdv,
+            DKDV_GRID, 0), ("dq", kernels._flash_diff_bwd_dq, DQ_GRID, long_keys)]
+    for name, raw, candidates, threshold in runs:
+        attribute = f"flash_diff_bwd_{name}"
+        tuned = getattr(flash_diff, attribute)
+        picked = {**tuned.best_config.kwargs, "num_warps": tuned.best_config.num_warps,
+                  "num_stages": tuned.best_config.num_stages}
+        flash_diff.LONG_KEYS = threshold
+        heads_per_program = flash_diff.dkdv_heads_per_program(heads // kv_heads, seq) if name == "dkdv" else ""
+        for options in tqdm(candidates, desc=f"{name} {seq}"):
+            fixed = FixedLaunch(raw, **options)
+            setattr(flash_diff, attribute, fixed)
+            row = dict(kernel=name, seq=seq, batch=batch, heads=heads_per_program, **options)
+            try:
+                grads = step()
+                row["err"] = max(((g - r).norm() / r.norm()).item() for g, r in zip(grads, reference))
+                compiled = fixed.relaunch()
+                row["regs"], row["spills"] = compiled.n_regs, compiled.n_spills
+                row["ms"] = triton.testing.do_bench(fixed.relaunch, return_mode="median")
+            except triton.runtime.errors.OutOfResources:
+                row["ms"] = float("nan")
+            finally:
+                setattr(flash_diff, attribute, tuned)
+                flash_diff.LONG_KEYS = long_keys
+            row["picked"] = options == picked and threshold == long_keys
+            rows.append(row)
+    return rows
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seq", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--sweep", action="store_true", help="V1's backward kernels over a grid of block sizes")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("attention_bench.py needs a CUDA GPU")
+    if args.sweep:
+        rows = [r for s in args.seq for r in sweep_backward(s, args.tokens)]
+        print("| kernel | seq x batch | heads a program | BLOCK_M | BLOCK_N | warps | stages | ms | registers / spills | "
+              "grad error | autotuner's pick |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in sorted(rows, key=lambda r: (r["kernel"], r["seq"], r["ms"])):
+            print(f"| {r['kernel']} | {r['seq']} x {r['batch']} | {r['heads']} | {r['BLOCK_M']} | {r['BLOCK_N']} | "
+                  f"{r['num_warps']} | {r['num_stages']} | {r['ms']:.3f} | "
+                  f"{r.get('regs', '')} / {r.get('spills', '')} | {r.get('err', float('nan')):.1e} | "
+                  f"{'yes' if r['picked'] else ''} |")
+        return
     names = ["llama", "v1", "v1-plain", "v2", "v2-plain"]
     rows = [measure(n, s, args.tokens, args.repeats) for s in args.seq for n in tqdm(names, desc="layers")]
     base = {r["seq"]: r for r in rows if r["model"] == "llama"}
