@@ -33,10 +33,6 @@ if TRITON_AVAILABLE:
 
 LONG_KEYS = 4096  # above this many keys the dK/dV kernel gives each query head its own programs
 MIN_QUERY_TOKENS = 16  # fewer new tokens without gradients: a decoding step, for the split-KV decode kernel
-# The dK/dV kernel's launches, (writes dK, writes dV) each. Apart, a program keeps dK1 and dK2 or dV (not all
-# three, 256 float32 a key row, which spilled registers at every fast block size on the H200:
-# benchmarks/results_h200_flash_diff_backward_sweep.md), and both launches compute the probabilities.
-DKDV_PASSES = ((True, False), (False, True))
 
 
 def flash_diff_applies(query, key, value, mask, dropout: float) -> bool:
@@ -147,13 +143,12 @@ class _FlashDiff(torch.autograd.Function):
         )
         q_strides = query.stride()[:4]
         offset = causal_offset(length, kv_length, mask is not None)
-        for write_dk, write_dv in DKDV_PASSES:
-            flash_diff_bwd_dkdv[lambda meta: (cdiv(kv_length, meta["BLOCK_N"]), batch * heads // heads_per_program)](
-                query, key, value, mask_arg, row_mu, grad_o1, lse, delta, dk_out, dv_out,
-                *q_strides, *key.stride()[:3], *value.stride()[:3], *mask_strides,
-                *dk_out.stride()[:3], *dv_out.stride()[:3], heads, length, kv_length, offset,
-                HEADS=heads_per_program, WRITE_DK=write_dk, WRITE_DV=write_dv, **common, **DKDV_FIXED,
-            )
+        flash_diff_bwd_dkdv[lambda meta: (cdiv(kv_length, meta["BLOCK_N"]), batch * heads // heads_per_program)](
+            query, key, value, mask_arg, row_mu, grad_o1, lse, delta, dk_out, dv_out,
+            *q_strides, *key.stride()[:3], *value.stride()[:3], *mask_strides,
+            *dk_out.stride()[:3], *dv_out.stride()[:3],
+            heads, length, kv_length, offset, HEADS=heads_per_program, **common, **DKDV_FIXED,
+        )
         if heads_per_program != heads // kv_heads:
             grad_k = dk_out.unflatten(1, (kv_heads, -1)).sum(2).to(key.dtype)
             grad_v = dv_out.unflatten(1, (kv_heads, -1)).sum(2).to(value.dtype)

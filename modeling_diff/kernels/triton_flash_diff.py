@@ -202,10 +202,9 @@ def _dkdv_tile(
     Q, G, Lse, Delta, Mu, Mask, k1, k2, v, n, n_ok, m0, b, head, H, L, offset, qk_scale, lam,
     sqb, sql, sqh, sqp, smb, sml, sms, dk1, dk2, dv_acc,
     DQK: tl.constexpr, DV: tl.constexpr, V1: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
-    HAS_MASK: tl.constexpr, WRITE_DK: tl.constexpr, WRITE_DV: tl.constexpr,
+    HAS_MASK: tl.constexpr,
 ):
-    """The queries m0 .. m0 + BLOCK_M of one head against the program's keys: their share of dK (WRITE_DK) and of
-    dV (WRITE_DV)."""
+    """The queries m0 .. m0 + BLOCK_M of one head against the program's keys: their share of dK and dV."""
     m = m0 + tl.arange(0, BLOCK_M)
     m_ok = m < L
     q1t, q2t, go, lse1, lse2, delta1, delta2, mu = _query_rows(
@@ -217,14 +216,12 @@ def _dkdv_tile(
         allowed_t = tl.trans(_visible(Mask, b, m, n, m_ok, n_ok, offset, smb, sml, sms, HAS_MASK))
         p1t = tl.where(allowed_t, p1t, 0.0)
         p2t = tl.where(allowed_t, p2t, 0.0)
-    if WRITE_DV:
-        dv_acc += tl.dot((p1t - p2t * mu[None, :]).to(go.dtype), go)  # (P1 - mu P2)^T g
-    if WRITE_DK:
-        dpt = tl.dot(v, tl.trans(go))  # (g V^T)^T = dP1^T; dP2 = -mu dP1
-        ds1t = p1t * (dpt - delta1[None, :])
-        ds2t = p2t * (-mu[None, :] * dpt - delta2[None, :])
-        dk1 += tl.dot(ds1t.to(q1t.dtype), tl.trans(q1t))
-        dk2 += tl.dot(ds2t.to(q2t.dtype), tl.trans(q2t))
+    dv_acc += tl.dot((p1t - p2t * mu[None, :]).to(go.dtype), go)  # (P1 - mu P2)^T g
+    dpt = tl.dot(v, tl.trans(go))  # (g V^T)^T = dP1^T; dP2 = -mu dP1
+    ds1t = p1t * (dpt - delta1[None, :])
+    ds2t = p2t * (-mu[None, :] * dpt - delta2[None, :])
+    dk1 += tl.dot(ds1t.to(q1t.dtype), tl.trans(q1t))
+    dk2 += tl.dot(ds2t.to(q2t.dtype), tl.trans(q2t))
     return dk1, dk2, dv_acc
 
 
@@ -235,12 +232,11 @@ def _flash_diff_bwd_dkdv(
     H, L, S, offset,
     SCALE: tl.constexpr, GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, SPLIT_K: tl.constexpr,
     V1: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS: tl.constexpr,
-    WRITE_DK: tl.constexpr, WRITE_DV: tl.constexpr, S_STATIC: tl.constexpr = 0, L_STATIC: tl.constexpr = 0,
+    S_STATIC: tl.constexpr = 0, L_STATIC: tl.constexpr = 0,
 ):
     # G (B*L*H, DV) = dO1; Lse, Delta (B*L*H, 2). A program: BLOCK_N keys of one (batch, kv head) and the
-    # queries of HEADS heads of its GQA group (HEADS divides GROUP); it writes their share of dK (WRITE_DK) and dV
-    # (WRITE_DV) at index `slot` = (first head) / HEADS of DK's and DVout's second dim: the kv head itself when
-    # HEADS = GROUP.
+    # queries of HEADS heads of its GQA group (HEADS divides GROUP); it writes their share of dK and dV at index
+    # `slot` = (first head) / HEADS of DK's and DVout's second dim: the kv head itself when HEADS = GROUP.
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     slots = H // HEADS
@@ -272,31 +268,27 @@ def _flash_diff_bwd_dkdv(
                 dk1, dk2, dv_acc = _dkdv_tile(
                     Q, G, Lse, Delta, Mu, Mask, k1, k2, v, n, n_ok, m0, b, head, H, L, offset, qk_scale, lam,
                     sqb, sql, sqh, sqp, smb, sml, sms, dk1, dk2, dv_acc, DQK, DV, V1, BLOCK_M, True, HAS_MASK,
-                    WRITE_DK, WRITE_DV,
                 )
         else:
             for m0 in range(lo, full, BLOCK_M):  # the diagonal
                 dk1, dk2, dv_acc = _dkdv_tile(
                     Q, G, Lse, Delta, Mu, Mask, k1, k2, v, n, n_ok, m0, b, head, H, L, offset, qk_scale, lam,
                     sqb, sql, sqh, sqp, smb, sml, sms, dk1, dk2, dv_acc, DQK, DV, V1, BLOCK_M, True, HAS_MASK,
-                    WRITE_DK, WRITE_DV,
                 )
             for m0 in range(full, L, BLOCK_M):
                 dk1, dk2, dv_acc = _dkdv_tile(
                     Q, G, Lse, Delta, Mu, Mask, k1, k2, v, n, n_ok, m0, b, head, H, L, offset, qk_scale, lam,
                     sqb, sql, sqh, sqp, smb, sml, sms, dk1, dk2, dv_acc, DQK, DV, V1, BLOCK_M, False, HAS_MASK,
-                    WRITE_DK, WRITE_DV,
                 )
 
     dk_ptr = DK + b * sdkb + slot * sdkh + n[:, None] * sdks + dqk[None, :]
-    if WRITE_DK and SPLIT_K:
+    if SPLIT_K:
         tl.store(dk_ptr, (dk1 * SCALE).to(DK.dtype.element_ty), mask=n_ok[:, None])
         tl.store(dk_ptr + DQK, (dk2 * SCALE).to(DK.dtype.element_ty), mask=n_ok[:, None])
-    elif WRITE_DK:
+    else:
         tl.store(dk_ptr, ((dk1 + dk2) * SCALE).to(DK.dtype.element_ty), mask=n_ok[:, None])
-    if WRITE_DV:
-        tl.store(DVout + b * sdvb + slot * sdvh + n[:, None] * sdvs + dv[None, :],
-                 dv_acc.to(DVout.dtype.element_ty), mask=n_ok[:, None])
+    tl.store(DVout + b * sdvb + slot * sdvh + n[:, None] * sdvs + dv[None, :], dv_acc.to(DVout.dtype.element_ty),
+             mask=n_ok[:, None])
 
 
 @triton.jit
@@ -411,8 +403,6 @@ else:  # H100/H200-class GPUs; two fp32 accumulators of DV per row bound the til
         dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
         dict(BLOCK_M=32, BLOCK_N=128, num_warps=8, num_stages=3),
         dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2),
-        dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=3),  # one of dK, dV a program: fewer accumulators
-        dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3),
     ]
     _DQ = [
         dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
@@ -423,5 +413,5 @@ else:  # H100/H200-class GPUs; two fp32 accumulators of DV per row bound the til
 
 
 flash_diff_fwd, FWD_FIXED = _tuned(_flash_diff_fwd, _FWD, _KEY + ["SAVE"])
-flash_diff_bwd_dkdv, DKDV_FIXED = _tuned(_flash_diff_bwd_dkdv, _DKDV, _KEY + ["HEADS", "WRITE_DK", "WRITE_DV"])
+flash_diff_bwd_dkdv, DKDV_FIXED = _tuned(_flash_diff_bwd_dkdv, _DKDV, _KEY + ["HEADS"])
 flash_diff_bwd_dq, DQ_FIXED = _tuned(_flash_diff_bwd_dq, _DQ, _KEY)
