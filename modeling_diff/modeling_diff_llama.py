@@ -112,8 +112,7 @@ class DiffLlamaMLP(LlamaMLP):
     (`kernels/swiglu.py`): two (tokens x intermediate) activations a layer, where LlamaMLP keeps four and Liger's
     SwiGLU MLP three. With wrapped projections (PEFT's LoRA layers) the activation alone takes a kernel that keeps
     gate(x) and up(x) and not silu(gate(x)). In a decoding step gate, up and the activation are one launch
-    (`kernels/projection.py`), and the decoder layer's residual add is down_proj's GEMM epilogue
-    (`mlp_adds_in_down_proj`)."""
+    (`kernels/projection.py`), and the decoder layer's residual add is down_proj's GEMM epilogue (`mlp_and_add`)."""
 
     def gated_projection_applies(self, x: torch.Tensor) -> bool:
         """Whether gate, up and the activation take one launch for x (decoding steps: no gradients)."""
@@ -135,8 +134,8 @@ class DiffLlamaMLP(LlamaMLP):
         return self.down_proj(self.act_fn(gate) * up)
 
 
-# The MLPs whose residual add may join down_proj (`mlp_adds_in_down_proj`): the exact type (a subclass or a
-# class-level patch keeps its forward).
+# The MLPs whose residual add may join down_proj (`mlp_and_add`): the exact type (a subclass or a class-level patch
+# keeps its forward).
 ADD_FUSED_MLPS = (DiffLlamaMLP,)
 # The attentions that take the decoder layer's input norm into their projections (`input_norm=`): exact types, so a
 # subclass with a forward of its own keeps its input.
