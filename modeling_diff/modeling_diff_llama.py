@@ -5,8 +5,7 @@ attention + SwiGLU MLP) -> norm -> lm_head. The rotary embedding is transformers
 MLP are LlamaRMSNorm and LlamaMLP with Triton kernels on the fast paths; the attention differs (see
 `diff_attention.py`). In decoding steps, bound by their kernels' count, the decoder layer's norms and residual adds
 join the kernels next to them: the input norm the q, k, v launch (`input_norm_joins_projections`), the residual add
-and the post-attention norm the gated projection's launch, the MLP's residual add down_proj's GEMM
-(`add_norm_mlp_and_add`).
+the post-attention norm's pass (`add_and_norm`), the MLP's residual add down_proj's GEMM (`mlp_and_add`).
 
 transformers renamed the cache argument `past_key_values` to `cache` after 5.17; both names are accepted,
 and outputs carry the cache under the name the installed transformers expects.
@@ -40,8 +39,8 @@ from .generation import graphed_greedy_generate
 from .diff_attention import ATTENTION_CLASSES, DexAttention, DexLambda, DifferentialLambda, DiffAttentionV1, DiffAttentionV2
 from .kernels import (
     add_rms_norm, add_rms_norm_applies, few_rows_apply, gated_projection, gated_projection_applies, kernel_reads,
-    norm_kernel_reads, resolve, rms_norm, rms_norm_kernel_applies, silu_mul, silu_mul_applies, swiglu_mlp,
-    swiglu_mlp_applies, uses_fast_kernels,
+    resolve, rms_norm, rms_norm_kernel_applies, silu_mul, silu_mul_applies, swiglu_mlp, swiglu_mlp_applies,
+    uses_fast_kernels,
 )
 
 # "cache" (transformers > 5.17) or "past_key_values" (5.17): the keyword of masks and model outputs.
@@ -61,10 +60,9 @@ def _renamed_cache_kwarg(forward):
 
 class DiffLlamaRMSNorm(LlamaRMSNorm):
     """transformers' LlamaRMSNorm (same weight, same arithmetic); on the project's fast implementations (`sdpa` on
-    CUDA, `diff_triton`, `fused_diff`) one Triton pass forward and one backward (`kernels/rmsnorm.py`). Without
-    gradients the decoder layer's residual add before the post-attention norm joins its pass (`add_and_norm`); in
-    decoding steps the input norm joins the q, k, v launch (`input_norm_joins_projections`) and the post-attention
-    norm, with the add, the MLP's gated launch (`add_norm_mlp_and_add`)."""
+    CUDA, `diff_triton`, `fused_diff`) one Triton pass forward and one backward (`kernels/rmsnorm.py`). In decoding
+    steps the decoder layer's residual add before the post-attention norm joins its pass (`add_and_norm`), and the
+    input norm joins the q, k, v launch (`input_norm_joins_projections`)."""
 
     def __init__(self, config: DiffLlamaConfig):
         super().__init__(config.hidden_size, eps=config.rms_norm_eps)
@@ -142,48 +140,24 @@ ADD_FUSED_MLPS = (DiffLlamaMLP,)
 NORM_TAKING_ATTENTIONS = (DiffAttentionV1, DiffAttentionV2, DexAttention)
 
 
-def mlp_adds_in_down_proj(mlp: nn.Module, x: torch.Tensor, residual: torch.Tensor, config: DiffLlamaConfig) -> bool:
-    """Whether residual + mlp(x) takes the decoding step's kernels (`mlp_and_add`): `mlp` is DiffLlamaMLP itself
-    without hooks, gate, up and the activation take one launch, down_proj is a plain bias-free Linear, residual a
-    plain tensor of x's shape and dtype, and the implementation a fast one (read last)."""
-    return (
+def mlp_and_add(mlp: nn.Module, x: torch.Tensor, residual: torch.Tensor, config: DiffLlamaConfig) -> torch.Tensor:
+    """residual + mlp(x). In a decoding step on the fast implementations, where `mlp` is DiffLlamaMLP itself without
+    hooks and down_proj a plain bias-free Linear, the add is down_proj's GEMM epilogue: residual + gated W_down^T
+    as one torch.addmm (cuBLAS's beta = 1; the sum rounded once, not the product and then the sum). Otherwise the
+    MLP's forward, then the add."""
+    if (
         type(mlp) in ADD_FUSED_MLPS
         and not (mlp._forward_hooks or mlp._forward_pre_hooks or "forward" in mlp.__dict__)
         and mlp.gated_projection_applies(x)
         and kernel_reads(mlp.down_proj, x)
         and type(residual) is torch.Tensor and residual.shape == x.shape and residual.dtype == x.dtype
         and uses_fast_kernels(resolve(config._attn_implementation, x))
-    )
-
-
-def _down_proj_and_add(mlp: DiffLlamaMLP, gated: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """residual + down_proj(gated) as one torch.addmm: the add in cuBLAS's GEMM epilogue (beta = 1; the sum rounded
-    once, not the product and then the sum)."""
-    rows = residual.reshape(-1, residual.shape[-1])
-    down = mlp.down_proj._parameters["weight"]  # (hidden, intermediate)
-    return torch.addmm(rows, gated.view(-1, gated.shape[-1]), down.t()).view(residual.shape)
-
-
-def mlp_and_add(mlp: nn.Module, x: torch.Tensor, residual: torch.Tensor, config: DiffLlamaConfig) -> torch.Tensor:
-    """residual + mlp(x): in a decoding step (`mlp_adds_in_down_proj`) gate, up and the activation in one launch and
-    the add in down_proj's GEMM; the MLP's forward, then the add, otherwise."""
-    if mlp_adds_in_down_proj(mlp, x, residual, config):
-        return _down_proj_and_add(mlp, gated_projection(x, mlp.gate_proj, mlp.up_proj), residual)
+    ):
+        gated = gated_projection(x, mlp.gate_proj, mlp.up_proj)
+        rows = residual.reshape(-1, residual.shape[-1])
+        down = mlp.down_proj._parameters["weight"]  # (hidden, intermediate)
+        return torch.addmm(rows, gated.view(-1, gated.shape[-1]), down.t()).view(residual.shape)
     return residual + mlp(x)
-
-
-def add_norm_mlp_and_add(norm: nn.Module, mlp: nn.Module, residual: torch.Tensor, update: torch.Tensor,
-                         config: DiffLlamaConfig) -> torch.Tensor:
-    """The decoder layer after its attention: h = residual + update, then h + mlp(norm(h)). In a decoding step
-    where the MLP takes its kernels (`mlp_adds_in_down_proj`) and the norm is a plain LlamaRMSNorm (`fusable_norm`)
-    of the update's dtype, two kernels: the add, the norm, gate, up and the activation in one launch
-    (`gated_projection` with `residual` and `norm`), down_proj with the add in its GEMM. Otherwise `add_and_norm`,
-    then `mlp_and_add`."""
-    if fusable_norm(norm) and norm_kernel_reads(norm, update) and mlp_adds_in_down_proj(mlp, update, residual, config):
-        residual, gated = gated_projection(update, mlp.gate_proj, mlp.up_proj, residual=residual, norm=norm)
-        return _down_proj_and_add(mlp, gated, residual)
-    residual, hidden_states = add_and_norm(norm, residual, update, config)
-    return mlp_and_add(mlp, hidden_states, residual, config)
 
 
 def input_norm_joins_projections(layer: "DiffLlamaDecoderLayer", hidden_states: torch.Tensor) -> bool:
@@ -231,8 +205,9 @@ class DiffLlamaDecoderLayer(GradientCheckpointingLayer):
             cache=cache,
             **kwargs,
         )
-        # residual + attention, its norm, the MLP and the second residual add (two kernels in decoding steps)
-        return add_norm_mlp_and_add(self.post_attention_layernorm, self.mlp, residual, hidden_states, self.config)
+        # residual + attention, and its norm (one pass in decoding steps)
+        residual, hidden_states = add_and_norm(self.post_attention_layernorm, residual, hidden_states, self.config)
+        return mlp_and_add(self.mlp, hidden_states, residual, self.config)  # (the add in down_proj's GEMM in steps)
 
 
 # Where the differential parameters were saved before they had modules of their own (PEFT's `modules_to_save` and

@@ -520,38 +520,6 @@ def test_gated_projection_matches_llama_mlp(tokens):
 
 
 @pytest.mark.parametrize("tokens", [0, 1, 33 if GPU else 17])
-def test_gated_projection_takes_the_residual_add_and_norm(tokens):
-    """gated_projection(update, gate, up, residual=, norm=) = (residual + update, silu(gate(n)) * up(n)) for
-    n = LlamaRMSNorm(residual + update), against the add, LlamaRMSNorm's own forward and LlamaMLP's activation; a
-    NaN in a token's update stays in its own row."""
-    from transformers.activations import ACT2FN
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
-    from modeling_diff.kernels.projection import gated_projection, norm_kernel_reads
-
-    torch.manual_seed(8)
-    mlp = swiglu_mlp_module()
-    norm = LlamaRMSNorm(mlp.hidden_size, eps=1e-5).to(DEVICE, DTYPE)
-    torch.nn.init.normal_(norm.weight, 1.0, 0.3)
-    residual, update = 3 * rand(tokens, 1, mlp.hidden_size), rand(tokens, 1, mlp.hidden_size)
-    with torch.no_grad():
-        assert norm_kernel_reads(norm, update)
-        expected = residual + update
-        normed = LlamaRMSNorm.forward(norm, expected)
-        reference = ACT2FN["silu"](mlp.gate_proj(normed)) * mlp.up_proj(normed)
-        total, out = gated_projection(update, mlp.gate_proj, mlp.up_proj, residual=residual, norm=norm)
-        assert torch.equal(total, expected) and out.shape == reference.shape
-        assert tokens == 0 or rel_err(out, reference) < TOL
-        if tokens > 1:
-            poisoned = update.clone()
-            poisoned[0, 0, 2] = float("nan")
-            total, out = gated_projection(poisoned, mlp.gate_proj, mlp.up_proj, residual=residual, norm=norm)
-            assert total[0].isnan().any() and not total[1:].isnan().any()
-            assert out[0].isnan().all() and rel_err(out[1:], reference[1:]) < TOL
-        assert not norm_kernel_reads(norm.double(), update)  # the norm's output would be of another dtype
-
-
-@pytest.mark.parametrize("tokens", [0, 1, 33 if GPU else 17])
 def test_mlp_residual_add_in_down_proj_matches_the_add(tokens, monkeypatch):
     """mlp_and_add: residual + down_proj(silu(gate(x)) * up(x)) with the add in down_proj's GEMM (one torch.addmm)
     against the residual plus LlamaMLP's own forward; a NaN token stays in its own row; a hooked MLP, a LoRA-wrapped
@@ -1026,10 +994,9 @@ def decode(model, cache_class, ids, mask, steps):
 @pytest.mark.parametrize("cache_class", [DynamicCache, StaticCache])
 def test_decoding_steps_on_the_kernel_equal_eager(mode, cache_class, monkeypatch):
     """Prefill, then decoding steps through the split-KV kernel with the differential term in it, the
-    projections' kernels (the input norm, q, k, v and V2's lambda_proj in one launch; the residual add, the
-    post-attention norm, the MLP's gate and up in one) and the MLP's residual add in down_proj's GEMM, with left
-    padding, dynamic and static caches: in a step the final norm is the only separate RMSNorm. The prefill takes
-    the residual add and the norm after it in one pass."""
+    projections' kernels (the input norm, q, k, v and V2's lambda_proj in one launch, the MLP's gate and up in one),
+    the residual add with the norm after it in one pass and the MLP's residual add in down_proj's GEMM, with left
+    padding, dynamic and static caches: in a step the final norm is the only separate RMSNorm."""
     import modeling_diff.diff_attention as attention
     import modeling_diff.kernels.projection as projection
 
@@ -1051,16 +1018,16 @@ def test_decoding_steps_on_the_kernel_equal_eager(mode, cache_class, monkeypatch
     layers = eager.config.num_hidden_layers
     assert len(kernel_calls) == steps.shape[1] * layers  # every decoding step
     assert len(projections) == len(gated) == len(addmms) == len(kernel_calls)  # the prefill's 80 tokens take cuBLAS
-    assert len(added) == layers  # the prefill's add before the MLP's norm (a step's: in the gated launch)
+    assert len(added) == (1 + steps.shape[1]) * layers  # the add before the MLP's norm
     assert len(norms) == layers + 1 + steps.shape[1]  # the prefill's input norms and final norm, a step's final norm
 
 
-@pytest.mark.parametrize("wrap", ["hooked_norm", "patched_norm", "hooked_post_norm", "hooked_mlp", "attention_hook"])
+@pytest.mark.parametrize("wrap", ["hooked_norm", "patched_norm", "hooked_mlp", "attention_hook"])
 def test_decoding_steps_keep_the_forward_of_hooked_or_patched_modules(wrap, monkeypatch):
-    """Where layer 0's input norm has a hook or a forward of its instance (Liger's instance patch), its
-    post-attention norm or its MLP a hook, or its attention a hook that sees the call's arguments, the decoding
-    steps call that forward (and the hook sees the normed hidden states); the other layer keeps the fusions, and the
-    logits equal eager's. A hook that sees no arguments (transformers' output capturing) keeps the fusion."""
+    """Where layer 0's input norm has a hook or a forward of its instance (Liger's instance patch), its MLP a hook, or
+    its attention a hook that sees the call's arguments, the decoding steps call that forward (and the hook sees
+    the normed hidden states); the other layer keeps the fusions, and the logits equal eager's. A hook that sees
+    no arguments (transformers' output capturing) keeps the fusion."""
     import types
 
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
@@ -1076,8 +1043,6 @@ def test_decoding_steps_keep_the_forward_of_hooked_or_patched_modules(wrap, monk
     elif wrap == "patched_norm":
         norm = layer.input_layernorm
         norm.forward = types.MethodType(lambda self, x: seen.append(1) or LlamaRMSNorm.forward(self, x), norm)
-    elif wrap == "hooked_post_norm":
-        layer.post_attention_layernorm.register_forward_hook(lambda *args: seen.append(1))
     elif wrap == "hooked_mlp":
         layer.mlp.register_forward_hook(lambda *args: seen.append(1))
     else:

@@ -9,13 +9,10 @@ not gate, up and the product. The reference is the layers' own forward (F.linear
 Decoding steps are bound by their kernels' count as much as by bytes (each boundary costs about 1.2 us in a replayed
 CUDA graph), so the q, k, v launch also takes the decoder layer's input RMSNorm (`norm=`): every program computes
 the rstd of each of the few rows in a first pass over K (x sits in L2), then normalises each chunk of x as
-LlamaRMSNorm rounds it before the dot; the norm's own launch is gone. The gated launch takes the residual add and the
-post-attention RMSNorm the same way (program 0 writes the sum: the next residual), and down_proj adds the residual in
-its cuBLAS GEMM (`modeling_diff_llama.add_norm_mlp_and_add`).
+LlamaRMSNorm rounds it before the dot; the norm's own launch is gone.
 
     linear_maps(x (..., K), *linears, fused, norm=None) -> each linear(x), or linear(norm(x)), (..., N_i)
     gated_projection(x (..., K), gate, up) -> silu(gate(x)) * up(x), (..., I)
-    gated_projection(x, gate, up, residual, norm) -> (h = residual + x, silu(gate(norm(h))) * up(norm(h)))
 
 The kernels take x where `few_rows_apply`: no gradient, on CUDA of compute capability 8.0+ (or the interpreter)
 outside torch.compile, at most MAX_ROWS tokens of a 16-bit dtype; and they read plain bias-free Linear layers of
@@ -104,18 +101,12 @@ def launch_projections(rows, weights, y, block_n: int, step: int, stages: int, w
     )
 
 
-def launch_gated_projection(rows, w_gate, w_up, y, block_n: int, step: int, stages: int, warps: int = 4, norm=None,
-                            add=None) -> None:
-    """One `_gated_projection` launch: y (M, I) = silu(rows W_gate^T) * (rows W_up^T), rows (M, K) contiguous; with
-    `norm` = (weight (K,), eps) and `add` = (residual (M, K), total (M, K)), both contiguous, of RMSNorm(residual +
-    rows), the sum written to total."""
+def launch_gated_projection(rows, w_gate, w_up, y, block_n: int, step: int, stages: int, warps: int = 4) -> None:
+    """One `_gated_projection` launch: y (M, I) = silu(rows W_gate^T) * (rows W_up^T), rows (M, K) contiguous."""
     m, k = rows.shape
-    norm_weight, eps = norm if norm is not None else (rows, 0.0)
-    residual, total = add if add is not None else (rows, rows)
     _gated_projection[(cdiv(w_gate.shape[0], block_n),)](
-        rows, w_gate, w_up, y, residual, total, norm_weight, m, w_gate.shape[0], eps, K=k,
-        BLOCK_M=max(16, next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=step, ADD_NORM=norm is not None,
-        num_stages=stages, num_warps=warps,
+        rows, w_gate, w_up, y, m, w_gate.shape[0], K=k, BLOCK_M=max(16, next_power_of_2(m)), BLOCK_N=block_n,
+        BLOCK_K=step, num_stages=stages, num_warps=warps,
     )
 
 
@@ -177,25 +168,13 @@ def gated_projection_applies(x: torch.Tensor, gate: nn.Module, up: nn.Module) ->
     )
 
 
-def gated_projection(x: torch.Tensor, gate: nn.Linear, up: nn.Linear, residual: torch.Tensor | None = None,
-                     norm: nn.Module | None = None):
+def gated_projection(x: torch.Tensor, gate: nn.Linear, up: nn.Linear) -> torch.Tensor:
     """silu(gate(x)) * up(x) in one launch (check `gated_projection_applies` first), LlamaMLP's activation with its
-    rounding: gate(x), up(x), silu and the product each rounded to the dtype.
-    With `residual` and `norm` (the decoder layer's residual add and post-attention LlamaRMSNorm: x is the
-    attention's output; check `norm_kernel_reads` and that residual is a plain tensor of x's shape and dtype), the
-    product is of norm(residual + x), and the call returns (residual + x, the product), as `add_rms_norm` returns
-    (the sum, its norm): every program computes the sum and the rstd of the few rows, program 0 writes the sum."""
+    rounding: gate(x), up(x), silu and the product each rounded to the dtype."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()  # (M, K)
     m, k = rows.shape
     w_gate, w_up = gate._parameters["weight"], up._parameters["weight"]  # (I, K) each
     y = torch.empty(m, w_gate.shape[0], dtype=x.dtype, device=x.device)
     block_m, block_n, step = max(16, next_power_of_2(m)), 32 if m <= 16 else 64, min(128, k & -k)
-    stages = pipeline_stages(block_m, 2 * block_n, step, x)
-    if norm is None:
-        launch_gated_projection(rows, w_gate, w_up, y, block_n, step, stages)
-        return y.view(*x.shape[:-1], w_gate.shape[0])
-    total = torch.empty_like(rows)
-    add = (residual.reshape(-1, k).contiguous(), total)
-    launch_gated_projection(rows, w_gate, w_up, y, block_n, step, stages,
-                            norm=(norm._parameters["weight"], norm.variance_epsilon), add=add)
-    return total.view(x.shape), y.view(*x.shape[:-1], w_gate.shape[0])
+    launch_gated_projection(rows, w_gate, w_up, y, block_n, step, pipeline_stages(block_m, 2 * block_n, step, x))
+    return y.view(*x.shape[:-1], w_gate.shape[0])

@@ -4,9 +4,9 @@ LlamaRMSNorm (Zhang & Sennrich, arXiv 1910.07467) runs as about six elementwise 
 the hidden states, and autograd keeps two of those copies for the backward. The kernel (`triton_rmsnorm.py`)
 reads and writes the hidden states once, keeps only the input and one float32 per row for the backward, and
 rounds where LlamaRMSNorm does (the normalized states to the input dtype before the weight). The decoder's norms
-take it on the project's fast paths (`modeling_diff_llama.DiffLlamaRMSNorm`). Without gradients (inference, the
-prefill), `add_rms_norm` also takes the residual add before the post-attention norm into the same pass: one launch a
-layer fewer. In decoding steps both norms run inside the projections' launches instead (`projection.py`).
+take it on the project's fast paths (`modeling_diff_llama.DiffLlamaRMSNorm`). Without gradients (decoding steps),
+`add_rms_norm` also takes the residual add before the post-attention norm into the same pass: one launch a layer
+fewer.
 """
 
 import torch

@@ -10,9 +10,7 @@ arithmetic):
                        in one output, each weight's programs in turn; optionally of x = RMSNorm(x) (the decoder
                        layer's input norm: one launch a layer fewer), every program computing the rows' rstd in a
                        first pass over K and normalising each chunk as LlamaRMSNorm rounds it before the dot
-    gated_projection   y = silu(x W_g^T) * (x W_u^T), each rounded to the dtype as LlamaMLP rounds them; optionally
-                       of x = RMSNorm(res + x) (the decoder layer's residual add and post-attention norm), the sum
-                       written by program 0: the next residual
+    gated_projection   y = silu(x W_g^T) * (x W_u^T), each rounded to the dtype as LlamaMLP rounds them
 """
 
 # In a try block because transformers' remote-code loader requires every *unguarded* import of a Hub export's
@@ -27,53 +25,37 @@ from .triton_swiglu import _silu
 
 
 @triton.jit
-def _row_chunk(X, Res, offsets, ok, ADD: tl.constexpr):
-    """A (BLOCK_M, BLOCK_K) chunk of x's rows, or where ADD of res + x rounded to x's dtype (a residual add)."""
-    x = tl.load(X + offsets, mask=ok, other=0.0)
-    if ADD:
-        x = (x.to(tl.float32) + tl.load(Res + offsets, mask=ok, other=0.0).to(tl.float32)).to(X.dtype.element_ty)
-    return x
-
-
-@triton.jit
-def _row_rstd(X, Res, Sum, M, eps, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-              ADD: tl.constexpr):
-    """rsqrt(mean(x^2) + eps) of x's rows in float32, (BLOCK_M,) (LlamaRMSNorm's; padding rows: 1 / sqrt(eps)); where
-    ADD, of x = res + x, which program 0 writes to Sum (M, K)."""
+def _row_rstd(X, M, eps, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """rsqrt(mean(x^2) + eps) of x's rows in float32, (BLOCK_M,) (LlamaRMSNorm's; padding rows: 1 / sqrt(eps))."""
     rows = tl.arange(0, BLOCK_M)
-    offsets = rows[:, None] * K + tl.arange(0, BLOCK_K)[None, :]
-    ok = rows[:, None] < M
+    x_ptrs = X + rows[:, None] * K + tl.arange(0, BLOCK_K)[None, :]
     squares = tl.zeros((BLOCK_M,), tl.float32)
     for k in range(0, K, BLOCK_K):
-        x = _row_chunk(X, Res, offsets + k, ok, ADD)
-        if ADD:
-            tl.store(Sum + offsets + k, x, mask=ok & (tl.program_id(0) == 0))
-        x = x.to(tl.float32)
+        x = tl.load(x_ptrs + k, mask=rows[:, None] < M, other=0.0).to(tl.float32)
         squares += tl.sum(x * x, axis=1)
     return 1.0 / tl.sqrt(squares / K + eps)
 
 
 @triton.jit
-def _row_block_products(X, Res, Sum, W, V, NW, eps, M, row0, N, K: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
-                        ADD: tl.constexpr):
+def _row_block_products(X, W, V, NW, eps, M, row0, N, K: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr):
     """float32 (BLOCK_M, BLOCK_N) blocks of x W^T and, where GATED, of x V^T, for the weights' rows row0 + [0,
     BLOCK_N); K a multiple of BLOCK_K. Both weights are read in the same loop (twice the bytes in flight). Where
     NORM, x is first LlamaRMSNorm'd with the weight NW (K,): each chunk as the norm rounds it, the normalised
-    value and then its product with the weight rounded to x's dtype; where ADD too, x is res + x (`_row_rstd`)."""
+    value and then its product with the weight rounded to x's dtype."""
     rows = tl.arange(0, BLOCK_M)
     cols = row0 + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
-    x_offsets = rows[:, None] * K + ks[None, :]
+    x_ptrs = X + rows[:, None] * K + ks[None, :]
     w_offsets = cols[:, None].to(tl.int64) * K + ks[None, :]
     x_ok = rows[:, None] < M
     w_ok = cols[:, None] < N
     if NORM:
-        rstd = _row_rstd(X, Res, Sum, M, eps, K, BLOCK_M, BLOCK_K, ADD)[:, None]
+        rstd = _row_rstd(X, M, eps, K, BLOCK_M, BLOCK_K)[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc_v = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k in range(0, K, BLOCK_K):
-        x = _row_chunk(X, Res, x_offsets + k, x_ok, ADD)
+        x = tl.load(x_ptrs + k, mask=x_ok, other=0.0)
         if NORM:
             normed = (x.to(tl.float32) * rstd).to(X.dtype.element_ty).to(tl.float32)
             x = (tl.load(NW + k + ks).to(tl.float32)[None, :] * normed).to(X.dtype.element_ty)
@@ -112,18 +94,15 @@ def _projections(X, W0, W1, W2, W3, Y, NW, M, N0, N1, N2, N3, eps, K: tl.constex
         W, N, row0, col0 = W2, N2, (pid - end1) * BLOCK_N, N0 + N1
     else:
         W, N, row0, col0 = W3, N3, (pid - end2) * BLOCK_N, N0 + N1 + N2
-    acc, _ = _row_block_products(X, X, X, W, W, NW, eps, M, row0, N, K, BLOCK_M, BLOCK_N, BLOCK_K, False, NORM, False)
+    acc, _ = _row_block_products(X, W, W, NW, eps, M, row0, N, K, BLOCK_M, BLOCK_N, BLOCK_K, False, NORM)
     _store_rows(Y + col0, acc, M, row0, N, N0 + N1 + N2 + N3, BLOCK_M, BLOCK_N)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _gated_projection(X, WG, WU, Y, Res, Sum, NW, M, N, eps, K: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ADD_NORM: tl.constexpr):
-    # Y (M, N) = silu(x WG^T) * (x WU^T). Where ADD_NORM, x = RMSNorm(Res + X) with the weight NW (K,) and eps (the
-    # decoder layer's residual add and post-attention norm), the sum written to Sum (M, K) by program 0.
+def _gated_projection(X, WG, WU, Y, M, N, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
     row0 = tl.program_id(0) * BLOCK_N
-    gate, up = _row_block_products(X, Res, Sum, WG, WU, NW, eps, M, row0, N, K, BLOCK_M, BLOCK_N, BLOCK_K, True,
-                                   ADD_NORM, ADD_NORM)
+    gate, up = _row_block_products(X, WG, WU, X, 0.0, M, row0, N, K, BLOCK_M, BLOCK_N, BLOCK_K, True, False)
     dtype = Y.dtype.element_ty
     silu = _silu(gate.to(dtype).to(tl.float32))[0].to(dtype).to(tl.float32)
     _store_rows(Y, silu * up.to(dtype).to(tl.float32), M, row0, N, N, BLOCK_M, BLOCK_N)
