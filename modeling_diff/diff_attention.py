@@ -4,10 +4,7 @@ Each module takes `(hidden_states, position_embeddings, attention_mask, cache)` 
 `LlamaAttention`, projects, applies RoPE, updates the cache through `Cache.update`, and computes softmax
 attention through transformers' attention interface (`config._attn_implementation`: eager, sdpa,
 flex_attention, flash_attention_2, or a kernel registered by `modeling_diff.kernels`). It returns
-`(output, attention_maps)`; with eager attention the maps are the *differential* maps. In decoding steps the
-decoder layer may hand over its input RMSNorm (`input_norm=`, `modeling_diff_llama.input_norm_joins_projections`)
-with the hidden states before it: the projections then take input_norm(hidden_states), in their launch
-(`kernels/projection.linear_maps`), and nothing else reads the values of the hidden states.
+`(output, attention_maps)`; with eager attention the maps are the *differential* maps.
 
 Shapes: B batch, L new tokens, S cached + new tokens, h = num_attention_heads, h_kv = num_key_value_heads,
 d = head_dim.
@@ -262,16 +259,14 @@ class DiffAttentionV1(_DiffAttentionBase):
         return None
 
     def forward(
-        self, hidden_states, position_embeddings, attention_mask=None, cache=None, input_norm=None,
-        **kwargs: Unpack[TransformersKwargs],
+        self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs: Unpack[TransformersKwargs]
     ):
         input_shape = hidden_states.shape[:-1]  # (B, L)
         d = self.head_dim
         implementation = self.implementation(hidden_states)
         # one launch for the three in a decoding step (`kernels/projection.py`), each layer's forward otherwise
         query_states, key_states, value_states = linear_maps(
-            hidden_states, self.q_proj, self.k_proj, self.v_proj, fused=uses_fast_kernels(implementation),
-            norm=input_norm,
+            hidden_states, self.q_proj, self.k_proj, self.v_proj, fused=uses_fast_kernels(implementation)
         )
         query_states = query_states.view(*input_shape, -1, d)  # (B, L, 2h, d): (Q1, Q2) per head
         key_states = key_states.view(*input_shape, -1, d)  # (B, L, 2h_kv, d): (K1, K2) per head
@@ -324,15 +319,13 @@ class _LlamaLayoutAttention(_DiffAttentionBase):
         self.v_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * d, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * d, config.hidden_size, bias=bias)
 
-    def project(self, implementation, hidden_states, position_embeddings, cache, side=(), input_norm=None):
+    def project(self, implementation, hidden_states, position_embeddings, cache, side=()):
         """-> query (B, query_heads, L, d), key and value (B, h_kv, S, d), RoPE applied and the cache updated, and
-        the outputs of the `side` layers of the same input (V2's lambda_proj), (B, L, .) each; of
-        input_norm(hidden_states) where the decoder layer hands its norm over."""
+        the outputs of the `side` layers of the same input (V2's lambda_proj), (B, L, .) each."""
         hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
         # one launch for all of them in a decoding step (`kernels/projection.py`), each layer's forward otherwise
         query_states, key_states, value_states, *side_outputs = linear_maps(
-            hidden_states, self.q_proj, self.k_proj, self.v_proj, *side, fused=uses_fast_kernels(implementation),
-            norm=input_norm,
+            hidden_states, self.q_proj, self.k_proj, self.v_proj, *side, fused=uses_fast_kernels(implementation)
         )
         query_states = query_states.view(hidden_shape)  # (B, L, query_heads, d)
         key_states = key_states.view(hidden_shape)  # (B, L, h_kv, d)
@@ -374,13 +367,12 @@ class DiffAttentionV2(_LlamaLayoutAttention):
         return torch.sigmoid(noise_logits) * fraction.to(noise_logits.dtype)
 
     def forward(
-        self, hidden_states, position_embeddings, attention_mask=None, cache=None, input_norm=None,
-        **kwargs: Unpack[TransformersKwargs],
+        self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs: Unpack[TransformersKwargs]
     ):
         input_shape = hidden_states.shape[:-1]
         implementation = self.implementation(hidden_states)
         query_states, key_states, value_states, (noise_logits,) = self.project(
-            implementation, hidden_states, position_embeddings, cache, side=(self.lambda_proj,), input_norm=input_norm
+            implementation, hidden_states, position_embeddings, cache, side=(self.lambda_proj,)
         )  # noise_logits = lambda_proj(x) (B, L, h)
         if self.combined_decode_applies(implementation, query_states, key_states, value_states, attention_mask, kwargs):
             combine = V2Combine(noise_logits, self.anneal_step, self.config.anneal_steps)
@@ -458,13 +450,12 @@ class DexAttention(_LlamaLayoutAttention):
         return F.linear(attn_output, weight.flatten(1), self.o_proj.bias)
 
     def forward(
-        self, hidden_states, position_embeddings, attention_mask=None, cache=None, input_norm=None,
-        **kwargs: Unpack[TransformersKwargs],
+        self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs: Unpack[TransformersKwargs]
     ):
         input_shape = hidden_states.shape[:-1]
         implementation = self.implementation(hidden_states)
         query_states, key_states, value_states, _ = self.project(
-            implementation, hidden_states, position_embeddings, cache, input_norm=input_norm
+            implementation, hidden_states, position_embeddings, cache
         )
         if type(self.dex_proj.weight) is nn.Parameter and self.combined_decode_applies(
             implementation, query_states, key_states, value_states, attention_mask, kwargs

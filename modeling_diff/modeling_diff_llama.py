@@ -3,9 +3,7 @@
 Structure mirrors transformers' `models/llama/modeling_llama.py`: embeddings -> decoder layers (pre-norm
 attention + SwiGLU MLP) -> norm -> lm_head. The rotary embedding is transformers' own Llama module; RMSNorm and the
 MLP are LlamaRMSNorm and LlamaMLP with Triton kernels on the fast paths; the attention differs (see
-`diff_attention.py`). In decoding steps, bound by their kernels' count, the decoder layer's norms and residual adds
-join the kernels next to them: the input norm the q, k, v launch (`input_norm_joins_projections`), the residual add
-the post-attention norm's pass (`add_and_norm`), the MLP's residual add down_proj's GEMM (`mlp_and_add`).
+`diff_attention.py`).
 
 transformers renamed the cache argument `past_key_values` to `cache` after 5.17; both names are accepted,
 and outputs carry the cache under the name the installed transformers expects.
@@ -38,9 +36,8 @@ from . import tensor_parallel  # noqa: F401  (registers the plan's styles for th
 from .generation import graphed_greedy_generate
 from .diff_attention import ATTENTION_CLASSES, DexAttention, DexLambda, DifferentialLambda, DiffAttentionV1, DiffAttentionV2
 from .kernels import (
-    add_rms_norm, add_rms_norm_applies, few_rows_apply, gated_projection, gated_projection_applies, kernel_reads,
-    resolve, rms_norm, rms_norm_kernel_applies, silu_mul, silu_mul_applies, swiglu_mlp, swiglu_mlp_applies,
-    uses_fast_kernels,
+    add_rms_norm, add_rms_norm_applies, gated_projection, gated_projection_applies, resolve, rms_norm,
+    rms_norm_kernel_applies, silu_mul, silu_mul_applies, swiglu_mlp, swiglu_mlp_applies, uses_fast_kernels,
 )
 
 # "cache" (transformers > 5.17) or "past_key_values" (5.17): the keyword of masks and model outputs.
@@ -60,9 +57,8 @@ def _renamed_cache_kwarg(forward):
 
 class DiffLlamaRMSNorm(LlamaRMSNorm):
     """transformers' LlamaRMSNorm (same weight, same arithmetic); on the project's fast implementations (`sdpa` on
-    CUDA, `diff_triton`, `fused_diff`) one Triton pass forward and one backward (`kernels/rmsnorm.py`). In decoding
-    steps the decoder layer's residual add before the post-attention norm joins its pass (`add_and_norm`), and the
-    input norm joins the q, k, v launch (`input_norm_joins_projections`)."""
+    CUDA, `diff_triton`, `fused_diff`) one Triton pass forward and one backward (`kernels/rmsnorm.py`); in
+    decoding steps the decoder layer's residual add before it joins its pass (`add_and_norm`)."""
 
     def __init__(self, config: DiffLlamaConfig):
         super().__init__(config.hidden_size, eps=config.rms_norm_eps)
@@ -76,26 +72,19 @@ class DiffLlamaRMSNorm(LlamaRMSNorm):
         return super().forward(hidden_states)
 
 
-# The norms that may join another kernel's pass (`add_and_norm`, `input_norm_joins_projections`): exact types, so
-# that Liger's norm, PEFT's wrappers and subclasses with other arithmetic keep their own forward (a module-level
-# tuple: Liger's class-level patch rebinds the name DiffLlamaRMSNorm, not this).
+# The norms whose residual add may join their pass (`add_and_norm`): exact types, so that Liger's norm, PEFT's
+# wrappers and subclasses with other arithmetic keep their own forward (a module-level tuple: Liger's class-level
+# patch rebinds the name DiffLlamaRMSNorm, not this).
 ADD_FUSED_NORMS = (DiffLlamaRMSNorm, LlamaRMSNorm)
-
-
-def fusable_norm(norm: nn.Module) -> bool:
-    """A LlamaRMSNorm whose forward a fused pass may stand for: one of `ADD_FUSED_NORMS`, no hooks, and no forward
-    of its own instance (Liger's instance patch binds one)."""
-    return type(norm) in ADD_FUSED_NORMS and not (
-        norm._forward_hooks or norm._forward_pre_hooks or "forward" in norm.__dict__
-    )
 
 
 def add_and_norm(norm: nn.Module, residual: torch.Tensor, update: torch.Tensor, config: DiffLlamaConfig):
     """(residual + update, norm of it): one Triton pass without gradients (decoding, inference) on the fast
-    implementations, where `norm` is a LlamaRMSNorm without hooks (`fusable_norm`); the add, then the norm's forward,
-    otherwise. The config (its attention implementation) is read last: training leaves at the gradient check."""
+    implementations, where `norm` is a LlamaRMSNorm without hooks; the add, then the norm's forward, otherwise.
+    The config (its attention implementation) is read last: training leaves at the gradient check."""
     if (
-        fusable_norm(norm)
+        type(norm) in ADD_FUSED_NORMS
+        and not (norm._forward_hooks or norm._forward_pre_hooks)
         and add_rms_norm_applies(residual, update, norm.weight)
         and uses_fast_kernels(resolve(config._attn_implementation, update))
     ):
@@ -110,18 +99,14 @@ class DiffLlamaMLP(LlamaMLP):
     (`kernels/swiglu.py`): two (tokens x intermediate) activations a layer, where LlamaMLP keeps four and Liger's
     SwiGLU MLP three. With wrapped projections (PEFT's LoRA layers) the activation alone takes a kernel that keeps
     gate(x) and up(x) and not silu(gate(x)). In a decoding step gate, up and the activation are one launch
-    (`kernels/projection.py`), and the decoder layer's residual add is down_proj's GEMM epilogue (`mlp_and_add`)."""
-
-    def gated_projection_applies(self, x: torch.Tensor) -> bool:
-        """Whether gate, up and the activation take one launch for x (decoding steps: no gradients)."""
-        return self.config.hidden_act in ("silu", "swish") and gated_projection_applies(x, self.gate_proj, self.up_proj)
+    (`kernels/projection.py`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not uses_fast_kernels(resolve(self.config._attn_implementation, x)):
             return super().forward(x)
-        if self.gated_projection_applies(x):
-            return self.down_proj(gated_projection(x, self.gate_proj, self.up_proj))
         silu = self.config.hidden_act in ("silu", "swish")
+        if silu and gated_projection_applies(x, self.gate_proj, self.up_proj):  # decoding steps (no gradients)
+            return self.down_proj(gated_projection(x, self.gate_proj, self.up_proj))
         if swiglu_mlp_applies(self, x):
             return swiglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
         # wrapped projections (PEFT's LoRA layers, tensor parallelism, hooks): their own forward, the activation
@@ -130,53 +115,6 @@ class DiffLlamaMLP(LlamaMLP):
         if silu and silu_mul_applies(gate, up):
             return self.down_proj(silu_mul(gate, up))
         return self.down_proj(self.act_fn(gate) * up)
-
-
-# The MLPs whose residual add may join down_proj (`mlp_and_add`): the exact type (a subclass or a class-level patch
-# keeps its forward).
-ADD_FUSED_MLPS = (DiffLlamaMLP,)
-# The attentions that take the decoder layer's input norm into their projections (`input_norm=`): exact types, so a
-# subclass with a forward of its own keeps its input.
-NORM_TAKING_ATTENTIONS = (DiffAttentionV1, DiffAttentionV2, DexAttention)
-
-
-def mlp_and_add(mlp: nn.Module, x: torch.Tensor, residual: torch.Tensor, config: DiffLlamaConfig) -> torch.Tensor:
-    """residual + mlp(x). In a decoding step on the fast implementations, where `mlp` is DiffLlamaMLP itself without
-    hooks and down_proj a plain bias-free Linear, the add is down_proj's GEMM epilogue: residual + gated W_down^T
-    as one torch.addmm (cuBLAS's beta = 1; the sum rounded once, not the product and then the sum). Otherwise the
-    MLP's forward, then the add."""
-    if (
-        type(mlp) in ADD_FUSED_MLPS
-        and not (mlp._forward_hooks or mlp._forward_pre_hooks or "forward" in mlp.__dict__)
-        and mlp.gated_projection_applies(x)
-        and kernel_reads(mlp.down_proj, x)
-        and type(residual) is torch.Tensor and residual.shape == x.shape and residual.dtype == x.dtype
-        and uses_fast_kernels(resolve(config._attn_implementation, x))
-    ):
-        gated = gated_projection(x, mlp.gate_proj, mlp.up_proj)
-        rows = residual.reshape(-1, residual.shape[-1])
-        down = mlp.down_proj._parameters["weight"]  # (hidden, intermediate)
-        return torch.addmm(rows, gated.view(-1, gated.shape[-1]), down.t()).view(residual.shape)
-    return residual + mlp(x)
-
-
-def input_norm_joins_projections(layer: "DiffLlamaDecoderLayer", hidden_states: torch.Tensor) -> bool:
-    """Whether the decoder layer hands its input norm to the attention (`input_norm=`) instead of calling it: a
-    decoding step on the fast implementations, where q, k and v (and V2's lambda_proj) normalise the rows in their
-    launch (`kernels/projection.linear_maps`, which calls the norm itself where it cannot). The norm must be a plain
-    LlamaRMSNorm (`fusable_norm`), the attention one of the project's own, with no hook that sees its arguments
-    (they would see the hidden states before the norm) and no forward of its instance."""
-    attention = layer.self_attn
-    return (
-        fusable_norm(layer.input_layernorm)
-        and type(attention) in NORM_TAKING_ATTENTIONS
-        and not (
-            attention._forward_pre_hooks_with_kwargs or attention._forward_hooks_with_kwargs
-            or "forward" in attention.__dict__
-        )
-        and few_rows_apply(hidden_states)
-        and uses_fast_kernels(resolve(layer.config._attn_implementation, hidden_states))
-    )
 
 
 class DiffLlamaDecoderLayer(GradientCheckpointingLayer):
@@ -194,10 +132,7 @@ class DiffLlamaDecoderLayer(GradientCheckpointingLayer):
         **kwargs: Unpack[TransformersKwargs],
     ):
         residual = hidden_states
-        if input_norm_joins_projections(self, hidden_states):  # decoding steps: the norm in the q, k, v launch
-            kwargs["input_norm"] = self.input_layernorm
-        else:
-            hidden_states = self.input_layernorm(hidden_states)
+        hidden_states = self.input_layernorm(hidden_states)
         hidden_states, _ = self.self_attn(
             hidden_states=hidden_states,
             position_embeddings=position_embeddings,
@@ -207,7 +142,8 @@ class DiffLlamaDecoderLayer(GradientCheckpointingLayer):
         )
         # residual + attention, and its norm (one pass in decoding steps)
         residual, hidden_states = add_and_norm(self.post_attention_layernorm, residual, hidden_states, self.config)
-        return mlp_and_add(self.mlp, hidden_states, residual, self.config)  # (the add in down_proj's GEMM in steps)
+        hidden_states = self.mlp(hidden_states)
+        return residual + hidden_states
 
 
 # Where the differential parameters were saved before they had modules of their own (PEFT's `modules_to_save` and

@@ -430,57 +430,6 @@ def test_projections_of_a_decoding_step_match_the_formula(tokens, monkeypatch):
     assert len(launches) == launched
 
 
-@pytest.mark.parametrize("tokens", [0, 1, 33 if GPU else 17])
-def test_projections_take_the_input_norm_in_their_launch(tokens, monkeypatch):
-    """linear_maps(x, *layers, norm=...) = each layer(norm(x)) against LlamaRMSNorm's own forward and F.linear: in the
-    one launch where the kernel reads every layer (the norm's forward not called), through the norm's forward where
-    a layer is LoRA-wrapped, without `fused` or with gradients; a NaN token stays in its own row."""
-    import torch.nn.functional as F
-    from peft import LoraConfig, get_peft_model
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
-    import modeling_diff.kernels.projection as projection
-
-    class SeenNorm(LlamaRMSNorm):
-        def forward(self, hidden_states):
-            seen.append(1)
-            return super().forward(hidden_states)
-
-    launches, seen = [], []
-    monkeypatch.setattr(projection, "_projections", CountedKernel(projection._projections, launches))
-    torch.manual_seed(6)
-    hidden = 2048 if GPU else 64
-    layers = [linear_layer(hidden, n) for n in (hidden, hidden // 4, hidden // 4, 24)]
-    norm = SeenNorm(hidden, eps=1e-5).to(DEVICE, DTYPE)
-    torch.nn.init.normal_(norm.weight, 1.0, 0.3)
-    x = 3 * rand(tokens, 1, hidden)  # not of unit RMS: the norm shows
-    with torch.no_grad():
-        normed = LlamaRMSNorm.forward(norm, x)
-        outputs = projection.linear_maps(x, *layers, fused=True, norm=norm)
-        assert len(launches) == 1 and not seen
-        for layer, out in zip(layers, outputs):
-            assert out.shape == (tokens, 1, layer.out_features)
-            assert tokens == 0 or rel_err(out, F.linear(normed, layer.weight)) < TOL
-        if tokens > 1:
-            poisoned = x.clone()
-            poisoned[0, 0, 3] = float("nan")
-            out = projection.linear_maps(poisoned, *layers, fused=True, norm=norm)[0]
-            assert out[0].isnan().all() and rel_err(out[1:], F.linear(normed[1:], layers[0].weight)) < TOL
-        wrapped = get_peft_model(torch.nn.Sequential(layers[1]), LoraConfig(target_modules=["0"], r=2))
-        torch.nn.init.normal_(wrapped.base_model.model[0].lora_B.default.weight)  # a LoRA update that shows
-        mixed = (layers[0], wrapped.base_model.model[0], layers[2])
-        launched = len(launches)
-        outputs = projection.linear_maps(x, *mixed, fused=True, norm=norm)
-        assert len(seen) == 1 and len(launches) == launched + 1  # the norm's forward, then layers 0 and 2 launched
-        for layer, out in zip(mixed, outputs):
-            assert tokens == 0 or rel_err(out, layer(normed)) < TOL
-        for out, layer in zip(projection.linear_maps(x, *layers, fused=False, norm=norm), layers):
-            assert tokens == 0 or rel_err(out, F.linear(normed, layer.weight)) < TOL
-        assert len(seen) == 2
-    projection.linear_maps(x, *layers, fused=True, norm=norm)  # gradients recorded
-    assert len(seen) == 3 and len(launches) == launched + 1
-
-
 @pytest.mark.parametrize("device_shared_memory", [232448, 166912, 101376])  # H200 / H100, A100, most other GPUs
 def test_projection_pipelines_fit_the_devices_shared_memory(device_shared_memory, monkeypatch):
     """Loads in flight: 4 where they fit, fewer where x's and the weights' tiles would overflow a device's shared
@@ -517,48 +466,6 @@ def test_gated_projection_matches_llama_mlp(tokens):
         assert not gated_projection_applies(x, mlp.gate_proj, linear_layer(mlp.hidden_size, 8))  # shapes differ
         assert not gated_projection_applies(rand(65, 1, mlp.hidden_size), mlp.gate_proj, mlp.up_proj)
     assert not gated_projection_applies(x, mlp.gate_proj, mlp.up_proj)  # gradients recorded: training's node
-
-
-@pytest.mark.parametrize("tokens", [0, 1, 33 if GPU else 17])
-def test_mlp_residual_add_in_down_proj_matches_the_add(tokens, monkeypatch):
-    """mlp_and_add: residual + down_proj(silu(gate(x)) * up(x)) with the add in down_proj's GEMM (one torch.addmm)
-    against the residual plus LlamaMLP's own forward; a NaN token stays in its own row; a hooked MLP, a LoRA-wrapped
-    down_proj, biased projections and a subclass keep their forward and the add."""
-    from peft import LoraConfig, get_peft_model
-    from transformers.models.llama.modeling_llama import LlamaMLP
-
-    from modeling_diff.modeling_diff_llama import DiffLlamaMLP, mlp_and_add
-
-    addmm, calls = torch.addmm, []
-    monkeypatch.setattr(torch, "addmm", lambda *a: calls.append(1) or addmm(*a))
-    torch.manual_seed(7)
-    mlp = swiglu_mlp_module()
-    x, residual = rand(tokens, 1, mlp.hidden_size), rand(tokens, 1, mlp.hidden_size)
-    with torch.no_grad():
-        expected = residual + LlamaMLP.forward(mlp, x)
-        out = mlp_and_add(mlp, x, residual, mlp.config)
-        assert len(calls) == 1 and out.shape == expected.shape and (tokens == 0 or rel_err(out, expected) < TOL)
-        if tokens > 1:
-            poisoned = x.clone()
-            poisoned[0, 0, 1] = float("nan")
-            out = mlp_and_add(mlp, poisoned, residual, mlp.config)
-            assert out[0].isnan().all() and rel_err(out[1:], expected[1:]) < TOL
-
-        class OtherMLP(DiffLlamaMLP):
-            pass
-
-        hooked, biased, other = copy.deepcopy(mlp), swiglu_mlp_module(mlp_bias=True), OtherMLP(mlp.config)
-        other.to(DEVICE, DTYPE).load_state_dict(mlp.state_dict())
-        hooked.register_forward_hook(lambda *args: seen.append("hook"))
-        lora = get_peft_model(copy.deepcopy(mlp), LoraConfig(target_modules=["down_proj"], r=2)).base_model.model
-        torch.nn.init.normal_(lora.down_proj.lora_B.default.weight)  # a LoRA update that shows
-        seen, launched = [], len(calls)
-        for module in (hooked, other, biased, lora):
-            out = mlp_and_add(module, x, residual, mlp.config)
-            assert tokens == 0 or rel_err(out, residual + LlamaMLP.forward(module, x)) < TOL
-        assert seen == ["hook"] and len(calls) == launched
-    mlp_and_add(mlp, x, residual, mlp.config)  # gradients recorded
-    assert len(calls) == launched
 
 
 def test_launch_arithmetic_next_power_of_2():
@@ -994,20 +901,17 @@ def decode(model, cache_class, ids, mask, steps):
 @pytest.mark.parametrize("cache_class", [DynamicCache, StaticCache])
 def test_decoding_steps_on_the_kernel_equal_eager(mode, cache_class, monkeypatch):
     """Prefill, then decoding steps through the split-KV kernel with the differential term in it, the
-    projections' kernels (the input norm, q, k, v and V2's lambda_proj in one launch, the MLP's gate and up in one),
-    the residual add with the norm after it in one pass and the MLP's residual add in down_proj's GEMM, with left
-    padding, dynamic and static caches: in a step the final norm is the only separate RMSNorm."""
+    projections' kernels (q, k, v and V2's lambda_proj in one launch, the MLP's gate and up in one) and the residual
+    add with the norm after it in one pass, with left padding, dynamic and static caches."""
     import modeling_diff.diff_attention as attention
     import modeling_diff.kernels.projection as projection
 
     import modeling_diff.modeling_diff_llama as modeling
 
-    kernel_calls, projections, gated, added, norms, addmms = [], [], [], [], [], []
-    kernel, add_norm, norm, addmm = attention.combined_decode_attention, modeling.add_rms_norm, modeling.rms_norm, torch.addmm
+    kernel_calls, projections, gated, added = [], [], [], []
+    kernel, add_norm = attention.combined_decode_attention, modeling.add_rms_norm
     monkeypatch.setattr(attention, "combined_decode_attention", lambda *a: kernel_calls.append(1) or kernel(*a))
     monkeypatch.setattr(modeling, "add_rms_norm", lambda *a: added.append(1) or add_norm(*a))
-    monkeypatch.setattr(modeling, "rms_norm", lambda *a: norms.append(1) or norm(*a))
-    monkeypatch.setattr(torch, "addmm", lambda *a: addmms.append(1) or addmm(*a))
     monkeypatch.setattr(projection, "_projections", CountedKernel(projection._projections, projections))
     monkeypatch.setattr(projection, "_gated_projection", CountedKernel(projection._gated_projection, gated))
     eager, fast = model_pair(mode, FAST)
@@ -1015,72 +919,9 @@ def test_decoding_steps_on_the_kernel_equal_eager(mode, cache_class, monkeypatch
     steps = torch.randint(3, eager.config.vocab_size, (ids.shape[0], 2), device=DEVICE)
     logits = [decode(model, cache_class, ids, mask, steps) for model in (eager, fast)]
     assert rel_err(logits[1], logits[0]) < TOL
-    layers = eager.config.num_hidden_layers
-    assert len(kernel_calls) == steps.shape[1] * layers  # every decoding step
-    assert len(projections) == len(gated) == len(addmms) == len(kernel_calls)  # the prefill's 80 tokens take cuBLAS
-    assert len(added) == (1 + steps.shape[1]) * layers  # the add before the MLP's norm
-    assert len(norms) == layers + 1 + steps.shape[1]  # the prefill's input norms and final norm, a step's final norm
-
-
-@pytest.mark.parametrize("wrap", ["hooked_norm", "patched_norm", "hooked_mlp", "attention_hook"])
-def test_decoding_steps_keep_the_forward_of_hooked_or_patched_modules(wrap, monkeypatch):
-    """Where layer 0's input norm has a hook or a forward of its instance (Liger's instance patch), its MLP a hook, or
-    its attention a hook that sees the call's arguments, the decoding steps call that forward (and the hook sees
-    the normed hidden states); the other layer keeps the fusions, and the logits equal eager's. A hook that sees
-    no arguments (transformers' output capturing) keeps the fusion."""
-    import types
-
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
-    import modeling_diff.modeling_diff_llama as modeling
-
-    seen, addmms, addmm = [], [], torch.addmm
-    monkeypatch.setattr(torch, "addmm", lambda *a: addmms.append(1) or addmm(*a))
-    eager, fast = model_pair("v2", FAST)
-    layer = fast.model.layers[0]
-    if wrap == "hooked_norm":
-        layer.input_layernorm.register_forward_hook(lambda *args: seen.append(1))
-    elif wrap == "patched_norm":
-        norm = layer.input_layernorm
-        norm.forward = types.MethodType(lambda self, x: seen.append(1) or LlamaRMSNorm.forward(self, x), norm)
-    elif wrap == "hooked_mlp":
-        layer.mlp.register_forward_hook(lambda *args: seen.append(1))
-    else:
-        def keep_input(module, args, kwargs):
-            assert "input_norm" not in kwargs
-            seen.append(kwargs["hidden_states"])
-        layer.self_attn.register_forward_pre_hook(keep_input, with_kwargs=True)
-        fast.model.layers[1].self_attn.register_forward_hook(lambda *args: None)  # sees no arguments
-        with torch.no_grad():
-            step = rand(2, 1, fast.config.hidden_size)
-            assert not modeling.input_norm_joins_projections(layer, step)
-            assert modeling.input_norm_joins_projections(fast.model.layers[1], step)
-    ids, mask = padded_batch(eager.config.vocab_size, length=40)
-    steps = torch.randint(3, eager.config.vocab_size, (ids.shape[0], 2), device=DEVICE)
-    logits = [decode(model, DynamicCache, ids, mask, steps) for model in (eager, fast)]
-    assert rel_err(logits[1], logits[0]) < TOL
-    assert len(seen) == 1 + steps.shape[1]  # the prefill and every step
-    layers = eager.config.num_hidden_layers
-    assert len(addmms) == steps.shape[1] * (layers - 1 if wrap == "hooked_mlp" else layers)
-    if wrap == "attention_hook":  # what the hook saw: the input norm's output
-        embeds = eager.model.embed_tokens(steps[:, -1:])
-        assert rel_err(seen[-1], eager.model.layers[0].input_layernorm(embeds)) < TOL
-
-
-def test_liger_patched_input_norm_keeps_its_forward():
-    """Liger's RMSNorm patched into a model's instances (`apply_liger_kernel_to_diff_llama(model=...)`): neither the
-    input norm's nor the post-attention norm's pass is taken for it."""
-    pytest.importorskip("liger_kernel", reason="liger-kernel (the [liger] extra) is not installed")
-    from modeling_diff.liger import apply_liger_kernel_to_diff_llama
-    from modeling_diff.modeling_diff_llama import fusable_norm, input_norm_joins_projections
-
-    _, fast = model_pair("v1", FAST)
-    layer = fast.model.layers[0]
-    x = torch.zeros(1, 1, fast.config.hidden_size, device=DEVICE, dtype=DTYPE)
-    with torch.no_grad():
-        assert input_norm_joins_projections(layer, x) and fusable_norm(layer.post_attention_layernorm)
-        apply_liger_kernel_to_diff_llama(model=fast, rms_norm=True, fused_linear_cross_entropy=False)
-        assert not input_norm_joins_projections(layer, x) and not fusable_norm(layer.post_attention_layernorm)
+    assert len(kernel_calls) == steps.shape[1] * eager.config.num_hidden_layers  # every decoding step
+    assert len(projections) == len(gated) == len(kernel_calls)  # the prefill's 80 tokens take cuBLAS
+    assert len(added) == (1 + steps.shape[1]) * eager.config.num_hidden_layers  # the add before the MLP's norm
 
 
 def test_lora_model_on_the_flash_diff_kernel_equals_eager(monkeypatch):

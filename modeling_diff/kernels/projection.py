@@ -6,12 +6,8 @@ flight. cuBLAS's kernels for one token measured 0.4 TB/s on the ~1.1B model's k 
 on q and o (8 MB), against a 4.2 TB/s copy (benchmarks/RESULTS.md); one launch over q, k and v reads 12 MB with
 every program of the GPU busy, and the gated one reads gate and up side by side and writes only silu(gate) * up,
 not gate, up and the product. The reference is the layers' own forward (F.linear and LlamaMLP's activation).
-Decoding steps are bound by their kernels' count as much as by bytes (each boundary costs about 1.2 us in a replayed
-CUDA graph), so the q, k, v launch also takes the decoder layer's input RMSNorm (`norm=`): every program computes
-the rstd of each of the few rows in a first pass over K (x sits in L2), then normalises each chunk of x as
-LlamaRMSNorm rounds it before the dot; the norm's own launch is gone.
 
-    linear_maps(x (..., K), *linears, fused, norm=None) -> each linear(x), or linear(norm(x)), (..., N_i)
+    linear_maps(x (..., K), *linears, fused) -> each linear(x), (..., N_i)
     gated_projection(x (..., K), gate, up) -> silu(gate(x)) * up(x), (..., I)
 
 The kernels take x where `few_rows_apply`: no gradient, on CUDA of compute capability 8.0+ (or the interpreter)
@@ -86,18 +82,16 @@ def pipeline_stages(block_m: int, weight_rows: int, block_k: int, x: torch.Tenso
     return max(1, min(4, int(0.9 * shared_memory(x.device)) // stage))
 
 
-def launch_projections(rows, weights, y, block_n: int, step: int, stages: int, warps: int = 4, norm=None) -> None:
+def launch_projections(rows, weights, y, block_n: int, step: int, stages: int, warps: int = 4) -> None:
     """One `_projections` launch: y (M, sum of widths), contiguous, = rows (M, K) [W_1; W_2; ...]^T for up to
-    MAX_WEIGHTS weights (N_i, K), or of RMSNorm(rows) where `norm` = (weight (K,), eps); `step` divides K. The block
-    sizes are the caller's (`benchmarks/projection_bench.py --sweep` tries others)."""
+    MAX_WEIGHTS weights (N_i, K); `step` divides K. The block sizes are the caller's (`benchmarks/projection_bench.py
+    --sweep` tries others)."""
     m, k = rows.shape
     widths = [w.shape[0] for w in weights]
     pad = MAX_WEIGHTS - len(weights)
-    norm_weight, eps = norm if norm is not None else (rows, 0.0)
     _projections[(sum(cdiv(n, block_n) for n in widths),)](
-        rows, *weights, *weights[:1] * pad, y, norm_weight, m, *widths, *(0,) * pad, eps, K=k,
-        BLOCK_M=max(16, next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=step, NORM=norm is not None,
-        num_stages=stages, num_warps=warps,
+        rows, *weights, *weights[:1] * pad, y, m, *widths, *(0,) * pad, K=k, BLOCK_M=max(16, next_power_of_2(m)),
+        BLOCK_N=block_n, BLOCK_K=step, num_stages=stages, num_warps=warps,
     )
 
 
@@ -110,38 +104,16 @@ def launch_gated_projection(rows, w_gate, w_up, y, block_n: int, step: int, stag
     )
 
 
-def norm_kernel_reads(norm: nn.Module, x: torch.Tensor) -> bool:
-    """Whether the kernel can normalise x with this LlamaRMSNorm's weight: a Parameter of x's width, dtype (the
-    norm's output is then x's dtype) and device."""
-    weight = norm._parameters.get("weight")
-    return (
-        type(weight) is nn.Parameter and weight.shape == x.shape[-1:] and weight.dtype == x.dtype
-        and weight.get_device() == x.get_device() and weight.is_contiguous()
-    )
-
-
-def _kernel_layers(x: torch.Tensor, linears, fused: bool) -> list:
-    """The layers whose products one launch takes for x: two or more plain ones; none where the kernel does not
-    take x, or reads one weight alone (cuBLAS measured as fast there (o_proj), and its launch costs less host time)."""
-    if not (fused and few_rows_apply(x)):
-        return []
-    read = [layer for layer in linears if kernel_reads(layer, x)]
-    return read if len(read) >= 2 else []
-
-
-def linear_maps(x: torch.Tensor, *linears: nn.Linear, fused: bool, norm: nn.Module | None = None) -> tuple:
+def linear_maps(x: torch.Tensor, *linears: nn.Linear, fused: bool) -> tuple[torch.Tensor, ...]:
     """(layer(x) for each of `linears`): with `fused` (the caller is on a fast implementation), the products of two or
     more plain layers in one launch (per MAX_WEIGHTS) where the kernel takes x; every other layer through its own
-    forward. With `norm` (a LlamaRMSNorm whose forward the kernel may stand for: the decoder layer's input norm,
-    `modeling_diff_llama.input_norm_joins_projections`), each layer(norm(x)): normalised in the launch where it
-    reads every layer and the norm's weight, through `norm(x)` first otherwise.
+    forward.
     The kernel's outputs are column blocks of one (tokens, sum of widths) buffer: views with x's leading dims, their
     rows `sum of widths` apart (decoding steps are bound by host work: one allocation, one split)."""
-    read = _kernel_layers(x, linears, fused)
-    if norm is not None and not (len(read) == len(linears) and norm_kernel_reads(norm, x)):
-        x, norm = norm(x), None
-        read = _kernel_layers(x, linears, fused)
-    if not read:
+    if not (fused and few_rows_apply(x)):
+        return tuple(layer(x) for layer in linears)
+    read = [layer for layer in linears if kernel_reads(layer, x)]
+    if len(read) < 2:  # one weight alone: cuBLAS measured as fast (o_proj), and its launch costs less host time
         return tuple(layer(x) for layer in linears)
     rows = x.reshape(-1, x.shape[-1]).contiguous()  # (M, K)
     block_m = max(16, next_power_of_2(rows.shape[0]))  # x's rows padded for the tensor cores
@@ -152,8 +124,7 @@ def linear_maps(x: torch.Tensor, *linears: nn.Linear, fused: bool, norm: nn.Modu
         y = torch.empty(*x.shape[:-1], sum(widths), dtype=x.dtype, device=x.device)
         block_n = 32 if sum(widths) <= 4096 else 64  # fewer, fuller programs measured faster than one per SM
         step = block_k(rows.shape[1], block_n)
-        launch_projections(rows, weights, y, block_n, step, pipeline_stages(block_m, block_n, step, x),
-                           norm=None if norm is None else (norm._parameters["weight"], norm.variance_epsilon))
+        launch_projections(rows, weights, y, block_n, step, pipeline_stages(block_m, block_n, step, x))
         products += y.split(widths, dim=-1)
     if len(read) == len(linears):
         return tuple(products)

@@ -7,9 +7,7 @@ multiplies on the tensor cores (x padded to BLOCK_M >= 16 rows: the step is boun
 arithmetic):
 
     projections        [y_1 | y_2 | ...] = x [W_1; W_2; ...]^T for up to four weights (q, k, v and V2's lambda_proj)
-                       in one output, each weight's programs in turn; optionally of x = RMSNorm(x) (the decoder
-                       layer's input norm: one launch a layer fewer), every program computing the rows' rstd in a
-                       first pass over K and normalising each chunk as LlamaRMSNorm rounds it before the dot
+                       in one output, each weight's programs in turn
     gated_projection   y = silu(x W_g^T) * (x W_u^T), each rounded to the dtype as LlamaMLP rounds them
 """
 
@@ -25,24 +23,10 @@ from .triton_swiglu import _silu
 
 
 @triton.jit
-def _row_rstd(X, M, eps, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """rsqrt(mean(x^2) + eps) of x's rows in float32, (BLOCK_M,) (LlamaRMSNorm's; padding rows: 1 / sqrt(eps))."""
-    rows = tl.arange(0, BLOCK_M)
-    x_ptrs = X + rows[:, None] * K + tl.arange(0, BLOCK_K)[None, :]
-    squares = tl.zeros((BLOCK_M,), tl.float32)
-    for k in range(0, K, BLOCK_K):
-        x = tl.load(x_ptrs + k, mask=rows[:, None] < M, other=0.0).to(tl.float32)
-        squares += tl.sum(x * x, axis=1)
-    return 1.0 / tl.sqrt(squares / K + eps)
-
-
-@triton.jit
-def _row_block_products(X, W, V, NW, eps, M, row0, N, K: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr):
+def _row_block_products(X, W, V, M, row0, N, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, GATED: tl.constexpr):
     """float32 (BLOCK_M, BLOCK_N) blocks of x W^T and, where GATED, of x V^T, for the weights' rows row0 + [0,
-    BLOCK_N); K a multiple of BLOCK_K. Both weights are read in the same loop (twice the bytes in flight). Where
-    NORM, x is first LlamaRMSNorm'd with the weight NW (K,): each chunk as the norm rounds it, the normalised
-    value and then its product with the weight rounded to x's dtype."""
+    BLOCK_N); K a multiple of BLOCK_K. Both weights are read in the same loop (twice the bytes in flight)."""
     rows = tl.arange(0, BLOCK_M)
     cols = row0 + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
@@ -50,15 +34,10 @@ def _row_block_products(X, W, V, NW, eps, M, row0, N, K: tl.constexpr, BLOCK_M: 
     w_offsets = cols[:, None].to(tl.int64) * K + ks[None, :]
     x_ok = rows[:, None] < M
     w_ok = cols[:, None] < N
-    if NORM:
-        rstd = _row_rstd(X, M, eps, K, BLOCK_M, BLOCK_K)[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc_v = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k in range(0, K, BLOCK_K):
         x = tl.load(x_ptrs + k, mask=x_ok, other=0.0)
-        if NORM:
-            normed = (x.to(tl.float32) * rstd).to(X.dtype.element_ty).to(tl.float32)
-            x = (tl.load(NW + k + ks).to(tl.float32)[None, :] * normed).to(X.dtype.element_ty)
         acc = tl.dot(x, tl.trans(tl.load(W + w_offsets + k, mask=w_ok, other=0.0)), acc)
         if GATED:
             acc_v = tl.dot(x, tl.trans(tl.load(V + w_offsets + k, mask=w_ok, other=0.0)), acc_v)
@@ -75,13 +54,11 @@ def _store_rows(Y, y, M, row0, N, stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.con
 
 
 @triton.jit(do_not_specialize=["M"])  # the tokens of a step change with the batch: one compiled kernel for all
-def _projections(X, W0, W1, W2, W3, Y, NW, M, N0, N1, N2, N3, eps, K: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr):
+def _projections(X, W0, W1, W2, W3, Y, M, N0, N1, N2, N3, K: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # Y (M, N0 + N1 + N2 + N3) = X [W0; W1; W2; W3]^T: the first cdiv(N0, BLOCK_N) programs compute its first N0
     # columns from W0, the next ones the N1 after them from W1, ...; an unused weight has N_i = 0. K (the input
-    # width) is a constant of the compiled kernel: two per model (hidden and MLP widths). Where NORM, the products
-    # are of x RMSNorm'd with the weight NW (K,) and eps (the decoder layer's input norm): every program computes
-    # the rstd of every row (x is a few rows, in L2) before its products.
+    # width) is a constant of the compiled kernel: two per model (hidden and MLP widths).
     pid = tl.program_id(0)
     end0 = tl.cdiv(N0, BLOCK_N)
     end1 = end0 + tl.cdiv(N1, BLOCK_N)
@@ -94,7 +71,7 @@ def _projections(X, W0, W1, W2, W3, Y, NW, M, N0, N1, N2, N3, eps, K: tl.constex
         W, N, row0, col0 = W2, N2, (pid - end1) * BLOCK_N, N0 + N1
     else:
         W, N, row0, col0 = W3, N3, (pid - end2) * BLOCK_N, N0 + N1 + N2
-    acc, _ = _row_block_products(X, W, W, NW, eps, M, row0, N, K, BLOCK_M, BLOCK_N, BLOCK_K, False, NORM)
+    acc, _ = _row_block_products(X, W, W, M, row0, N, K, BLOCK_M, BLOCK_N, BLOCK_K, False)
     _store_rows(Y + col0, acc, M, row0, N, N0 + N1 + N2 + N3, BLOCK_M, BLOCK_N)
 
 
@@ -102,7 +79,7 @@ def _projections(X, W0, W1, W2, W3, Y, NW, M, N0, N1, N2, N3, eps, K: tl.constex
 def _gated_projection(X, WG, WU, Y, M, N, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr):
     row0 = tl.program_id(0) * BLOCK_N
-    gate, up = _row_block_products(X, WG, WU, X, 0.0, M, row0, N, K, BLOCK_M, BLOCK_N, BLOCK_K, True, False)
+    gate, up = _row_block_products(X, WG, WU, M, row0, N, K, BLOCK_M, BLOCK_N, BLOCK_K, True)
     dtype = Y.dtype.element_ty
     silu = _silu(gate.to(dtype).to(tl.float32))[0].to(dtype).to(tl.float32)
     _store_rows(Y, silu * up.to(dtype).to(tl.float32), M, row0, N, N, BLOCK_M, BLOCK_N)
