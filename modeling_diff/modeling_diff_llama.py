@@ -80,11 +80,12 @@ ADD_FUSED_NORMS = (DiffLlamaRMSNorm, LlamaRMSNorm)
 
 def add_and_norm(norm: nn.Module, residual: torch.Tensor, update: torch.Tensor, config: DiffLlamaConfig):
     """(residual + update, norm of it): one Triton pass without gradients (decoding, inference) on the fast
-    implementations, where `norm` is a LlamaRMSNorm without hooks; the add, then the norm's forward, otherwise.
-    The config (its attention implementation) is read last: training leaves at the gradient check."""
+    implementations, where `norm` is a LlamaRMSNorm without hooks and without a forward of its instance (Liger's
+    instance patch binds one); the add, then the norm's forward, otherwise. The config (its attention
+    implementation) is read last: training leaves at the gradient check."""
     if (
         type(norm) in ADD_FUSED_NORMS
-        and not (norm._forward_hooks or norm._forward_pre_hooks)
+        and not (norm._forward_hooks or norm._forward_pre_hooks or "forward" in norm.__dict__)
         and add_rms_norm_applies(residual, update, norm.weight)
         and uses_fast_kernels(resolve(config._attn_implementation, update))
     ):

@@ -205,7 +205,10 @@ def test_add_rms_norm_matches_the_add_then_the_formula():
     reference = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)).to(DTYPE)
     assert torch.equal(total, expected)
     assert rel_err(normed, reference) < TOL
-    # the decoder layer's call: a norm with a hook, or of another class (Liger's, a subclass), keeps its forward
+    # the decoder layer's call: a norm with a hook, of another class (Liger's class patch, a subclass) or with a
+    # forward of its instance (Liger's instance patch, `apply_liger_kernel_to_diff_llama(model=...)`) keeps its forward
+    import types
+
     from modeling_diff.modeling_diff_llama import DiffLlamaRMSNorm, add_and_norm
 
     class OtherNorm(DiffLlamaRMSNorm):
@@ -218,11 +221,15 @@ def test_add_rms_norm_matches_the_add_then_the_formula():
     seen = []
     hooked, other = DiffLlamaRMSNorm(config).to(DEVICE, DTYPE), OtherNorm(config).to(DEVICE, DTYPE)
     hooked.register_forward_hook(lambda *args: seen.append("hook"))
+    patched = DiffLlamaRMSNorm(config).to(DEVICE, DTYPE)
+    patched.forward = types.MethodType(
+        lambda self, x: seen.append("patch") or DiffLlamaRMSNorm.forward(self, x), patched
+    )
     with torch.no_grad():
-        for module in (hooked, other):
+        for module in (hooked, other, patched):
             total, normed = add_and_norm(module, residual, update, config)
             assert torch.equal(total, expected) and rel_err(normed, module(expected)) < TOL
-    assert seen == ["hook", "hook", "other", "other"]
+    assert seen == ["hook", "hook", "other", "other", "patch", "patch"]
 
 
 def test_rms_norm_and_rope_kernels_take_zero_tokens():
