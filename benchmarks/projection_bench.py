@@ -80,7 +80,7 @@ def kernel_call(x, weights, gated, block_n, step, warps, stages):
     if gated:
         y = torch.empty(x.shape[0], weights[0].shape[0], dtype=x.dtype, device=x.device)
         return lambda: launch_gated_projection(x, weights[0], weights[1], y, block_n, step, stages, warps)
-    y = torch.empty(x.shape[0], sum(w.shape[0] for w in weights), dtype=x.dtype, device=x.device)
+    y = torch.empty(x.shape[0] * sum(w.shape[0] for w in weights), dtype=x.dtype, device=x.device)
     return lambda: launch_projections(x, weights, y, block_n, step, stages, warps)
 
 

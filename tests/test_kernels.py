@@ -415,7 +415,7 @@ def test_projections_of_a_decoding_step_match_the_formula(tokens, monkeypatch):
         outputs = projection.linear_maps(x, *layers, fused=True)
         assert len(launches) == 2
         for layer, out in zip(layers, outputs):
-            assert out.shape == (tokens, 1, layer.out_features)
+            assert out.shape == (tokens, 1, layer.out_features) and out.is_contiguous()  # each its own block
             assert tokens == 0 or rel_err(out, x.float() @ layer.weight.float().T) < TOL
         wrapped = get_peft_model(torch.nn.Sequential(layers[1]), LoraConfig(target_modules=["0"], r=2))
         torch.nn.init.normal_(wrapped.base_model.model[0].lora_B.default.weight)  # a LoRA update that shows
@@ -909,7 +909,9 @@ def decode(model, cache_class, ids, mask, steps):
 def test_decoding_steps_on_the_kernel_equal_eager(mode, cache_class, monkeypatch):
     """Prefill, then decoding steps through the split-KV kernel with the differential term in it, the
     projections' kernels (q, k, v and V2's lambda_proj in one launch, the MLP's gate and up in one) and the residual
-    add with the norm after it in one pass, with left padding, dynamic and static caches."""
+    add with the norm after it in one pass, with left padding, dynamic and static caches. The keys and values that
+    reach the cache are contiguous: a DynamicCache concatenates them with its cache, and torch.cat's fast CUDA
+    kernel takes only contiguous inputs (a column view of the projections' output took the slow one)."""
     import modeling_diff.diff_attention as attention
     import modeling_diff.kernels.projection as projection
 
@@ -921,6 +923,9 @@ def test_decoding_steps_on_the_kernel_equal_eager(mode, cache_class, monkeypatch
     monkeypatch.setattr(modeling, "add_rms_norm", lambda *a: added.append(1) or add_norm(*a))
     monkeypatch.setattr(projection, "_projections", CountedKernel(projection._projections, projections))
     monkeypatch.setattr(projection, "_gated_projection", CountedKernel(projection._gated_projection, gated))
+    layouts, update = [], cache_class.update
+    monkeypatch.setattr(cache_class, "update", lambda self, k, v, *a, **kw: layouts.append(
+        (k.shape[-2], k.is_contiguous(), v.is_contiguous())) or update(self, k, v, *a, **kw))
     eager, fast = model_pair(mode, FAST)
     ids, mask = padded_batch(eager.config.vocab_size, length=40)  # prefill: SDPA (more rows than the kernel's)
     steps = torch.randint(3, eager.config.vocab_size, (ids.shape[0], 2), device=DEVICE)
@@ -929,6 +934,8 @@ def test_decoding_steps_on_the_kernel_equal_eager(mode, cache_class, monkeypatch
     assert len(kernel_calls) == steps.shape[1] * eager.config.num_hidden_layers  # every decoding step
     assert len(projections) == len(gated) == len(kernel_calls)  # the prefill's 80 tokens take cuBLAS
     assert len(added) == (1 + steps.shape[1]) * eager.config.num_hidden_layers  # the add before the MLP's norm
+    # a step's (batch > 1): a column view of the projections would not be contiguous (the prefill's are transposed)
+    assert ids.shape[0] > 1 and {layout for layout in layouts if layout[0] == 1} == {(1, True, True)}
 
 
 def test_lora_model_on_the_flash_diff_kernel_equals_eager(monkeypatch):

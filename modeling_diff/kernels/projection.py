@@ -83,9 +83,9 @@ def pipeline_stages(block_m: int, weight_rows: int, block_k: int, x: torch.Tenso
 
 
 def launch_projections(rows, weights, y, block_n: int, step: int, stages: int, warps: int = 4) -> None:
-    """One `_projections` launch: y (M, sum of widths), contiguous, = rows (M, K) [W_1; W_2; ...]^T for up to
-    MAX_WEIGHTS weights (N_i, K); `step` divides K. The block sizes are the caller's (`benchmarks/projection_bench.py
-    --sweep` tries others)."""
+    """One `_projections` launch: rows (M, K) W_i^T for up to MAX_WEIGHTS weights (N_i, K) into y, M x (sum of
+    widths) contiguous elements: the products (M, N_i) one after another, each row-major. `step` divides K. The
+    block sizes are the caller's (`benchmarks/projection_bench.py --sweep` tries others)."""
     m, k = rows.shape
     widths = [w.shape[0] for w in weights]
     pad = MAX_WEIGHTS - len(weights)
@@ -108,8 +108,8 @@ def linear_maps(x: torch.Tensor, *linears: nn.Linear, fused: bool) -> tuple[torc
     """(layer(x) for each of `linears`): with `fused` (the caller is on a fast implementation), the products of two or
     more plain layers in one launch (per MAX_WEIGHTS) where the kernel takes x; every other layer through its own
     forward.
-    The kernel's outputs are column blocks of one (tokens, sum of widths) buffer: views with x's leading dims, their
-    rows `sum of widths` apart (decoding steps are bound by host work: one allocation, one split)."""
+    The kernel's outputs are contiguous blocks of one buffer (decoding steps are bound by host work: one
+    allocation, one split), viewed with x's leading dims."""
     if not (fused and few_rows_apply(x)):
         return tuple(layer(x) for layer in linears)
     read = [layer for layer in linears if kernel_reads(layer, x)]
@@ -121,11 +121,12 @@ def linear_maps(x: torch.Tensor, *linears: nn.Linear, fused: bool) -> tuple[torc
     for start in range(0, len(read), MAX_WEIGHTS):
         weights = [layer._parameters["weight"] for layer in read[start:start + MAX_WEIGHTS]]
         widths = [w.shape[0] for w in weights]
-        y = torch.empty(*x.shape[:-1], sum(widths), dtype=x.dtype, device=x.device)
+        y = torch.empty(rows.shape[0] * sum(widths), dtype=x.dtype, device=x.device)
         block_n = 32 if sum(widths) <= 4096 else 64  # fewer, fuller programs measured faster than one per SM
         step = block_k(rows.shape[1], block_n)
         launch_projections(rows, weights, y, block_n, step, pipeline_stages(block_m, block_n, step, x))
-        products += y.split(widths, dim=-1)
+        blocks = y.split([rows.shape[0] * n for n in widths])
+        products += (block.view(*x.shape[:-1], n) for block, n in zip(blocks, widths))
     if len(read) == len(linears):
         return tuple(products)
     computed = {id(layer): y for layer, y in zip(read, products)}

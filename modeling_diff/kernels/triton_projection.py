@@ -6,8 +6,8 @@ nn.Linear keeps them. A program owns BLOCK_N rows of one weight and every row of
 multiplies on the tensor cores (x padded to BLOCK_M >= 16 rows: the step is bound by the weight's bytes, not by
 arithmetic):
 
-    projections        [y_1 | y_2 | ...] = x [W_1; W_2; ...]^T for up to four weights (q, k, v and V2's lambda_proj)
-                       in one output, each weight's programs in turn
+    projections        y_i = x W_i^T for up to four weights (q, k, v and V2's lambda_proj) in one output buffer,
+                       each weight's programs in turn, each y_i (M, N_i) a contiguous block of it
     gated_projection   y = silu(x W_g^T) * (x W_u^T), each rounded to the dtype as LlamaMLP rounds them
 """
 
@@ -56,9 +56,11 @@ def _store_rows(Y, y, M, row0, N, stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.con
 @triton.jit(do_not_specialize=["M"])  # the tokens of a step change with the batch: one compiled kernel for all
 def _projections(X, W0, W1, W2, W3, Y, M, N0, N1, N2, N3, K: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # Y (M, N0 + N1 + N2 + N3) = X [W0; W1; W2; W3]^T: the first cdiv(N0, BLOCK_N) programs compute its first N0
-    # columns from W0, the next ones the N1 after them from W1, ...; an unused weight has N_i = 0. K (the input
-    # width) is a constant of the compiled kernel: two per model (hidden and MLP widths).
+    # Y (M x (N0 + N1 + N2 + N3) elements) = the blocks X W0^T (M, N0), X W1^T (M, N1), ... one after another, each
+    # row-major: the first cdiv(N0, BLOCK_N) programs compute the first block, the next ones the second, ...; an
+    # unused weight has N_i = 0. Contiguous blocks, not column blocks of one (M, sum) matrix: a DynamicCache
+    # concatenates v (and k) with its cache, and torch.cat's fast kernel needs contiguous inputs. K (the input width)
+    # is a constant of the compiled kernel: two per model (hidden and MLP widths).
     pid = tl.program_id(0)
     end0 = tl.cdiv(N0, BLOCK_N)
     end1 = end0 + tl.cdiv(N1, BLOCK_N)
@@ -72,7 +74,7 @@ def _projections(X, W0, W1, W2, W3, Y, M, N0, N1, N2, N3, K: tl.constexpr,
     else:
         W, N, row0, col0 = W3, N3, (pid - end2) * BLOCK_N, N0 + N1 + N2
     acc, _ = _row_block_products(X, W, W, M, row0, N, K, BLOCK_M, BLOCK_N, BLOCK_K, False)
-    _store_rows(Y + col0, acc, M, row0, N, N0 + N1 + N2 + N3, BLOCK_M, BLOCK_N)
+    _store_rows(Y + M * col0, acc, M, row0, N, N, BLOCK_M, BLOCK_N)
 
 
 @triton.jit(do_not_specialize=["M"])
