@@ -118,6 +118,38 @@ def test_diff_llama_is_in_liger_model_type_dispatch():
     assert type(subln) is LlamaRMSNorm and "forward" not in vars(subln)
 
 
+def test_liger_rms_norm_on_the_instance_keeps_its_forward_in_decoding_steps(monkeypatch):
+    """`_apply_liger_kernel_to_instance(model=..., rms_norm=True)` binds LigerRMSNorm's forward to each norm of the
+    model; the decoder layer's one-pass residual add and post-attention norm (`add_and_norm`) must then leave the
+    norm to Liger's forward, in the prefill and in every decoding step, and the logits stay the unpatched model's."""
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+    fused, liger_norms = [], []
+    add_rms_norm, liger_forward = modeling_diff_llama.add_rms_norm, LigerRMSNorm.forward
+    monkeypatch.setattr(modeling_diff_llama, "add_rms_norm", lambda *a: fused.append(1) or add_rms_norm(*a))
+    monkeypatch.setattr(LigerRMSNorm, "forward", lambda self, x: liger_norms.append(1) or liger_forward(self, x))
+    implementation = "sdpa" if GPU else "diff_triton"  # the fast implementations, where the one-pass add applies
+    plain = tiny_model("v2", attn_implementation=implementation).to(DEVICE)
+    liger = copy.deepcopy(plain)
+    _apply_liger_kernel_to_instance(model=liger, rms_norm=True)
+    ids = torch.randint(3, plain.config.vocab_size, (2, 6), device=DEVICE)
+    logits = []
+    with torch.no_grad():
+        for model in (plain, liger):
+            out = model(ids, use_cache=True)
+            steps = [out.logits[:, -1]]
+            for token in ids[:, :2].T:  # two decoding steps of one token
+                out = model(token[:, None], past_key_values=out.past_key_values, use_cache=True)
+                steps.append(out.logits[:, -1])
+            logits.append(torch.stack(steps, 1))
+            if model is plain:
+                assert len(fused) == 3 * plain.config.num_hidden_layers  # the prefill and each step: one pass
+                fused.clear()
+    layers = liger.config.num_hidden_layers
+    assert fused == [] and len(liger_norms) == 3 * (2 * layers + 1)  # input, post-attention and final norms
+    assert rel_err(logits[1], logits[0]) < TOL
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("rms_norm", [False, True])
 def test_training_loss_and_gradients_match_the_plain_path_and_the_formula(mode, rms_norm):
