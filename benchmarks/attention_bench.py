@@ -9,8 +9,8 @@ plain path (one SDPA call of the pairs, then the fused Triton combine). Projecti
 projection are included, as in the model. Tokens per batch: 8192 (4 x 2048, or 1 x 8192).
 
 `--sweep` times each of V1's two backward kernels (dK/dV, dQ) alone at the model's shapes for every block size,
-warp count and pipeline depth of a grid (how the autotuner's candidates in `triton_flash_diff.py` were chosen),
-beside the candidate the autotuner picked.
+warp count and pipeline depth of a grid, beside the candidate the autotuner picked: what to put among the
+autotuner's candidates in `triton_flash_diff.py`.
 """
 
 import argparse
@@ -128,8 +128,11 @@ def sweep_backward(seq: int, tokens: int) -> list[dict]:
     reference = step()  # the autotuned kernels' choice
     rows = []
     long_keys = flash_diff.LONG_KEYS
-    runs = [("dkdv", kernels._flash_diff_bwd_dkdv, DKDV_GRID, long_keys), ("dkdv", kernels._flash_diff_bwd_dkdv,
-            DKDV_GRID, 0), ("dq", kernels._flash_diff_bwd_dq, DQ_GRID, long_keys)]
+    runs = [  # (kernel, its raw jit function, configs, LONG_KEYS: 0 gives every query head its own programs)
+        ("dkdv", kernels._flash_diff_bwd_dkdv, DKDV_GRID, long_keys),
+        ("dkdv", kernels._flash_diff_bwd_dkdv, DKDV_GRID, 0),
+        ("dq", kernels._flash_diff_bwd_dq, DQ_GRID, long_keys),
+    ]
     for name, raw, candidates, threshold in runs:
         attribute = f"flash_diff_bwd_{name}"
         tuned = getattr(flash_diff, attribute)

@@ -8,6 +8,8 @@ accelerator machine); tolerances follow the dtype.
 import copy
 import functools
 import math
+import os
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -1129,9 +1131,6 @@ def test_kernel_registers_compiles_the_dkdv_kernel_for_the_h200_without_a_gpu():
     """benchmarks/kernel_registers.py's promise (README): the dK/dV kernel compiled for sm_90a on this machine, with
     ptxas's registers (at most 255 a thread) and spill bytes; the config that spills nothing on the H200 (16 x 32
     keys, 4 warps, 2 stages, `results_h200_flash_diff_backward_sweep.md`) spills nothing here either."""
-    import os
-    import subprocess
-
     pytest.importorskip("triton.backends.nvidia", reason="triton's CUDA backend (and its ptxas) is not installed")
     benchmarks = Path(__file__).resolve().parents[1] / "benchmarks"
     script = (
