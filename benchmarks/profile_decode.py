@@ -5,7 +5,8 @@
 At batch 32 an eager step of the ~1.1B models issues a few hundred kernels for a few ms of GPU work, so the
 host CPU decides its speed (benchmarks/RESULTS.md). For each model of bench.py this prints the wall time of a
 step, the CPU time spent issuing it, and the GPU busy time (torch.profiler); with --out, one file per model with
-the profiler's tables (top operators by CPU and by GPU time).
+the profiler's tables (top operators by CPU and by GPU time). With --host, also the Python functions that take the
+host's time (cProfile over the timed steps' count again, its own overhead included: compare models, not ms).
 
 Two cautions from the H200 machine: the host's speed drifts (the same steps measured up to 1.5x apart within
 minutes; for tok/s, bench.py's lockstep rounds are the measure), and the first model profiled in a process
@@ -13,8 +14,11 @@ that calls cuDNN attention (transformers' models) pays ~1.5 ms of CPU per attent
 """
 
 import argparse
+import cProfile
 import gc
+import io
 import os
+import pstats
 import time
 
 import torch
@@ -26,7 +30,7 @@ from bench import MODELS, DecodingSteps, build, kernels_patched, profiling_args,
 
 
 @torch.no_grad()
-def profile_model(name: str, seq: int, batch: int, steps: int, out: str | None) -> dict:
+def profile_model(name: str, seq: int, batch: int, steps: int, out: str | None, host: bool = False) -> dict:
     model = build(name, max_positions=seq + 2 * steps + 16).eval()
     cache = DynamicCache(config=model.config)
     step = DecodingSteps(model, cache, batch, seq, chunk_tokens=4096)
@@ -48,15 +52,35 @@ def profile_model(name: str, seq: int, batch: int, steps: int, out: str | None) 
     events = prof.key_averages()
     gpu = sum(e.self_device_time_total for e in events) / 3 / 1e6
     row = dict(model=name, wall_ms=wall * 1e3, issue_ms=issue / steps * 1e3, gpu_ms=gpu * 1e3, tok_s=batch / wall)
+    if host:
+        row["host_functions"] = host_profile(step, steps)
     if out:
         with open(os.path.join(out, f"profile_{name}.txt"), "w") as f:
             f.write(f"{row}\n")
             f.write(events.table(sort_by="self_cpu_time_total", row_limit=35, max_name_column_width=60))
             f.write(events.table(sort_by="self_device_time_total", row_limit=20, max_name_column_width=60))
+            f.write(row.get("host_functions", ""))
     del model, cache
     gc.collect()
     torch.cuda.empty_cache()
     return row
+
+
+def host_profile(step, steps: int, rows: int = 40) -> str:
+    """cProfile's table of `steps` steps, the functions by their own time (tottime) and their callees' (cumtime)."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    profiler.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text).strip_dirs()
+    text.write(f"\ncProfile of {steps} steps, by own time\n")
+    stats.sort_stats("tottime").print_stats(rows)
+    text.write(f"\ncProfile of {steps} steps, by time with callees\n")
+    stats.sort_stats("cumulative").print_stats(rows)
+    return text.getvalue()
 
 
 def main(argv=None):
@@ -66,12 +90,13 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=32, help="timed steps")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--out", help="folder for the profiler tables, one file per model")
+    parser.add_argument("--host", action="store_true", help="also cProfile the steps (the --out files get its tables)")
     args = profiling_args(parser, argv, ("seq", "batch", "steps"), "profile_decode.py")
     warm_up_gpu()
     rows = []
     for name in tqdm(args.models, desc="models"):
         with kernels_patched(name):
-            rows.append(profile_model(name, args.seq, args.batch, args.steps, args.out))
+            rows.append(profile_model(name, args.seq, args.batch, args.steps, args.out, args.host))
     base = next((r for r in rows if r["model"] == "llama"), None)
     print(f"\nbatch {args.batch}, prompt {args.seq}, {args.steps} eager DynamicCache steps")
     print("| model | ms / step | CPU issue ms / step | GPU busy ms / step | tok/s | vs Llama |\n|---|---|---|---|---|---|")

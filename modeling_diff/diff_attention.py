@@ -193,6 +193,11 @@ class _DiffAttentionBase(nn.Module):
             and flash_diff_applies(pairs, key, value, attention_mask, self.dropout_p())
         )
 
+    # A module's forward is `project` (the projections and RoPE: what the cache takes), `decode_heads` (a decoding
+    # step: the cache updated and the heads' outputs from the decode kernel) and o_proj; everything else (prefill,
+    # training, other backends) updates the cache and takes the general path. The piecewise decoding graphs
+    # (`modeling_diff/decode_graphs.py`) call the same three pieces, with the cache's part outside the graphs.
+
     def combined_decode_applies(self, implementation, query, key, value, attention_mask, kwargs) -> bool:
         """Whether a decoding step goes to the split-KV kernel with the differential term in its reduce
         (`kernels/decode.py`): on the project's implementations, no extra attention options, shapes it covers.
@@ -215,7 +220,7 @@ class DiffAttentionV1(_DiffAttentionBase):
     Q2 . K2. Every backend then sees equal query, key and value widths (FlashAttention accepts it), reads
     K and V once for both maps, and the pair shares a GQA group like V2's. On CUDA the flash-diff kernel
     replaces that call and the combine: both maps per tile at d-wide Q.K, the combine in its epilogue; in a
-    decoding step the decode kernel does, reading Q1 and Q2 as they are (`fused_attention`).
+    decoding step the decode kernel does, reading Q1 and Q2 as they are (`decode_heads`).
     """
 
     flash_diff_by_default = True
@@ -237,33 +242,17 @@ class DiffAttentionV1(_DiffAttentionBase):
         self.diff_lambda = DifferentialLambda(d, self.lambda_init, config.lambda_std_dev)
         self.subln = LlamaRMSNorm(2 * d, eps=config.rms_norm_eps)  # one norm shared by all heads
 
-    def fused_attention(self, implementation, pairs, key, value, attention_mask, kwargs) -> torch.Tensor | None:
-        """Both maps and the combine in one kernel where one applies, then o_proj, -> (B, L, hidden): flash-diff
-        (prefill, training; o_proj in its autograd node) or the decode kernel (decoding steps); None where the
-        plain path runs."""
-        if type(self.subln.weight) is not nn.Parameter or "forward" in vars(self.subln):
-            return None  # a PEFT-wrapped norm, or one whose forward tensor parallelism wraps (its gradient hooks)
-        if self.flash_diff_applies(implementation, pairs, key, value, attention_mask, kwargs):
-            return flash_diff_attention(
-                pairs, key, value, attention_mask, self.diff_lambda(), self.scaling, self.subln,
-                1 - self.lambda_init, o_proj=self.o_proj,
-            )
-        query = pairs.flatten(2, 3).transpose(1, 2)  # (B, 2h, L, d): heads 2i, 2i+1 = Q1, Q2 of head i
-        if self.combined_decode_applies(implementation, query, key, value, attention_mask, kwargs):
-            combine = V1Combine(
-                self.diff_lambda.vectors(), self.lambda_init,
-                self.subln.weight, self.subln.variance_epsilon, 1 - self.lambda_init,
-            )
-            combined = combined_decode_attention(query, key, value, attention_mask, self.scaling, combine)
-            return self.o_proj(combined.flatten(-2))  # (B, L, h, 2d) -> (B, L, hidden)
-        return None
+    def subln_is_plain(self) -> bool:
+        """Whether the kernels may read subln's weight: not a PEFT-wrapped norm, nor one whose forward tensor
+        parallelism wraps (its gradient hooks)."""
+        return type(self.subln.weight) is nn.Parameter and "forward" not in vars(self.subln)
 
-    def forward(
-        self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs: Unpack[TransformersKwargs]
-    ):
+    def project(self, implementation, hidden_states, position_embeddings):
+        """-> pairs (B, L, h, 2, d) = (Q1, Q2) of each head, key (B, h_kv, L, 2d) = K1|K2 and value (B, h_kv, L, 2d),
+        RoPE applied, and no side outputs (V1 has none). The cache holds K and V as they are: a Llama's bytes per
+        token."""
         input_shape = hidden_states.shape[:-1]  # (B, L)
         d = self.head_dim
-        implementation = self.implementation(hidden_states)
         # one launch for the three in a decoding step (`kernels/projection.py`), each layer's forward otherwise
         query_states, key_states, value_states = linear_maps(
             hidden_states, self.q_proj, self.k_proj, self.v_proj, fused=uses_fast_kernels(implementation)
@@ -274,16 +263,48 @@ class DiffAttentionV1(_DiffAttentionBase):
 
         cos, sin = position_embeddings  # (B, L, d), the same rotation for every head and both halves
         query_states, key_states = apply_rope(query_states, key_states, cos, sin, uses_fast_kernels(implementation))
-        query_states = query_states.unflatten(2, (-1, 2))  # (B, L, h, 2, d)
-        # The cache holds K as (B, h_kv, S, 2d) = K1|K2 and V as (B, h_kv, S, 2d): a Llama's bytes per token.
         key_states = key_states.unflatten(2, (-1, 2)).flatten(-2).transpose(1, 2)
+        return query_states.unflatten(2, (-1, 2)), key_states, value_states, ()
+
+    def decode_heads(self, implementation, pairs, key, value, side, attention_mask, cache, kwargs):
+        """A decoding step through the decode kernel, the combine in its reduce: the cache updated, -> the heads'
+        outputs (B, L, h, 2d) before o_proj; None, the cache untouched, where it does not apply (flash-diff goes
+        first where it does). key and value are the new tokens' (what `project` gives)."""
+        query = pairs.flatten(2, 3).transpose(1, 2)  # (B, 2h, L, d): heads 2i, 2i+1 = Q1, Q2 of head i
+        if not (
+            self.subln_is_plain()
+            and self.combined_decode_applies(implementation, query, key, value, attention_mask, kwargs)
+            and not self.flash_diff_applies(implementation, pairs, key, value, attention_mask, kwargs)
+        ):
+            return None
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx)
+        combine = V1Combine(
+            self.diff_lambda.vectors(), self.lambda_init, self.subln.weight, self.subln.variance_epsilon,
+            1 - self.lambda_init,
+        )
+        return combined_decode_attention(query, key, value, attention_mask, self.scaling, combine)
+
+    def forward(
+        self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs: Unpack[TransformersKwargs]
+    ):
+        input_shape = hidden_states.shape[:-1]  # (B, L)
+        implementation = self.implementation(hidden_states)
+        query_states, key_states, value_states, _ = self.project(implementation, hidden_states, position_embeddings)
+        heads = self.decode_heads(
+            implementation, query_states, key_states, value_states, (), attention_mask, cache, kwargs
+        )
+        if heads is not None:  # (B, L, h, 2d), combined
+            return self.o_proj(heads.flatten(-2)), None
         if cache is not None:
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
-
-        attn_output = self.fused_attention(
+        if self.subln_is_plain() and self.flash_diff_applies(
             implementation, query_states, key_states, value_states, attention_mask, kwargs
-        )
-        if attn_output is not None:  # (B, L, hidden): combined and projected
+        ):  # both maps and the combine in one kernel, o_proj in its autograd node: (B, L, hidden)
+            attn_output = flash_diff_attention(
+                query_states, key_states, value_states, attention_mask, self.diff_lambda(), self.scaling,
+                self.subln, 1 - self.lambda_init, o_proj=self.o_proj,
+            )
             return attn_output, None
 
         # (B, L, h, 2, d) -> (B, L, h, 2, 2d): [Q1, 0] and [0, Q2] -> (B, 2h, L, 2d)
@@ -319,9 +340,9 @@ class _LlamaLayoutAttention(_DiffAttentionBase):
         self.v_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * d, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * d, config.hidden_size, bias=bias)
 
-    def project(self, implementation, hidden_states, position_embeddings, cache, side=()):
-        """-> query (B, query_heads, L, d), key and value (B, h_kv, S, d), RoPE applied and the cache updated, and
-        the outputs of the `side` layers of the same input (V2's lambda_proj), (B, L, .) each."""
+    def project(self, implementation, hidden_states, position_embeddings, side=()):
+        """-> query (B, query_heads, L, d), key and value (B, h_kv, L, d), RoPE applied, and the outputs of the
+        `side` layers of the same input (V2's lambda_proj), (B, L, .) each."""
         hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
         # one launch for all of them in a decoding step (`kernels/projection.py`), each layer's forward otherwise
         query_states, key_states, value_states, *side_outputs = linear_maps(
@@ -333,10 +354,7 @@ class _LlamaLayoutAttention(_DiffAttentionBase):
 
         cos, sin = position_embeddings
         query_states, key_states = apply_rope(query_states, key_states, cos, sin, uses_fast_kernels(implementation))
-        query_states, key_states = query_states.transpose(1, 2), key_states.transpose(1, 2)
-        if cache is not None:
-            key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
-        return query_states, key_states, value_states, side_outputs
+        return query_states.transpose(1, 2), key_states.transpose(1, 2), value_states, side_outputs
 
     def attend(self, implementation, query_states, key_states, value_states, attention_mask, **kwargs):
         """-> per-head outputs (B, L, query_heads, d) and, with eager, maps (B, query_heads, L, S)."""
@@ -366,21 +384,35 @@ class DiffAttentionV2(_LlamaLayoutAttention):
         fraction = anneal_fraction(self.anneal_step, self.config.anneal_steps).clamp(max=1.0)
         return torch.sigmoid(noise_logits) * fraction.to(noise_logits.dtype)
 
+    def project(self, implementation, hidden_states, position_embeddings, side=()):
+        """Llama's projections and RoPE, and side = (lambda_proj(x) (B, L, h),)."""
+        return super().project(implementation, hidden_states, position_embeddings, side=(self.lambda_proj,))
+
+    def decode_heads(self, implementation, query, key, value, side, attention_mask, cache, kwargs):
+        """A decoding step through the decode kernel, the noise weight in its reduce: the cache updated, -> the
+        heads' outputs (B, L, h, d) before o_proj; None, the cache untouched, where it does not apply. key and value
+        are the new tokens'; side = (lambda_proj(x),)."""
+        if not self.combined_decode_applies(implementation, query, key, value, attention_mask, kwargs):
+            return None
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx)
+        combine = V2Combine(side[0], self.anneal_step, self.config.anneal_steps)
+        return combined_decode_attention(query, key, value, attention_mask, self.scaling, combine)
+
     def forward(
         self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs: Unpack[TransformersKwargs]
     ):
         input_shape = hidden_states.shape[:-1]
         implementation = self.implementation(hidden_states)
-        query_states, key_states, value_states, (noise_logits,) = self.project(
-            implementation, hidden_states, position_embeddings, cache, side=(self.lambda_proj,)
-        )  # noise_logits = lambda_proj(x) (B, L, h)
-        if self.combined_decode_applies(implementation, query_states, key_states, value_states, attention_mask, kwargs):
-            combine = V2Combine(noise_logits, self.anneal_step, self.config.anneal_steps)
-            attn_output = combined_decode_attention(
-                query_states, key_states, value_states, attention_mask, self.scaling, combine
-            )  # (B, L, h, d), combined
-            return self.o_proj(attn_output.reshape(*input_shape, -1)), None
-        weight = self.noise_weight(noise_logits)  # (B, L, h)
+        query_states, key_states, value_states, side = self.project(implementation, hidden_states, position_embeddings)
+        heads = self.decode_heads(
+            implementation, query_states, key_states, value_states, side, attention_mask, cache, kwargs
+        )
+        if heads is not None:  # (B, L, h, d), combined
+            return self.o_proj(heads.reshape(*input_shape, -1)), None
+        if cache is not None:
+            key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
+        weight = self.noise_weight(side[0])  # (B, L, h) from lambda_proj(x)
         # (B, 2h, L, d) -> (B, L, h, 2, d): the pair (signal, noise) of each differential head
         pairs = query_states.unflatten(1, (-1, 2)).permute(0, 3, 1, 2, 4)
         if self.flash_diff_applies(implementation, pairs, key_states, value_states, attention_mask, kwargs):
@@ -449,25 +481,37 @@ class DexAttention(_LlamaLayoutAttention):
         weight = weight - head_lambda[:, None] * torch.matmul(weight, self.dex_proj(eye).T)
         return F.linear(attn_output, weight.flatten(1), self.o_proj.bias)
 
+    def decode_heads(self, implementation, query, key, value, side, attention_mask, cache, kwargs):
+        """A decoding step through the decode kernel, the operator in its reduce: the cache updated, -> the heads'
+        outputs (B, L, h, d) before o_proj; None, the cache untouched, where it does not apply (f_D must be a plain
+        Parameter or PEFT's trained copy: a LoRA-adapted f_D takes the plain path). key and value are the new
+        tokens'."""
+        if not (
+            type(self.dex_proj.weight) is nn.Parameter
+            and self.combined_decode_applies(implementation, query, key, value, attention_mask, kwargs)
+        ):
+            return None
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx)
+        combine = DexCombine(
+            self.dex_proj.weight, self.head_mask[self.dex_lambda.head_slice], self.dex_lambda.lambda_learn,
+            self.anneal_step, self.config.anneal_steps, self.lambda_init,
+        )
+        return combined_decode_attention(query, key, value, attention_mask, self.scaling, combine)
+
     def forward(
         self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs: Unpack[TransformersKwargs]
     ):
         input_shape = hidden_states.shape[:-1]
         implementation = self.implementation(hidden_states)
-        query_states, key_states, value_states, _ = self.project(
-            implementation, hidden_states, position_embeddings, cache
+        query_states, key_states, value_states, _ = self.project(implementation, hidden_states, position_embeddings)
+        heads = self.decode_heads(
+            implementation, query_states, key_states, value_states, (), attention_mask, cache, kwargs
         )
-        if type(self.dex_proj.weight) is nn.Parameter and self.combined_decode_applies(
-            implementation, query_states, key_states, value_states, attention_mask, kwargs
-        ):  # f_D plain or PEFT's trained copy (a LoRA-adapted f_D takes the plain path)
-            combine = DexCombine(
-                self.dex_proj.weight, self.head_mask[self.dex_lambda.head_slice], self.dex_lambda.lambda_learn,
-                self.anneal_step, self.config.anneal_steps, self.lambda_init,
-            )
-            attn_output = combined_decode_attention(
-                query_states, key_states, value_states, attention_mask, self.scaling, combine
-            )  # (B, L, h, d), the operator applied
-            return self.o_proj(attn_output.reshape(*input_shape, -1)), None
+        if heads is not None:  # (B, L, h, d), the operator applied
+            return self.o_proj(heads.reshape(*input_shape, -1)), None
+        if cache is not None:
+            key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
         attn_output, attn_weights = self.attend(
             implementation, query_states, key_states, value_states, attention_mask, **kwargs
         )  # (B, L, h, d)
