@@ -198,6 +198,14 @@ class _DiffAttentionBase(nn.Module):
     # training, other backends) updates the cache and takes the general path. The piecewise decoding graphs
     # (`modeling_diff/decode_graphs.py`) call the same three pieces, with the cache's part outside the graphs.
 
+    def output(self, heads: torch.Tensor) -> torch.Tensor:
+        """o_proj of the heads' outputs (B, L, h, dv) of a decoding step -> (B, L, hidden)."""
+        return self.o_proj(heads.flatten(2))
+
+    def decode_applies(self, implementation, query, key, value, attention_mask, kwargs) -> bool:
+        """Whether `decode_heads` takes this step; key and value the new tokens' (what `project` gives)."""
+        return self.combined_decode_applies(implementation, query, key, value, attention_mask, kwargs)
+
     def combined_decode_applies(self, implementation, query, key, value, attention_mask, kwargs) -> bool:
         """Whether a decoding step goes to the split-KV kernel with the differential term in its reduce
         (`kernels/decode.py`): on the project's implementations, no extra attention options, shapes it covers.
@@ -266,17 +274,24 @@ class DiffAttentionV1(_DiffAttentionBase):
         key_states = key_states.unflatten(2, (-1, 2)).flatten(-2).transpose(1, 2)
         return query_states.unflatten(2, (-1, 2)), key_states, value_states, ()
 
+    def decode_applies(self, implementation, pairs, key, value, attention_mask, kwargs) -> bool:
+        """Whether `decode_heads` takes this step (flash-diff goes first where it applies); key and value the new
+        tokens' (what `project` gives)."""
+        return (
+            self.subln_is_plain()
+            and self.combined_decode_applies(
+                implementation, pairs.flatten(2, 3).transpose(1, 2), key, value, attention_mask, kwargs
+            )
+            and not self.flash_diff_applies(implementation, pairs, key, value, attention_mask, kwargs)
+        )
+
     def decode_heads(self, implementation, pairs, key, value, side, attention_mask, cache, kwargs):
         """A decoding step through the decode kernel, the combine in its reduce: the cache updated, -> the heads'
-        outputs (B, L, h, 2d) before o_proj; None, the cache untouched, where it does not apply (flash-diff goes
-        first where it does). key and value are the new tokens' (what `project` gives)."""
-        query = pairs.flatten(2, 3).transpose(1, 2)  # (B, 2h, L, d): heads 2i, 2i+1 = Q1, Q2 of head i
-        if not (
-            self.subln_is_plain()
-            and self.combined_decode_applies(implementation, query, key, value, attention_mask, kwargs)
-            and not self.flash_diff_applies(implementation, pairs, key, value, attention_mask, kwargs)
-        ):
+        outputs (B, L, h, 2d) before o_proj; None, the cache untouched, where it does not apply. key and value are
+        the new tokens' (what `project` gives)."""
+        if not self.decode_applies(implementation, pairs, key, value, attention_mask, kwargs):
             return None
+        query = pairs.flatten(2, 3).transpose(1, 2)  # (B, 2h, L, d): heads 2i, 2i+1 = Q1, Q2 of head i
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
         combine = V1Combine(
@@ -295,7 +310,7 @@ class DiffAttentionV1(_DiffAttentionBase):
             implementation, query_states, key_states, value_states, (), attention_mask, cache, kwargs
         )
         if heads is not None:  # (B, L, h, 2d), combined
-            return self.o_proj(heads.flatten(-2)), None
+            return self.output(heads), None
         if cache is not None:
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
         if self.subln_is_plain() and self.flash_diff_applies(
@@ -392,7 +407,7 @@ class DiffAttentionV2(_LlamaLayoutAttention):
         """A decoding step through the decode kernel, the noise weight in its reduce: the cache updated, -> the
         heads' outputs (B, L, h, d) before o_proj; None, the cache untouched, where it does not apply. key and value
         are the new tokens'; side = (lambda_proj(x),)."""
-        if not self.combined_decode_applies(implementation, query, key, value, attention_mask, kwargs):
+        if not self.decode_applies(implementation, query, key, value, attention_mask, kwargs):
             return None
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
@@ -409,7 +424,7 @@ class DiffAttentionV2(_LlamaLayoutAttention):
             implementation, query_states, key_states, value_states, side, attention_mask, cache, kwargs
         )
         if heads is not None:  # (B, L, h, d), combined
-            return self.o_proj(heads.reshape(*input_shape, -1)), None
+            return self.output(heads), None
         if cache is not None:
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
         weight = self.noise_weight(side[0])  # (B, L, h) from lambda_proj(x)
@@ -481,15 +496,18 @@ class DexAttention(_LlamaLayoutAttention):
         weight = weight - head_lambda[:, None] * torch.matmul(weight, self.dex_proj(eye).T)
         return F.linear(attn_output, weight.flatten(1), self.o_proj.bias)
 
+    def decode_applies(self, implementation, query, key, value, attention_mask, kwargs) -> bool:
+        """Whether `decode_heads` takes this step: f_D a plain Parameter or PEFT's trained copy (a LoRA-adapted f_D
+        takes the plain path), and the decode kernel's shapes."""
+        return type(self.dex_proj.weight) is nn.Parameter and super().decode_applies(
+            implementation, query, key, value, attention_mask, kwargs
+        )
+
     def decode_heads(self, implementation, query, key, value, side, attention_mask, cache, kwargs):
         """A decoding step through the decode kernel, the operator in its reduce: the cache updated, -> the heads'
-        outputs (B, L, h, d) before o_proj; None, the cache untouched, where it does not apply (f_D must be a plain
-        Parameter or PEFT's trained copy: a LoRA-adapted f_D takes the plain path). key and value are the new
-        tokens'."""
-        if not (
-            type(self.dex_proj.weight) is nn.Parameter
-            and self.combined_decode_applies(implementation, query, key, value, attention_mask, kwargs)
-        ):
+        outputs (B, L, h, d) before o_proj; None, the cache untouched, where it does not apply. key and value are
+        the new tokens'."""
+        if not self.decode_applies(implementation, query, key, value, attention_mask, kwargs):
             return None
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
@@ -509,7 +527,7 @@ class DexAttention(_LlamaLayoutAttention):
             implementation, query_states, key_states, value_states, (), attention_mask, cache, kwargs
         )
         if heads is not None:  # (B, L, h, d), the operator applied
-            return self.o_proj(heads.reshape(*input_shape, -1)), None
+            return self.output(heads), None
         if cache is not None:
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
         attn_output, attn_weights = self.attend(

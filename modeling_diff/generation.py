@@ -50,7 +50,7 @@ def _plain_greedy(config: GenerationConfig) -> bool:
     )
 
 
-def _graphable(model) -> bool:
+def graphable(model) -> bool:
     """Whether a replayed graph computes what the model's forward computes: in eval mode, on one device, plain
     parameters (no DTensor, no PEFT layers), no Python hooks (a graph does not run them), a boolean-mask
     implementation. (The caller checks the device is CUDA.)"""
@@ -192,7 +192,7 @@ def graphed_greedy_generate(model, inputs, generation_config, kwargs: dict, capt
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or (inputs is not None and "input_ids" in kwargs):
         return None
     if capture is None:
-        if not (input_ids.is_cuda and model.device == input_ids.device and _graphable(model)):
+        if not (input_ids.is_cuda and model.device == input_ids.device and graphable(model)):
             return None
         capture = True
     config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)

@@ -33,6 +33,7 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .configuration import DiffLlamaConfig
 from . import tensor_parallel  # noqa: F401  (registers the plan's styles for the differential parameters)
+from .decode_graphs import decode_step
 from .generation import graphed_greedy_generate
 from .diff_attention import ATTENTION_CLASSES, DexAttention, DexLambda, DifferentialLambda, DiffAttentionV1, DiffAttentionV2
 from .kernels import (
@@ -141,10 +142,12 @@ class DiffLlamaDecoderLayer(GradientCheckpointingLayer):
             cache=cache,
             **kwargs,
         )
-        # residual + attention, and its norm (one pass in decoding steps)
-        residual, hidden_states = add_and_norm(self.post_attention_layernorm, residual, hidden_states, self.config)
-        hidden_states = self.mlp(hidden_states)
-        return residual + hidden_states
+        return self.after_attention(residual, hidden_states)
+
+    def after_attention(self, residual: torch.Tensor, attn_output: torch.Tensor) -> torch.Tensor:
+        """residual + attention, its norm (one pass in decoding steps), and the MLP's residual add."""
+        residual, hidden_states = add_and_norm(self.post_attention_layernorm, residual, attn_output, self.config)
+        return residual + self.mlp(hidden_states)
 
 
 # Where the differential parameters were saved before they had modules of their own (PEFT's `modules_to_save` and
@@ -244,6 +247,10 @@ class DiffLlamaPreTrainedModel(PreTrainedModel):
 
 
 class DiffLlamaModel(DiffLlamaPreTrainedModel):
+    # Decoding steps with a DynamicCache on CUDA as piecewise CUDA graphs (`decode_graphs.py`); False: the layers'
+    # eager forward every step.
+    decode_graphs = True
+
     def __init__(self, config: DiffLlamaConfig):
         super().__init__(config)
         self.padding_idx = config.pad_token_id
@@ -292,6 +299,9 @@ class DiffLlamaModel(DiffLlamaPreTrainedModel):
         )
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)  # (B, L, d) each
+        graphed = decode_step(self, hidden_states, position_embeddings, causal_mask, cache, kwargs)
+        if graphed is not None:  # a decoding step with a DynamicCache through the graphs: the final norm's output
+            return BaseModelOutputWithPast(last_hidden_state=graphed, **{CACHE_KWARG: cache})
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
             hidden_states = decoder_layer(
                 hidden_states,

@@ -103,15 +103,15 @@ def test_the_graph_needs_what_replay_preserves():
     model = tiny_model("v1", attn_implementation="sdpa")
     ids = torch.randint(3, 97, (1, 5))
     assert graphed_greedy_generate(model, ids, None, dict(STATIC, max_new_tokens=4)) is None  # CPU
-    assert generation._graphable(model)  # what a CUDA copy of this model would take
+    assert generation.graphable(model)  # what a CUDA copy of this model would take
     model.config._attn_implementation = "eager"
-    assert not generation._graphable(model)
+    assert not generation.graphable(model)
     model.config._attn_implementation = "sdpa"
     handle = model.model.layers[0].register_forward_hook(lambda *args: None)
-    assert not generation._graphable(model)
+    assert not generation.graphable(model)
     handle.remove()
     model.train()
-    assert not generation._graphable(model)
+    assert not generation.graphable(model)
 
 
 def test_plain_peft_models_keep_transformers_loop():
@@ -121,7 +121,7 @@ def test_plain_peft_models_keep_transformers_loop():
 
     model = tiny_model("dex", attn_implementation="sdpa")
     peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
-    assert not generation._graphable(peft_model.base_model.model)
+    assert not generation.graphable(peft_model.base_model.model)
 
 
 def test_the_kept_step_state_is_reused_rebuilt_and_released():

@@ -1,0 +1,194 @@
+"""Decoding steps with a DynamicCache (what `generate()` uses by default) as piecewise CUDA graphs.
+
+An eager decoding step of the ~1.1B models issues a few hundred launches for 1.5 ms (batch 1) to 4 ms (batch 32)
+of GPU work, and the host needs 13-24 ms to issue them (benchmarks/RESULTS.md): the step is bound by Python and
+launch overhead. A DynamicCache grows by a concatenation every step, so the whole step cannot be one graph (gpt-fast's
+graph needs a StaticCache, `generation.py`). Everything but the cache is the same every step, though: each layer's
+norm, projections and RoPE, and after the attention its o_proj, residual add, norm and MLP. Those are captured once
+per shape as CUDA graphs, cut where the cache is (vLLM's piecewise graphs):
+
+    embeddings, RoPE's cos and sin (eager; copied into the graphs' inputs)
+    graph 0:      layer 0's norm, projections, RoPE                         -> q, k, v (and V2's lambda_proj(x))
+    eager:        layer 0's cache.update and decode-kernel attention (`decode_heads`) -> heads, copied in
+    graph i:      layer i-1's o_proj, add + norm, MLP, add; layer i's norm, projections, RoPE
+    eager:        layer i's cache.update and attention ...
+    graph L:      layer L-1's o_proj ... MLP, add; the final norm          -> the last hidden state (a copy)
+
+A step then costs the host L + 1 graph launches, L cache updates and L two-kernel attention calls. The graphs run the
+same kernels on the same shapes as the eager step, so the outputs are the eager step's (tests/test_decode_graphs.py).
+
+They apply to a decoding step (one new token per row) of a model in eval mode on CUDA, without gradients, outside
+torch.compile, with a DynamicCache already holding tokens, where the decode kernel takes every layer; not where
+outputs of the layers are asked for (attentions, hidden states), a module has hooks, or parameters are not plain
+(PEFT, DTensor, several devices: `generation.graphable`). Set `model.model.decode_graphs = False` to turn them off.
+The graphs and their buffers are kept beside the model for its next step of the same shape, rebuilt when the batch,
+the parameters' storage or the attention implementation change, and freed with the model or `release_decode_graphs`.
+"""
+
+import weakref
+
+import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
+from .generation import graphable
+from .kernels import has_extra_options, resolve
+
+
+def segment(model, index: int, residual: torch.Tensor, heads: torch.Tensor | None, position_embeddings, implementation):
+    """Piece `index` of a step (see the module docstring): for index > 0 layer index-1 from its attention heads
+    (B, L, h, dv) on, then layer `index` up to its attention's inputs -> (residual, q, k, v, side); the last piece
+    -> (the final norm's output,)."""
+    hidden_states = residual
+    if index > 0:
+        layer = model.layers[index - 1]
+        hidden_states = layer.after_attention(residual, layer.self_attn.output(heads))
+    if index == len(model.layers):
+        return (model.norm(hidden_states),)
+    layer = model.layers[index]
+    query, key, value, side = layer.self_attn.project(
+        implementation, layer.input_layernorm(hidden_states), position_embeddings
+    )
+    return hidden_states, query, key, value, side
+
+
+def attend(model, index: int, pieces, attention_mask, cache, kwargs, implementation) -> torch.Tensor:
+    """Layer `index`'s attention of a step, outside the graphs: the cache updated, -> the heads (B, L, h, dv)."""
+    _, query, key, value, side = pieces
+    return model.layers[index].self_attn.decode_heads(
+        implementation, query, key, value, side, attention_mask, cache, kwargs
+    )
+
+
+def eager_step(model, hidden_states, position_embeddings, attention_mask, cache, kwargs, implementation,
+               heads: list | None = None):
+    """A decoding step through the pieces without graphs: the model's decoding step, cut as the graphs cut it.
+    -> the final norm's output, or None (the cache untouched) where the decode kernel does not take every layer;
+    `heads` (a list) gets each layer's heads."""
+    pieces = segment(model, 0, hidden_states, None, position_embeddings, implementation)
+    _, query, key, value, side = pieces
+    if not all(
+        layer.self_attn.decode_applies(implementation, query, key, value, attention_mask, kwargs)
+        for layer in model.layers
+    ):
+        return None
+    for index in range(len(model.layers)):
+        layer_heads = attend(model, index, pieces, attention_mask, cache, kwargs, implementation)
+        if heads is not None:
+            heads.append(layer_heads)
+        pieces = segment(model, index + 1, pieces[0], layer_heads, position_embeddings, implementation)
+    return pieces[0]
+
+
+class DecodeGraphs:
+    """The graphs of one step shape (batch B, L new tokens) and their buffers: the inputs (embeddings, cos, sin, the
+    heads of each layer) and the outputs each graph writes."""
+
+    def __init__(self, model, hidden_states, position_embeddings, heads: list[torch.Tensor]):
+        self.model = weakref.proxy(model)
+        self.pool = torch.cuda.graph_pool_handle()
+        self.hidden_states = torch.empty_like(hidden_states)
+        self.position_embeddings = tuple(torch.empty_like(t) for t in position_embeddings)
+        self.heads = [torch.empty_like(h) for h in heads]  # (B, L, h, dv) per layer
+        self.graphs, self.outputs = [], []
+
+    def capture(self, implementation) -> None:
+        """Record each piece as a graph reading the buffers (recorded, not run: the eager step that came first ran
+        this step and compiled the kernels)."""
+        residual, heads = self.hidden_states, None
+        for index in range(len(self.model.layers) + 1):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                pieces = segment(self.model, index, residual, heads, self.position_embeddings, implementation)
+            self.graphs.append(graph)
+            self.outputs.append(pieces)
+            residual, heads = pieces[0], self.heads[index] if index < len(self.heads) else None
+
+    def replay(self, hidden_states, position_embeddings, attention_mask, cache, kwargs, implementation):
+        self.hidden_states.copy_(hidden_states)
+        for buffer, value in zip(self.position_embeddings, position_embeddings):
+            buffer.copy_(value)
+        for index, graph in enumerate(self.graphs[:-1]):
+            graph.replay()
+            self.heads[index].copy_(attend(self.model, index, self.outputs[index], attention_mask, cache, kwargs,
+                                           implementation))
+        self.graphs[-1].replay()
+        return self.outputs[-1][0].clone()  # the next replay writes the buffer
+
+
+# Each model's graphs and what they depend on; an entry goes with its model (weak keys: the graphs hold the model
+# through a weak proxy).
+_GRAPHS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def release_decode_graphs(model) -> None:
+    """Free the decoding graphs and buffers kept for `model` (a DiffLlamaModel, or the model holding it)."""
+    _GRAPHS.pop(getattr(model, "model", model), None)
+
+
+def step_qualifies(model, new_tokens: int, cache, kwargs) -> bool:
+    """The step's conditions of the module docstring but the device, checked every step (the modules' own ones,
+    hooks and plain parameters at capture and in the graphs' key)."""
+    config = model.config
+    return (
+        model.decode_graphs
+        and new_tokens == 1
+        and not torch.is_grad_enabled()
+        and not model.training
+        and not torch.compiler.is_compiling()
+        and type(cache) is DynamicCache
+        and len(cache.layers) == len(model.layers)
+        and all(type(layer) is DynamicLayer and layer.is_initialized for layer in cache.layers)
+        and cache.get_seq_length() > 0
+        and not has_extra_options(kwargs)
+        and not any(kwargs.get(name, getattr(config, name, False)) for name in ("output_attentions", "output_hidden_states"))
+    )
+
+
+def _key(model, hidden_states, attention_mask, implementation, modules, tensors) -> tuple:
+    """What the graphs depend on beyond their buffers: the step's shape and dtype, the mask's kind, the attention
+    implementation, the parameters' and buffers' storage, and that no module has gained a hook."""
+    mask = None if attention_mask is None else (attention_mask.dtype, attention_mask.dim(), attention_mask.shape[1])
+    hooked = any(m._forward_hooks or m._forward_pre_hooks for m in modules) or bool(
+        torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks
+    )
+    return hidden_states.shape, hidden_states.dtype, mask, implementation, hooked, tuple(t.data_ptr() for t in tensors)
+
+
+def decode_step(model, hidden_states, position_embeddings, attention_mask, cache, kwargs) -> torch.Tensor | None:
+    """The final norm's output of a decoding step through the graphs (the first step of a shape runs eagerly through
+    the pieces and captures them), or None where they do not apply (the caller runs its layers)."""
+    if not (hidden_states.is_cuda and step_qualifies(model, hidden_states.shape[1], cache, kwargs)):
+        return None
+    implementation = resolve(model.config._attn_implementation, hidden_states)
+    entry = _GRAPHS.get(model)
+    if entry is None:
+        modules, tensors = list(model.modules()), [*model.parameters(), *model.buffers()]
+    else:
+        modules, tensors = entry[1], entry[2]
+    key = _key(model, hidden_states, attention_mask, implementation, modules, tensors)
+    if entry is not None and entry[0] == key:
+        return entry[3].replay(hidden_states, position_embeddings, attention_mask, cache, kwargs, implementation)
+    release_decode_graphs(model)  # free the previous shape's graphs first
+    if key[4] or not graphable(model):
+        return None
+    heads = []
+    output = _first_step(model, hidden_states, position_embeddings, attention_mask, cache, kwargs, implementation,
+                         heads)
+    if output is None:
+        return None
+    graphs = DecodeGraphs(model, hidden_states, position_embeddings, heads)
+    graphs.capture(implementation)
+    _GRAPHS[model] = (key, modules, tensors, graphs)
+    return output
+
+
+def _first_step(model, hidden_states, position_embeddings, attention_mask, cache, kwargs, implementation, heads):
+    """The eager step that comes before the capture, off the default stream (as capture wants): it runs this step
+    and compiles the kernels; `heads` gets each layer's heads (the shapes of the graphs' inputs)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        output = eager_step(model, hidden_states, position_embeddings, attention_mask, cache, kwargs, implementation,
+                            heads)
+    torch.cuda.current_stream().wait_stream(side)
+    return output
