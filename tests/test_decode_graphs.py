@@ -120,6 +120,33 @@ def test_the_graphs_take_only_plain_decoding_steps():
     assert not decode_graphs.step_qualifies(inner, 1, cache, {})
 
 
+def test_the_snapshot_sees_what_would_make_the_graphs_stale():
+    """`ModelSnapshot.holds()` is False after a new hook (module or global), a replaced submodule (what PEFT's
+    injection does), a replaced parameter, or a parameter moved to new storage; True again where it is undone."""
+    model = fast_model("v2").model
+    snapshot = decode_graphs.ModelSnapshot(model)
+    assert snapshot.holds()
+    attention = model.layers[1].self_attn
+    handle = attention.o_proj.register_forward_pre_hook(lambda *a: None)
+    assert not snapshot.holds()
+    handle.remove()
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda *a: None)
+    assert not snapshot.holds()
+    handle.remove()
+    assert snapshot.holds()
+    q_proj = attention.q_proj
+    attention.q_proj = torch.nn.Linear(q_proj.in_features, q_proj.out_features, bias=False)
+    assert not snapshot.holds()
+    attention.q_proj = q_proj
+    weight = q_proj.weight
+    q_proj.weight = torch.nn.Parameter(weight.detach().clone())
+    assert not snapshot.holds()
+    q_proj.weight = weight
+    assert snapshot.holds()
+    weight.data = weight.data.clone()  # what .to() does to a parameter
+    assert not snapshot.holds()
+
+
 def greedy(model, ids, graphs: bool, **kwargs):
     model.model.decode_graphs = graphs
     out = model.generate(
