@@ -9,7 +9,7 @@ per shape as CUDA graphs, cut where the cache is (vLLM's piecewise graphs):
 
     embeddings, RoPE's cos and sin (eager; copied into the graphs' inputs)
     graph 0:      layer 0's norm, projections, RoPE                         -> q, k, v (and V2's lambda_proj(x))
-    eager:        layer 0's cache.update and decode-kernel attention (`decode_heads`) -> heads, copied in
+    eager:        layer 0's cache.update and decode-kernel attention (`decode_heads`) -> heads, in graph 1's input
     graph i:      layer i-1's o_proj, add + norm, MLP, add; layer i's norm, projections, RoPE
     eager:        layer i's cache.update and attention ...
     graph L:      layer L-1's o_proj ... MLP, add; the final norm          -> the last hidden state (a copy)
@@ -51,11 +51,12 @@ def segment(model, index: int, residual: torch.Tensor, heads: torch.Tensor | Non
     return hidden_states, query, key, value, side
 
 
-def attend(model, index: int, pieces, attention_mask, cache, kwargs, implementation) -> torch.Tensor:
-    """Layer `index`'s attention of a step, outside the graphs: the cache updated, -> the heads (B, L, h, dv)."""
+def attend(model, index: int, pieces, attention_mask, cache, kwargs, implementation, out=None) -> torch.Tensor:
+    """Layer `index`'s attention of a step, outside the graphs: the cache updated, -> the heads (B, L, h, dv), in
+    `out` where given (the next graph's input)."""
     _, query, key, value, side = pieces
     return model.layers[index].self_attn.decode_heads(
-        implementation, query, key, value, side, attention_mask, cache, kwargs
+        implementation, query, key, value, side, attention_mask, cache, kwargs, out
     )
 
 
@@ -109,8 +110,8 @@ class DecodeGraphs:
             buffer.copy_(value)
         for index, graph in enumerate(self.graphs[:-1]):
             graph.replay()
-            self.heads[index].copy_(attend(self.model, index, self.outputs[index], attention_mask, cache, kwargs,
-                                           implementation))
+            attend(self.model, index, self.outputs[index], attention_mask, cache, kwargs, implementation,
+                   self.heads[index])
         self.graphs[-1].replay()
         return self.outputs[-1][0].clone()  # the next replay writes the buffer
 

@@ -285,10 +285,10 @@ class DiffAttentionV1(_DiffAttentionBase):
             and not self.flash_diff_applies(implementation, pairs, key, value, attention_mask, kwargs)
         )
 
-    def decode_heads(self, implementation, pairs, key, value, side, attention_mask, cache, kwargs):
+    def decode_heads(self, implementation, pairs, key, value, side, attention_mask, cache, kwargs, out=None):
         """A decoding step through the decode kernel, the combine in its reduce: the cache updated, -> the heads'
-        outputs (B, L, h, 2d) before o_proj; None, the cache untouched, where it does not apply. key and value are
-        the new tokens' (what `project` gives)."""
+        outputs (B, L, h, 2d) before o_proj (in `out` where given); None, the cache untouched, where it does not
+        apply. key and value are the new tokens' (what `project` gives)."""
         if not self.decode_applies(implementation, pairs, key, value, attention_mask, kwargs):
             return None
         query = pairs.flatten(2, 3).transpose(1, 2)  # (B, 2h, L, d): heads 2i, 2i+1 = Q1, Q2 of head i
@@ -298,7 +298,7 @@ class DiffAttentionV1(_DiffAttentionBase):
             self.diff_lambda.vectors(), self.lambda_init, self.subln.weight, self.subln.variance_epsilon,
             1 - self.lambda_init,
         )
-        return combined_decode_attention(query, key, value, attention_mask, self.scaling, combine)
+        return combined_decode_attention(query, key, value, attention_mask, self.scaling, combine, out)
 
     def forward(
         self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs: Unpack[TransformersKwargs]
@@ -403,16 +403,16 @@ class DiffAttentionV2(_LlamaLayoutAttention):
         """Llama's projections and RoPE, and side = (lambda_proj(x) (B, L, h),)."""
         return super().project(implementation, hidden_states, position_embeddings, side=(self.lambda_proj,))
 
-    def decode_heads(self, implementation, query, key, value, side, attention_mask, cache, kwargs):
+    def decode_heads(self, implementation, query, key, value, side, attention_mask, cache, kwargs, out=None):
         """A decoding step through the decode kernel, the noise weight in its reduce: the cache updated, -> the
-        heads' outputs (B, L, h, d) before o_proj; None, the cache untouched, where it does not apply. key and value
-        are the new tokens'; side = (lambda_proj(x),)."""
+        heads' outputs (B, L, h, d) before o_proj (in `out` where given); None, the cache untouched, where it does
+        not apply. key and value are the new tokens'; side = (lambda_proj(x),)."""
         if not self.decode_applies(implementation, query, key, value, attention_mask, kwargs):
             return None
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
         combine = V2Combine(side[0], self.anneal_step, self.config.anneal_steps)
-        return combined_decode_attention(query, key, value, attention_mask, self.scaling, combine)
+        return combined_decode_attention(query, key, value, attention_mask, self.scaling, combine, out)
 
     def forward(
         self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs: Unpack[TransformersKwargs]
@@ -503,10 +503,10 @@ class DexAttention(_LlamaLayoutAttention):
             implementation, query, key, value, attention_mask, kwargs
         )
 
-    def decode_heads(self, implementation, query, key, value, side, attention_mask, cache, kwargs):
+    def decode_heads(self, implementation, query, key, value, side, attention_mask, cache, kwargs, out=None):
         """A decoding step through the decode kernel, the operator in its reduce: the cache updated, -> the heads'
-        outputs (B, L, h, d) before o_proj; None, the cache untouched, where it does not apply. key and value are
-        the new tokens'."""
+        outputs (B, L, h, d) before o_proj (in `out` where given); None, the cache untouched, where it does not
+        apply. key and value are the new tokens'."""
         if not self.decode_applies(implementation, query, key, value, attention_mask, kwargs):
             return None
         if cache is not None:
@@ -515,7 +515,7 @@ class DexAttention(_LlamaLayoutAttention):
             self.dex_proj.weight, self.head_mask[self.dex_lambda.head_slice], self.dex_lambda.lambda_learn,
             self.anneal_step, self.config.anneal_steps, self.lambda_init,
         )
-        return combined_decode_attention(query, key, value, attention_mask, self.scaling, combine)
+        return combined_decode_attention(query, key, value, attention_mask, self.scaling, combine, out)
 
     def forward(
         self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs: Unpack[TransformersKwargs]

@@ -181,3 +181,21 @@ def test_generate_with_a_dynamic_cache_replays_the_graphs_and_gives_the_eager_to
     handle.remove()
     decode_graphs.release_decode_graphs(model)
     assert model.model not in decode_graphs._GRAPHS
+
+
+@pytest.mark.skipif(not GPU, reason="CUDA graphs need a CUDA GPU")
+@pytest.mark.parametrize("strategy", [dict(do_sample=True, top_k=20), dict(num_beams=3)])
+@torch.no_grad()
+def test_sampling_and_beam_search_with_the_graphs_give_the_eager_tokens(strategy):
+    """Sampling (the same seed) and beam search (transformers reorders the DynamicCache between steps, outside the
+    graphs) give the eager steps' tokens."""
+    model = fast_model("v1")
+    ids = torch.randint(3, model.config.vocab_size, (2, 7), device=DEVICE)
+    outputs = []
+    for graphs in (False, True):
+        model.model.decode_graphs = graphs
+        torch.manual_seed(0)
+        outputs.append(model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, min_new_tokens=10,
+                                      pad_token_id=0, **strategy))
+    assert model.model in decode_graphs._GRAPHS  # the second generation took the graphs
+    assert torch.equal(outputs[1], outputs[0])

@@ -243,16 +243,17 @@ def decode_attention_kernels(query, key, value, mask, scale: float, launcher=_pl
     return out
 
 
-def combined_decode_kernels(query, key, value, mask, scale: float, combine) -> torch.Tensor:
+def combined_decode_kernels(query, key, value, mask, scale: float, combine, out=None) -> torch.Tensor:
     """The two launches of a decoding step with the differential term in the reduce (eager only); see
-    `decode.combined_decode_attention`, which defines `combine` (V1Combine, V2Combine or DexCombine)."""
+    `decode.combined_decode_attention`, which defines `combine` (V1Combine, V2Combine or DexCombine) and `out`."""
     batch, q_heads, length, _ = query.shape
     kv_heads, v_dim = key.shape[1], value.shape[-1]
     mode = type(combine).MODE  # 0 V1, 1 V2, 2 DEX: the reduce kernel's MODE
     heads = q_heads if mode == 2 else q_heads // 2  # V1, V2: a head per pair of query heads
     groups = q_heads // kv_heads
     work, splits, parts, block_rows = _partial_softmaxes(query, key, value, mask, scale, _plain)
-    out = torch.empty(batch, length, heads, v_dim, dtype=query.dtype, device=query.device)
+    if out is None:
+        out = torch.empty(batch, length, heads, v_dim, dtype=query.dtype, device=query.device)
     unused = out  # a pointer the mode does not read
     logits, norm, vectors, dex = (unused, 0, 0, 0), (unused, 0.0, 1.0), (unused,) * 4, (unused,) * 3
     anneal, lambda_init, d_lambda = (unused, 1.0), 0.0, 16
