@@ -25,6 +25,7 @@ The graphs and their buffers are kept beside the model for its next step of the 
 the parameters' storage or the attention implementation change, and freed with the model or `release_decode_graphs`.
 """
 
+import operator
 import weakref
 
 import torch
@@ -145,24 +146,38 @@ def step_qualifies(model, new_tokens: int, cache, kwargs) -> bool:
     )
 
 
+def _global_hooks() -> tuple[int, int]:
+    return len(torch.nn.modules.module._global_forward_hooks), len(torch.nn.modules.module._global_forward_pre_hooks)
+
+
 class ModelSnapshot:
-    """What the graphs baked in of the model: every module's submodules, parameters and buffers (by identity), the
-    tensors' storage, and no hooks. `holds()` checks that it is all still so (each step: ~0.1 ms for 16 layers on a
-    laptop core), so that PEFT's layers, a new hook, `.to()` or loaded weights in new storage end the graphs."""
+    """What a decision about the graphs rests on: every module's submodules, parameters and buffers (by identity),
+    the tensors' storage, the modules' own `forward` (what accelerate's and Liger's instance patches set) and their
+    hooks (how many). `holds()` checks that it is all still so (each step: ~0.1 ms for 16 layers on a laptop core),
+    so that PEFT's layers, a new hook, a patched forward, `.to()` or loaded weights in new storage end the graphs, or
+    a decision that they do not apply."""
 
     def __init__(self, model):
         modules = list(model.modules())
-        self.entries = [(d, name, value) for m in modules for d in (m._modules, m._parameters, m._buffers)
-                        for name, value in d.items()]
-        self.storage = [(t, t.data_ptr()) for _, _, t in self.entries if isinstance(t, torch.Tensor)]
+        entries = [(d, name, value) for m in modules for d in (m._modules, m._parameters, m._buffers)
+                   for name, value in d.items()]
+        # the submodules' own forward (the model's is the caller: a patch of it decides whether this runs at all,
+        # and a bound method kept here would keep the model alive)
+        entries += [(vars(m), "forward", vars(m).get("forward")) for m in modules[1:]]
+        self.dicts, self.names, self.values = (list(column) for column in zip(*entries))
+        self.tensors = [value for value in self.values if isinstance(value, torch.Tensor)]
+        self.pointers = list(map(torch.Tensor.data_ptr, self.tensors))
         self.hooks = [d for m in modules for d in (m._forward_hooks, m._forward_pre_hooks)]
+        self.hook_counts = list(map(len, self.hooks))
+        self.global_hooks = _global_hooks()
 
     def holds(self) -> bool:
+        # map() over builtins: a step asks this of a few hundred entries
         return (
-            not any(self.hooks)
-            and not (torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks)
-            and all(d.get(name) is value for d, name, value in self.entries)
-            and all(t.data_ptr() == pointer for t, pointer in self.storage)
+            _global_hooks() == self.global_hooks
+            and list(map(len, self.hooks)) == self.hook_counts
+            and all(map(operator.is_, map(dict.get, self.dicts, self.names), self.values))
+            and list(map(torch.Tensor.data_ptr, self.tensors)) == self.pointers
         )
 
 
@@ -176,14 +191,17 @@ def decode_step(model, hidden_states, position_embeddings, attention_mask, cache
     key = hidden_states.shape, hidden_states.dtype, hidden_states.device, mask, implementation
     entry = _GRAPHS.get(model)
     if entry is not None and entry[0] == key and entry[1].holds():
+        if entry[2] is None:  # decided for this key and model: the layers run
+            return None
         return entry[2].replay(hidden_states, position_embeddings, attention_mask, cache, kwargs, implementation)
     release_decode_graphs(model)  # free the previous graphs first
-    if not graphable(model):
-        return None
     heads = []
-    output = _first_step(model, hidden_states, position_embeddings, attention_mask, cache, kwargs, implementation,
-                         heads)
-    if output is None:
+    output = None
+    if graphable(model):
+        output = _first_step(model, hidden_states, position_embeddings, attention_mask, cache, kwargs,
+                             implementation, heads)
+    if output is None:  # kept, so that the next steps do not ask again
+        _GRAPHS[model] = (key, ModelSnapshot(model), None)
         return None
     graphs = DecodeGraphs(model, hidden_states, position_embeddings, heads)
     graphs.capture(implementation)

@@ -145,6 +145,23 @@ def test_the_snapshot_sees_what_would_make_the_graphs_stale():
     assert snapshot.holds()
     weight.data = weight.data.clone()  # what .to() does to a parameter
     assert not snapshot.holds()
+    snapshot = decode_graphs.ModelSnapshot(model)
+    norm = model.layers[0].input_layernorm
+    norm.forward = lambda x: x  # an instance patch (accelerate's hooks, Liger's instance patch)
+    assert not snapshot.holds()
+    del norm.forward
+    assert snapshot.holds()
+
+
+def test_a_decision_against_the_graphs_holds_while_the_model_is_as_it_was():
+    """A model with a hook runs its layers; the snapshot kept with that decision holds while the hooks stay as they
+    are (so a hooked model is not examined again every step), and ends when one goes."""
+    model = fast_model("dex").model
+    handle = model.layers[0].mlp.register_forward_hook(lambda *a: None)
+    snapshot = decode_graphs.ModelSnapshot(model)
+    assert snapshot.holds()
+    handle.remove()
+    assert not snapshot.holds()
 
 
 def greedy(model, ids, graphs: bool, **kwargs):
