@@ -193,18 +193,41 @@ class _DiffAttentionBase(nn.Module):
             and flash_diff_applies(pairs, key, value, attention_mask, self.dropout_p())
         )
 
-    # A module's forward is `project` (the projections and RoPE: what the cache takes), `decode_heads` (a decoding
-    # step: the cache updated and the heads' outputs from the decode kernel) and o_proj; everything else (prefill,
-    # training, other backends) updates the cache and takes the general path. The piecewise decoding graphs
-    # (`modeling_diff/decode_graphs.py`) call the same three pieces, with the cache's part outside the graphs.
+    # A decoding step of a module's forward is `project` (the projections and RoPE: what the cache takes),
+    # `decode_heads` (the cache updated, the heads' outputs from the decode kernel) and `output` (o_proj); everything
+    # else (prefill, training, other backends) updates the cache and takes the general path. The piecewise decoding
+    # graphs (`modeling_diff/decode_graphs.py`) call the same three, with `decode_heads` outside the graphs.
 
     def output(self, heads: torch.Tensor) -> torch.Tensor:
         """o_proj of the heads' outputs (B, L, h, dv) of a decoding step -> (B, L, hidden)."""
         return self.o_proj(heads.flatten(2))
 
     def decode_applies(self, implementation, query, key, value, attention_mask, kwargs) -> bool:
-        """Whether `decode_heads` takes this step; key and value the new tokens' (what `project` gives)."""
-        return self.combined_decode_applies(implementation, query, key, value, attention_mask, kwargs)
+        """Whether `decode_heads` takes this step; query, key and value as `project` gives them (the new tokens')."""
+        return self.combined_decode_applies(
+            implementation, self.decode_query(query), key, value, attention_mask, kwargs
+        )
+
+    def decode_query(self, query: torch.Tensor) -> torch.Tensor:
+        """`project`'s query as the decode kernel reads it, (B, Hq, L, d)."""
+        return query
+
+    def decode_combine(self, side):
+        """The mode's differential term for the decode kernel's reduce (V1Combine, V2Combine or DexCombine); side as
+        `project` gives it."""
+        raise NotImplementedError
+
+    def decode_heads(self, implementation, query, key, value, side, attention_mask, cache, kwargs, out=None):
+        """A decoding step through the decode kernel, the mode's differential term in its reduce
+        (`decode_combine`): the cache updated, -> the heads' outputs (B, L, h, dv) before o_proj (in `out` where
+        given); None, the cache untouched, where it does not apply. Inputs as `project` gives them."""
+        if not self.decode_applies(implementation, query, key, value, attention_mask, kwargs):
+            return None
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx)
+        return combined_decode_attention(
+            self.decode_query(query), key, value, attention_mask, self.scaling, self.decode_combine(side), out
+        )
 
     def combined_decode_applies(self, implementation, query, key, value, attention_mask, kwargs) -> bool:
         """Whether a decoding step goes to the split-KV kernel with the differential term in its reduce
@@ -275,30 +298,21 @@ class DiffAttentionV1(_DiffAttentionBase):
         return query_states.unflatten(2, (-1, 2)), key_states, value_states, ()
 
     def decode_applies(self, implementation, pairs, key, value, attention_mask, kwargs) -> bool:
-        """Whether `decode_heads` takes this step (flash-diff goes first where it applies); key and value the new
-        tokens' (what `project` gives)."""
+        """subln plain, the decode kernel's shapes, and not flash-diff's (which goes first where it applies)."""
         return (
             self.subln_is_plain()
-            and self.combined_decode_applies(
-                implementation, pairs.flatten(2, 3).transpose(1, 2), key, value, attention_mask, kwargs
-            )
+            and super().decode_applies(implementation, pairs, key, value, attention_mask, kwargs)
             and not self.flash_diff_applies(implementation, pairs, key, value, attention_mask, kwargs)
         )
 
-    def decode_heads(self, implementation, pairs, key, value, side, attention_mask, cache, kwargs, out=None):
-        """A decoding step through the decode kernel, the combine in its reduce: the cache updated, -> the heads'
-        outputs (B, L, h, 2d) before o_proj (in `out` where given); None, the cache untouched, where it does not
-        apply. key and value are the new tokens' (what `project` gives)."""
-        if not self.decode_applies(implementation, pairs, key, value, attention_mask, kwargs):
-            return None
-        query = pairs.flatten(2, 3).transpose(1, 2)  # (B, 2h, L, d): heads 2i, 2i+1 = Q1, Q2 of head i
-        if cache is not None:
-            key, value = cache.update(key, value, self.layer_idx)
-        combine = V1Combine(
+    def decode_query(self, pairs: torch.Tensor) -> torch.Tensor:
+        return pairs.flatten(2, 3).transpose(1, 2)  # (B, 2h, L, d): heads 2i, 2i+1 = Q1, Q2 of head i
+
+    def decode_combine(self, side) -> V1Combine:
+        return V1Combine(
             self.diff_lambda.vectors(), self.lambda_init, self.subln.weight, self.subln.variance_epsilon,
             1 - self.lambda_init,
         )
-        return combined_decode_attention(query, key, value, attention_mask, self.scaling, combine, out)
 
     def forward(
         self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs: Unpack[TransformersKwargs]
@@ -399,20 +413,12 @@ class DiffAttentionV2(_LlamaLayoutAttention):
         fraction = anneal_fraction(self.anneal_step, self.config.anneal_steps).clamp(max=1.0)
         return torch.sigmoid(noise_logits) * fraction.to(noise_logits.dtype)
 
-    def project(self, implementation, hidden_states, position_embeddings, side=()):
+    def project(self, implementation, hidden_states, position_embeddings):
         """Llama's projections and RoPE, and side = (lambda_proj(x) (B, L, h),)."""
         return super().project(implementation, hidden_states, position_embeddings, side=(self.lambda_proj,))
 
-    def decode_heads(self, implementation, query, key, value, side, attention_mask, cache, kwargs, out=None):
-        """A decoding step through the decode kernel, the noise weight in its reduce: the cache updated, -> the
-        heads' outputs (B, L, h, d) before o_proj (in `out` where given); None, the cache untouched, where it does
-        not apply. key and value are the new tokens'; side = (lambda_proj(x),)."""
-        if not self.decode_applies(implementation, query, key, value, attention_mask, kwargs):
-            return None
-        if cache is not None:
-            key, value = cache.update(key, value, self.layer_idx)
-        combine = V2Combine(side[0], self.anneal_step, self.config.anneal_steps)
-        return combined_decode_attention(query, key, value, attention_mask, self.scaling, combine, out)
+    def decode_combine(self, side) -> V2Combine:
+        return V2Combine(side[0], self.anneal_step, self.config.anneal_steps)  # the noise weight from lambda_proj(x)
 
     def forward(
         self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs: Unpack[TransformersKwargs]
@@ -503,19 +509,11 @@ class DexAttention(_LlamaLayoutAttention):
             implementation, query, key, value, attention_mask, kwargs
         )
 
-    def decode_heads(self, implementation, query, key, value, side, attention_mask, cache, kwargs, out=None):
-        """A decoding step through the decode kernel, the operator in its reduce: the cache updated, -> the heads'
-        outputs (B, L, h, d) before o_proj (in `out` where given); None, the cache untouched, where it does not
-        apply. key and value are the new tokens'."""
-        if not self.decode_applies(implementation, query, key, value, attention_mask, kwargs):
-            return None
-        if cache is not None:
-            key, value = cache.update(key, value, self.layer_idx)
-        combine = DexCombine(
+    def decode_combine(self, side) -> DexCombine:
+        return DexCombine(
             self.dex_proj.weight, self.head_mask[self.dex_lambda.head_slice], self.dex_lambda.lambda_learn,
             self.anneal_step, self.config.anneal_steps, self.lambda_init,
         )
-        return combined_decode_attention(query, key, value, attention_mask, self.scaling, combine, out)
 
     def forward(
         self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs: Unpack[TransformersKwargs]
