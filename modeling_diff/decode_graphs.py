@@ -22,7 +22,8 @@ torch.compile, with a DynamicCache already holding tokens, where the decode kern
 outputs of the layers are asked for (attentions, hidden states), a module has hooks, or parameters are not plain
 (PEFT, DTensor, several devices: `generation.graphable`). Set `model.model.decode_graphs = False` to turn them off.
 The graphs and their buffers are kept beside the model for its next step of the same shape, rebuilt when the batch,
-the parameters' storage or the attention implementation change, and freed with the model or `release_decode_graphs`.
+the mask's kind, the attention implementation, the modules, their hooks or forwards, or the parameters' storage
+change (`ModelSnapshot`), and freed with the model or `release_decode_graphs`.
 """
 
 import operator
@@ -129,7 +130,7 @@ def release_decode_graphs(model) -> None:
 
 def step_qualifies(model, new_tokens: int, cache, kwargs) -> bool:
     """The step's conditions of the module docstring but the device, checked every step (the modules' own ones,
-    hooks and plain parameters at capture and in the graphs' key)."""
+    hooks and plain parameters at capture, and then by the `ModelSnapshot`)."""
     config = model.config
     return (
         model.decode_graphs
