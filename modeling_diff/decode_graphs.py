@@ -143,7 +143,9 @@ def step_qualifies(model, new_tokens: int, cache, kwargs) -> bool:
         and all(type(layer) is DynamicLayer and layer.is_initialized for layer in cache.layers)
         and cache.get_seq_length() > 0
         and not has_extra_options(kwargs)
-        and not any(kwargs.get(name, getattr(config, name, False)) for name in ("output_attentions", "output_hidden_states"))
+        and not any(
+            kwargs.get(name, getattr(config, name, False)) for name in ("output_attentions", "output_hidden_states")
+        )
     )
 
 
