@@ -32,7 +32,7 @@ import weakref
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from .generation import graphable
+from .generation import graphable, off_the_default_stream
 from .kernels import has_extra_options, resolve
 
 
@@ -200,25 +200,14 @@ def decode_step(model, hidden_states, position_embeddings, attention_mask, cache
     release_decode_graphs(model)  # free the previous graphs first
     heads = []
     output = None
-    if graphable(model):
-        output = _first_step(model, hidden_states, position_embeddings, attention_mask, cache, kwargs,
-                             implementation, heads)
+    if graphable(model):  # this step, eagerly through the pieces: it compiles the kernels the graphs record
+        output = off_the_default_stream(lambda: eager_step(
+            model, hidden_states, position_embeddings, attention_mask, cache, kwargs, implementation, heads
+        ))
     if output is None:  # kept, so that the next steps do not ask again
         _GRAPHS[model] = (key, ModelSnapshot(model), None)
         return None
     graphs = DecodeGraphs(model, hidden_states, position_embeddings, heads)
     graphs.capture(implementation)
     _GRAPHS[model] = (key, ModelSnapshot(model), graphs)
-    return output
-
-
-def _first_step(model, hidden_states, position_embeddings, attention_mask, cache, kwargs, implementation, heads):
-    """The eager step that comes before the capture, off the default stream (as capture wants): it runs this step
-    and compiles the kernels; `heads` gets each layer's heads (the shapes of the graphs' inputs)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        output = eager_step(model, hidden_states, position_embeddings, attention_mask, cache, kwargs, implementation,
-                            heads)
-    torch.cuda.current_stream().wait_stream(side)
     return output

@@ -68,6 +68,17 @@ def graphable(model) -> bool:
     )
 
 
+def off_the_default_stream(fn):
+    """fn() on a side stream, the default stream waiting for it: the eager warm-up before a CUDA graph capture, as
+    torch.cuda.graph wants it (kernels compiled, cuBLAS set up, off the stream the capture records)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        result = fn()
+    torch.cuda.current_stream().wait_stream(side)
+    return result
+
+
 class GreedyStepGraph:
     """A StaticCache of (batch, max_cache_len) and the buffers of one greedy decoding step, which `capture` puts in a
     CUDA graph. Shapes: B = batch, S = max_cache_len, N = the most new tokens, E = the EOS ids."""
@@ -119,11 +130,7 @@ class GreedyStepGraph:
     def capture(self) -> None:
         """One eager step off the default stream (it compiles the kernels; a real step of this generation), then
         the graph of the next one (recorded, not run)."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self.step()
-        torch.cuda.current_stream().wait_stream(side)
+        off_the_default_stream(self.step)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.step()
