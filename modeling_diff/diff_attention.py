@@ -10,6 +10,7 @@ Shapes: B batch, L new tokens, S cached + new tokens, h = num_attention_heads, h
 d = head_dim.
 """
 
+import abc
 import math
 import sys
 import weakref
@@ -155,7 +156,7 @@ class DexLambda(nn.Module):
         return self.forward(t_over_T) * head_mask[self.head_slice].float()
 
 
-class _DiffAttentionBase(nn.Module):
+class _DiffAttentionBase(nn.Module, metaclass=abc.ABCMeta):
     """What the three variants share: sizes, scaling, dropout and the choice of attention implementation."""
 
     # Whether `diff_triton` (what `sdpa` is on CUDA) takes the flash-diff kernel: where it measured faster than
@@ -212,10 +213,10 @@ class _DiffAttentionBase(nn.Module):
         """`project`'s query as the decode kernel reads it, (B, Hq, L, d)."""
         return query
 
+    @abc.abstractmethod
     def decode_combine(self, side):
         """The mode's differential term for the decode kernel's reduce (V1Combine, V2Combine or DexCombine); side as
-        `project` gives it."""
-        raise NotImplementedError
+        `project` gives it. Each mode defines it."""
 
     def decode_heads(self, implementation, query, key, value, side, attention_mask, cache, kwargs, out=None):
         """A decoding step through the decode kernel, the mode's differential term in its reduce
