@@ -153,6 +153,21 @@ def test_the_snapshot_sees_what_would_make_the_graphs_stale():
     assert snapshot.holds()
 
 
+def test_peft_on_a_model_with_graphs_ends_them_and_the_graphs_decline_it():
+    """Plain `peft.get_peft_model` after a model's graphs were built (LoRA injected into the same model): the
+    graphs' snapshot no longer holds, and `graphable` declines the LoRA model, whose layers then run eagerly."""
+    from peft import LoraConfig, get_peft_model
+
+    from modeling_diff.generation import graphable
+
+    model = fast_model("dex")
+    snapshot = decode_graphs.ModelSnapshot(model.model)
+    assert snapshot.holds() and graphable(model.model)
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    assert not snapshot.holds()
+    assert not graphable(peft_model.base_model.model.model)
+
+
 def test_a_decision_against_the_graphs_holds_while_the_model_is_as_it_was():
     """A model with a hook runs its layers; the snapshot kept with that decision holds while the hooks stay as they
     are (so a hooked model is not examined again every step), and ends when one goes."""
