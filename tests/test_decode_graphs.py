@@ -231,3 +231,24 @@ def test_sampling_and_beam_search_with_the_graphs_give_the_eager_tokens(strategy
                                       pad_token_id=0, **strategy))
     assert model.model in decode_graphs._GRAPHS  # the second generation took the graphs
     assert torch.equal(outputs[1], outputs[0])
+
+
+@pytest.mark.parametrize("mode", MODES)
+@torch.no_grad()
+def test_decode_heads_write_into_the_buffer_they_are_given(mode):
+    """`decode_heads(..., out=buffer)` (what a replay hands it: the next graph's input) writes the heads there,
+    equal to the heads of a call without it on a copy of the cache."""
+    model = fast_model(mode)
+    cache, token, mask, position = prefilled(model)
+    embeds, position_embeddings, causal_mask = step_inputs(model, token, mask, position, cache)
+    implementation = resolve(model.config._attn_implementation, embeds)
+    layer = model.model.layers[0]
+    query, key, value, side = layer.self_attn.project(
+        implementation, layer.input_layernorm(embeds), position_embeddings
+    )
+    heads = layer.self_attn.decode_heads(implementation, query, key, value, side, causal_mask, cache_copy(cache), {})
+    buffer = torch.full_like(heads, float("nan"))
+    written = layer.self_attn.decode_heads(
+        implementation, query, key, value, side, causal_mask, cache, {}, out=buffer
+    )
+    assert written is buffer and torch.equal(buffer, heads)
