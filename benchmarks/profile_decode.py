@@ -24,9 +24,9 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 from tqdm import tqdm
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 
-from bench import MODELS, DecodingSteps, build, kernels_patched, profiling_args, warm_up_gpu
+from bench import MODELS, DecodingSteps, build, kernels_patched, profiling_args, warm_up_gpu, warm_up_steps
 
 
 @torch.no_grad()
@@ -66,6 +66,47 @@ def profile_model(name: str, seq: int, batch: int, steps: int, out: str | None, 
     return row
 
 
+@torch.no_grad()
+def profile_static_graph(name: str, seq: int, batch: int, steps: int, out: str | None) -> dict:
+    """The graph-replayed StaticCache step (bench.py's decode rows): its kernels one by one, from the profiler's
+    trace of `steps` replays (CUPTI sees the kernels inside a graph), as (name, calls a step, us a step)."""
+    model = build(name, max_positions=seq + 16).eval()
+    cache = StaticCache(config=model.config, max_cache_len=seq + 8)
+    step = DecodingSteps(model, cache, batch, seq, chunk_tokens=4096)
+    warm_up_steps(step, 4)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(10):
+        graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    step_ms = start.elapsed_time(end) / steps
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            graph.replay()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels.sort(key=lambda e: -e.self_device_time_total)
+    rows = [(e.key, e.count / steps, e.self_device_time_total / steps) for e in kernels]
+    busy = sum(us for _, _, us in rows)
+    row = dict(model=name, step_ms=step_ms, kernel_ms=busy / 1e3, kernels=sum(c for _, c, _ in rows), table=rows)
+    if out:
+        with open(os.path.join(out, f"static_{name}_b{batch}.md"), "w") as f:
+            f.write(f"{name}, batch {batch}, context {seq}: step {step_ms * 1e3:.1f} us replayed, kernels {busy:.1f} us\n")
+            f.write("| kernel | calls a step | us a step |\n|---|---|---|\n")
+            f.writelines(f"| {key[:90]} | {count:g} | {us:.1f} |\n" for key, count, us in rows)
+    del graph, model, cache
+    gc.collect()
+    torch.cuda.empty_cache()
+    return row
+
+
 def host_profile(step, steps: int, rows: int = 40) -> str:
     """cProfile's table of `steps` steps, the functions by their own time (tottime) and their callees' (cumtime)."""
     profiler = cProfile.Profile()
@@ -91,8 +132,19 @@ def main(argv=None):
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--out", help="folder for the profiler tables, one file per model")
     parser.add_argument("--host", action="store_true", help="also cProfile the steps (the --out files get its tables)")
+    parser.add_argument("--static", action="store_true",
+                        help="the graph-replayed StaticCache step instead: its kernels one by one")
     args = profiling_args(parser, argv, ("seq", "batch", "steps"), "profile_decode.py")
     warm_up_gpu()
+    if args.static:
+        print(f"\nbatch {args.batch}, context {args.seq}, graph-replayed StaticCache steps")
+        print("| model | step ms | kernel ms | kernels a step | gaps us a kernel |\n|---|---|---|---|---|")
+        for name in args.models:
+            with kernels_patched(name):
+                r = profile_static_graph(name, args.seq, args.batch, args.steps, args.out)
+            gap = (r["step_ms"] - r["kernel_ms"]) * 1e3 / r["kernels"]
+            print(f"| {name} | {r['step_ms']:.3f} | {r['kernel_ms']:.3f} | {r['kernels']:.0f} | {gap:.2f} |")
+        return
     rows = []
     for name in tqdm(args.models, desc="models"):
         with kernels_patched(name):
