@@ -70,8 +70,9 @@ def profile_model(name: str, seq: int, batch: int, steps: int, out: str | None, 
 def profile_static_graph(name: str, seq: int, batch: int, steps: int, out: str | None) -> dict:
     """The graph-replayed StaticCache step (bench.py's decode rows): its kernels one by one, from the profiler's
     trace of `steps` replays (CUPTI sees the kernels inside a graph), as (name, calls a step, us a step)."""
-    model = build(name, max_positions=seq + 16).eval()
-    cache = StaticCache(config=model.config, max_cache_len=seq + 8)
+    replays = 4 + 1 + 10 + 2 * steps  # warm-up, capture, untimed, timed and profiled: a position each
+    model = build(name, max_positions=seq + replays + 16).eval()
+    cache = StaticCache(config=model.config, max_cache_len=seq + replays)
     step = DecodingSteps(model, cache, batch, seq, chunk_tokens=4096)
     warm_up_steps(step, 4)
     graph = torch.cuda.CUDAGraph()

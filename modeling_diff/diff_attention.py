@@ -29,7 +29,7 @@ from .configuration import DiffLlamaConfig
 from .kernels import (
     DIFF_TRITON, FUSED_DIFF, DexCombine, V1Combine, V2Combine, apply_rope, combined_decode_applies,
     combined_decode_attention, flash_diff_applies, flash_diff_attention, has_extra_options, is_plain_linear,
-    linear_maps, resolve, uses_fast_kernels, v1_combine, v2_combine_projected,
+    linear_maps, resolve, split_linear, split_linear_applies, uses_fast_kernels, v1_combine, v2_combine_projected,
 )
 
 
@@ -200,8 +200,12 @@ class _DiffAttentionBase(nn.Module, metaclass=abc.ABCMeta):
     # graphs (`modeling_diff/decode_graphs.py`) call the same three, with `decode_heads` outside the graphs.
 
     def output(self, heads: torch.Tensor) -> torch.Tensor:
-        """o_proj of the heads' outputs (B, L, h, dv) of a decoding step -> (B, L, hidden)."""
-        return self.o_proj(heads.flatten(2))
+        """o_proj of the heads' outputs (B, L, h, dv) of a decoding step -> (B, L, hidden), split along its input
+        where the kernel takes it (`kernels/projection.py`)."""
+        heads = heads.flatten(2)
+        if split_linear_applies(heads, self.o_proj):
+            return split_linear(heads, self.o_proj)
+        return self.o_proj(heads)
 
     def decode_applies(self, implementation, query, key, value, attention_mask, kwargs) -> bool:
         """Whether `decode_heads` takes this step; query, key and value as `project` gives them (the new tokens')."""

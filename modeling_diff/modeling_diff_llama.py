@@ -38,7 +38,8 @@ from .generation import graphed_greedy_generate
 from .diff_attention import ATTENTION_CLASSES, DexAttention, DexLambda, DifferentialLambda, DiffAttentionV1, DiffAttentionV2
 from .kernels import (
     add_rms_norm, add_rms_norm_applies, gated_projection, gated_projection_applies, resolve, rms_norm,
-    rms_norm_kernel_applies, silu_mul, silu_mul_applies, swiglu_mlp, swiglu_mlp_applies, uses_fast_kernels,
+    rms_norm_kernel_applies, silu_mul, silu_mul_applies, split_linear, split_linear_applies, swiglu_mlp,
+    swiglu_mlp_applies, uses_fast_kernels,
 )
 
 # "cache" (transformers > 5.17) or "past_key_values" (5.17): the keyword of masks and model outputs.
@@ -100,23 +101,35 @@ class DiffLlamaMLP(LlamaMLP):
     autograd node that keeps gate(x) and up(x) but not silu(gate(x)) * up(x), which its backward computes again
     (`kernels/swiglu.py`): two (tokens x intermediate) activations a layer, where LlamaMLP keeps four and Liger's
     SwiGLU MLP three. With wrapped projections (PEFT's LoRA layers) the activation alone takes a kernel that keeps
-    gate(x) and up(x) and not silu(gate(x)). In a decoding step gate, up and the activation are one launch
-    (`kernels/projection.py`)."""
+    gate(x) and up(x) and not silu(gate(x)). In a decoding step gate, up and the activation are one launch and
+    down_proj is split along its input (`kernels/projection.py`), the decoder's residual add in its last pass."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not uses_fast_kernels(resolve(self.config._attn_implementation, x)):
             return super().forward(x)
-        silu = self.config.hidden_act in ("silu", "swish")
-        if silu and gated_projection_applies(x, self.gate_proj, self.up_proj):  # decoding steps (no gradients)
-            return self.down_proj(gated_projection(x, self.gate_proj, self.up_proj))
+        decoded = self.decoding_forward(x)
+        if decoded is not None:
+            return decoded
         if swiglu_mlp_applies(self, x):
             return swiglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
         # wrapped projections (PEFT's LoRA layers, tensor parallelism, hooks): their own forward, the activation
         # in one pass that keeps gate(x) and up(x) but not silu(gate(x))
         gate, up = self.gate_proj(x), self.up_proj(x)
-        if silu and silu_mul_applies(gate, up):
+        if self.config.hidden_act in ("silu", "swish") and silu_mul_applies(gate, up):
             return self.down_proj(silu_mul(gate, up))
         return self.down_proj(self.act_fn(gate) * up)
+
+    def decoding_forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor | None:
+        """A decoding step's MLP on the kernels (no gradients, few tokens, plain projections; the caller is on a fast
+        implementation): silu(gate(x)) * up(x) in one launch, then down_proj split along its input, with `residual`
+        added in its last pass where given (residual + mlp(x)). None where the kernels do not take x."""
+        if not (self.config.hidden_act in ("silu", "swish") and gated_projection_applies(x, self.gate_proj, self.up_proj)):
+            return None
+        activation = gated_projection(x, self.gate_proj, self.up_proj)
+        if split_linear_applies(activation, self.down_proj, residual):
+            return split_linear(activation, self.down_proj, residual)
+        out = self.down_proj(activation)
+        return out if residual is None else residual + out
 
 
 class DiffLlamaDecoderLayer(GradientCheckpointingLayer):
@@ -145,9 +158,20 @@ class DiffLlamaDecoderLayer(GradientCheckpointingLayer):
         return self.after_attention(residual, hidden_states)
 
     def after_attention(self, residual: torch.Tensor, attn_output: torch.Tensor) -> torch.Tensor:
-        """residual + attention, its norm (one pass in decoding steps), and the MLP's residual add."""
+        """residual + attention, its norm (one pass in decoding steps), and the MLP's residual add (in down_proj's
+        last pass in decoding steps, where the MLP is ours without hooks or a forward of its instance: Liger's and
+        PEFT's modules, and hooks, see the MLP's own output)."""
         residual, hidden_states = add_and_norm(self.post_attention_layernorm, residual, attn_output, self.config)
-        return residual + self.mlp(hidden_states)
+        mlp = self.mlp
+        if (
+            type(mlp) is DiffLlamaMLP
+            and not (mlp._forward_hooks or mlp._forward_pre_hooks or "forward" in mlp.__dict__)
+            and uses_fast_kernels(resolve(self.config._attn_implementation, hidden_states))
+        ):
+            decoded = mlp.decoding_forward(hidden_states, residual)
+            if decoded is not None:
+                return decoded
+        return residual + mlp(hidden_states)
 
 
 # Where the differential parameters were saved before they had modules of their own (PEFT's `modules_to_save` and

@@ -437,6 +437,54 @@ def test_projections_of_a_decoding_step_match_the_formula(tokens, monkeypatch):
     assert len(launches) == launched
 
 
+@pytest.mark.parametrize("tokens", [0, 1, 33 if GPU else 17])
+def test_split_linear_matches_the_formula_and_adds_the_residual(tokens):
+    """A Linear map alone (o_proj, down_proj of a step) as float32 partial products over parts of its input width,
+    summed: x W^T, and residual + x W^T, at 1, 2, 4 and 8 parts (the block sizes of the H200 and smaller ones); a NaN
+    token stays in its own row. Bad inputs are not taken: a residual of another shape or dtype, a layer with a hook,
+    recorded gradients."""
+    from modeling_diff.kernels import projection
+
+    torch.manual_seed(5)
+    width, rows = (8192, 2048) if GPU else (256, 48)
+    layer = linear_layer(width, rows)
+    x, residual = rand(tokens, 1, width), rand(tokens, 1, rows)
+    reference = x.float() @ layer.weight.float().T
+    with torch.no_grad():
+        for split, step in ((1, 64), (2, 64), (4, 32), (8, 32)):
+            y = torch.empty(tokens, 1, rows, dtype=DTYPE, device=DEVICE)
+            if tokens:
+                projection.launch_split_linear(x.view(tokens, width), layer.weight, y, None, 32, step, split, 2)
+                assert rel_err(y, reference) < TOL
+                projection.launch_split_linear(x.view(tokens, width), layer.weight, y, residual.view(tokens, rows),
+                                               16, step, split, 2)
+                assert rel_err(y, residual.float() + reference) < TOL
+        assert projection.split_linear_applies(x, layer, residual)
+        out = projection.split_linear(x, layer, residual)  # the block sizes of split_config
+        assert out.shape == residual.shape and (tokens == 0 or rel_err(out, residual.float() + reference) < TOL)
+        assert projection.linear_maps(x, layer, fused=True)[0].shape == (tokens, 1, rows)
+        if tokens > 1:
+            poisoned = x.clone()
+            poisoned[0] = float("nan")
+            out = projection.split_linear(poisoned, layer)
+            assert out[0].isnan().all() and rel_err(out[1:], reference[1:]) < TOL
+        assert not projection.split_linear_applies(x, layer, residual[..., :-1])  # not the output's shape
+        assert not projection.split_linear_applies(x, layer, residual.double())
+        handle = layer.register_forward_hook(lambda *args: None)
+        assert not projection.split_linear_applies(x, layer)
+        handle.remove()
+    assert not projection.split_linear_applies(x, layer)  # gradients recorded
+
+
+@pytest.mark.parametrize("tokens, width", [(1, 2048), (1, 8192), (32, 2048), (32, 8192), (1, 48), (17, 96)])
+def test_split_config_divides_the_width(tokens, width):
+    """Every part of K a whole number of steps (the kernel's loop has no mask), at most 8 parts."""
+    from modeling_diff.kernels.projection import split_config
+
+    block_n, step, split = split_config(tokens, width)
+    assert block_n in (32, 64) and 1 <= split <= 8 and width % (split * step) == 0 and step & (step - 1) == 0
+
+
 @pytest.mark.parametrize("device_shared_memory", [232448, 166912, 101376])  # H200 / H100, A100, most other GPUs
 def test_projection_pipelines_fit_the_devices_shared_memory(device_shared_memory, monkeypatch):
     """Loads in flight: 4 where they fit, fewer where x's and the weights' tiles would overflow a device's shared
@@ -908,8 +956,9 @@ def decode(model, cache_class, ids, mask, steps):
 @pytest.mark.parametrize("cache_class", [DynamicCache, StaticCache])
 def test_decoding_steps_on_the_kernel_equal_eager(mode, cache_class, monkeypatch):
     """Prefill, then decoding steps through the split-KV kernel with the differential term in it, the
-    projections' kernels (q, k, v and V2's lambda_proj in one launch, the MLP's gate and up in one) and the residual
-    add with the norm after it in one pass, with left padding, dynamic and static caches. The keys and values that
+    projections' kernels (q, k, v and V2's lambda_proj in one launch, the MLP's gate and up in one, o_proj and
+    down_proj split along their input, down_proj's sum with the residual add) and the residual add with the norm
+    after it in one pass, with left padding, dynamic and static caches. The keys and values that
     reach the cache are contiguous: a DynamicCache concatenates them with its cache, and torch.cat's fast CUDA
     kernel takes only contiguous inputs (a column view of the projections' output took the slow one)."""
     import modeling_diff.diff_attention as attention
@@ -917,12 +966,13 @@ def test_decoding_steps_on_the_kernel_equal_eager(mode, cache_class, monkeypatch
 
     import modeling_diff.modeling_diff_llama as modeling
 
-    kernel_calls, projections, gated, added = [], [], [], []
+    kernel_calls, projections, gated, added, split = [], [], [], [], []
     kernel, add_norm = attention.combined_decode_attention, modeling.add_rms_norm
     monkeypatch.setattr(attention, "combined_decode_attention", lambda *a: kernel_calls.append(1) or kernel(*a))
     monkeypatch.setattr(modeling, "add_rms_norm", lambda *a: added.append(1) or add_norm(*a))
     monkeypatch.setattr(projection, "_projections", CountedKernel(projection._projections, projections))
     monkeypatch.setattr(projection, "_gated_projection", CountedKernel(projection._gated_projection, gated))
+    monkeypatch.setattr(projection, "_split_sum", CountedKernel(projection._split_sum, split))
     layouts, update = [], cache_class.update
     monkeypatch.setattr(cache_class, "update", lambda self, k, v, *a, **kw: layouts.append(
         (k.shape[-2], k.is_contiguous(), v.is_contiguous())) or update(self, k, v, *a, **kw))
@@ -933,9 +983,49 @@ def test_decoding_steps_on_the_kernel_equal_eager(mode, cache_class, monkeypatch
     assert rel_err(logits[1], logits[0]) < TOL
     assert len(kernel_calls) == steps.shape[1] * eager.config.num_hidden_layers  # every decoding step
     assert len(projections) == len(gated) == len(kernel_calls)  # the prefill's 80 tokens take cuBLAS
+    assert len(split) == 2 * len(kernel_calls)  # o_proj, and down_proj with the residual add
     assert len(added) == (1 + steps.shape[1]) * eager.config.num_hidden_layers  # the add before the MLP's norm
     # a step's (batch > 1): a column view of the projections would not be contiguous (the prefill's are transposed)
     assert ids.shape[0] > 1 and {layout for layout in layouts if layout[0] == 1} == {(1, True, True)}
+
+
+def test_decoding_steps_with_a_hook_on_the_mlp_show_it_the_mlps_own_output():
+    """The residual add joins down_proj's last pass only where nothing watches the MLP: with a forward hook on it,
+    the hook runs in every step and sees mlp(x), not residual + mlp(x), and the logits stay eager's."""
+    eager, fast = model_pair("v1", FAST)
+    seen = {}
+    for name, model in (("eager", eager), ("fast", fast)):
+        mlp = model.model.layers[0].mlp
+        mlp.register_forward_hook(lambda module, args, out, name=name: seen.setdefault(name, []).append(
+            (out, module.down_proj(module.act_fn(module.gate_proj(args[0])) * module.up_proj(args[0])))))
+    ids, mask = padded_batch(eager.config.vocab_size)
+    steps = torch.randint(3, eager.config.vocab_size, (ids.shape[0], 2), device=DEVICE)
+    with torch.no_grad():
+        logits = [decode(model, DynamicCache, ids, mask, steps) for model in (eager, fast)]
+    assert rel_err(logits[1], logits[0]) < TOL
+    assert len(seen["fast"]) == len(seen["eager"]) == 1 + steps.shape[1]  # the prefill and every step
+    for out, own in seen["fast"]:
+        assert rel_err(out, own) < TOL
+
+
+@pytest.mark.skipif(not GPU, reason="programmatic dependent launch needs a CUDA GPU (compute capability 9.0+)")
+def test_dependent_launches_change_no_bit_of_a_decoding_step(monkeypatch):
+    """PDL only lets a kernel start earlier; every kernel waits for its inputs: the steps' logits with it equal
+    those without it bit for bit (dynamic and static caches, the decoding graphs included)."""
+    from modeling_diff.kernels import _triton
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("PDL needs compute capability 9.0+")
+    _, fast = model_pair("dex", FAST)
+    ids, mask = padded_batch(fast.config.vocab_size, length=40)
+    steps = torch.randint(3, fast.config.vocab_size, (ids.shape[0], 4), device=DEVICE)
+    with torch.no_grad():
+        for cache_class in (DynamicCache, StaticCache):
+            runs = []
+            for enabled in (True, False):
+                monkeypatch.setattr(_triton, "PDL_ENABLED", enabled)
+                runs.append(decode(fast, cache_class, ids, mask, steps))
+            assert torch.equal(runs[0], runs[1])
 
 
 def test_lora_model_on_the_flash_diff_kernel_equals_eager(monkeypatch):

@@ -10,7 +10,9 @@
 - `swiglu.py`: the decoder's SwiGLU MLP in training, its activation computed again in the backward instead of
   kept, and silu(gate) * up alone for MLPs of wrapped layers (`triton_swiglu.py`).
 - `projection.py`: the Linear maps of a decoding step in fewer launches: q, k, v (and V2's lambda_proj) in one,
-  the MLP's gate and up with silu(gate) * up in one (`triton_projection.py`).
+  the MLP's gate and up with silu(gate) * up in one, o_proj and down_proj split along their input
+  (`triton_projection.py`).
+- `triton_launch.py`: programmatic dependent launch (Hopper) in the decoding step's kernels.
 - `decode.py`: split-KV attention for decoding steps, one read of the KV cache per step, with each mode's
   differential term in its reduce (`triton_decode.py`).
 - `attention.py`: the attention implementations `"diff_triton"` (chosen automatically for `sdpa` on CUDA) and
@@ -29,7 +31,7 @@ from .attention import (
 from .combine import v1_combine, v2_combine, v2_combine_projected
 from .decode import DexCombine, V1Combine, V2Combine, combined_decode_applies, combined_decode_attention
 from .flash_diff import flash_diff_applies, flash_diff_attention
-from .projection import gated_projection, gated_projection_applies, linear_maps
+from .projection import gated_projection, gated_projection_applies, linear_maps, split_linear, split_linear_applies
 from .rmsnorm import add_rms_norm, add_rms_norm_applies, rms_norm, rms_norm_kernel_applies
 from .rope import apply_rope
 from .swiglu import silu_mul, silu_mul_applies, swiglu_mlp, swiglu_mlp_applies
@@ -41,6 +43,6 @@ __all__ = [
     "apply_rope", "combined_decode_applies", "combined_decode_attention", "diff_triton_attention_forward",
     "flash_diff_applies", "flash_diff_attention", "gated_projection", "gated_projection_applies", "has_extra_options",
     "is_plain_linear", "linear_maps", "resolve", "rms_norm", "rms_norm_kernel_applies", "silu_mul", "silu_mul_applies",
-    "swiglu_mlp", "swiglu_mlp_applies", "triton_available", "uses_fast_kernels", "v1_combine", "v2_combine",
-    "v2_combine_projected",
+    "split_linear", "split_linear_applies", "swiglu_mlp", "swiglu_mlp_applies", "triton_available",
+    "uses_fast_kernels", "v1_combine", "v2_combine", "v2_combine_projected",
 ]

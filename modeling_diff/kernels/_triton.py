@@ -16,6 +16,11 @@ TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 # TRITON_INTERPRET=1 (set before triton is first imported) runs the kernels on CPU tensors through Triton's
 # interpreter: how CI tests them.
 TRITON_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Programmatic dependent launch (PDL, compute capability 9.0+): a kernel launched with it may start while the
+# kernel before it in the stream finishes, and waits (griddepcontrol.wait, `triton_launch.py`) before it reads
+# anything the kernels before it wrote; before that wait it reads only weights. A decoding step's ~200 kernels
+# each start that much earlier (benchmarks/pdl_bench.py). MODELING_DIFF_PDL=0 turns it off.
+PDL_ENABLED = os.environ.get("MODELING_DIFF_PDL", "1") != "0"
 
 
 def triton_available() -> bool:
@@ -26,6 +31,17 @@ def eager_kernels_run_on(tensor: torch.Tensor) -> bool:
     """Whether the Triton kernels can be launched on `tensor` from eager code: triton is there, the tensor is on
     CUDA (or the interpreter runs them on CPU), and torch.compile is not tracing (Inductor fuses the references)."""
     return TRITON_AVAILABLE and (tensor.is_cuda or TRITON_INTERPRETING) and not torch.compiler.is_compiling()
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def dependent_launch(tensor: torch.Tensor) -> bool:
+    """Whether a kernel on `tensor` launches with PDL (see PDL_ENABLED): on CUDA of compute capability 9.0+ (the
+    interpreter runs on CPU tensors: never)."""
+    return PDL_ENABLED and tensor.is_cuda and _capability(tensor.get_device()) >= (9, 0)
 
 
 def needs_grad(*tensors) -> bool:

@@ -1,5 +1,6 @@
-"""The Linear maps of a decoding step in fewer, fuller launches: q, k, v (and V2's lambda_proj) in one, and the MLP's
-gate and up with silu(gate) * up in one (`triton_projection.py`).
+"""The Linear maps of a decoding step in fewer, fuller launches: q, k, v (and V2's lambda_proj) in one, the MLP's
+gate and up with silu(gate) * up in one, and a Linear map alone (o_proj, down_proj) split along its input width
+(`triton_projection.py`).
 
 A decoding step reads every weight once for a handful of tokens, so its speed is the bytes a launch keeps in
 flight. cuBLAS's kernels for one token measured 0.4 TB/s on the ~1.1B model's k and v (2 MB each) and 1.5 TB/s
@@ -9,6 +10,13 @@ not gate, up and the product. The reference is the layers' own forward (F.linear
 
     linear_maps(x (..., K), *linears, fused) -> each linear(x), (..., N_i)
     gated_projection(x (..., K), gate, up) -> silu(gate(x)) * up(x), (..., I)
+    split_linear(x (..., K), linear, residual=None) -> linear(x) (+ residual), (..., N)
+
+A weight alone has too few row blocks for the GPU (o_proj's and down_proj's 2048 rows are 32 programs of 64 rows
+for 132 multiprocessors), so its products are split along K into float32 partials, which a second launch sums (and
+adds the decoder's residual to: `residual + down_proj(x)` in one pass). cuBLAS takes o_proj at 1 token in
+5.2 us and down_proj in 11.3 (12.5 with the residual add); the split products with their sum, 3.5 and 8.8 us
+(benchmarks/pdl_bench.py on the H200, with PDL).
 
 The kernels take x where `few_rows_apply`: no gradient, on CUDA of compute capability 8.0+ (or the interpreter)
 outside torch.compile, at most MAX_ROWS tokens of a 16-bit dtype; and they read plain bias-free Linear layers of
@@ -22,10 +30,12 @@ import torch
 from torch import nn
 
 from ._modules import is_plain_linear
-from ._triton import TRITON_AVAILABLE, TRITON_INTERPRETING, cdiv, eager_kernels_run_on, next_power_of_2
+from ._triton import (
+    TRITON_AVAILABLE, TRITON_INTERPRETING, cdiv, dependent_launch, eager_kernels_run_on, next_power_of_2,
+)
 
 if TRITON_AVAILABLE:
-    from .triton_projection import _gated_projection, _projections
+    from .triton_projection import _gated_projection, _projections, _split_products, _split_sum
 
 MAX_ROWS = 64  # tokens of a step the kernels take (x padded to a power of two >= 16 rows on the tensor cores)
 MAX_WEIGHTS = 4  # weights of one `_projections` launch
@@ -89,31 +99,56 @@ def launch_projections(rows, weights, y, block_n: int, step: int, stages: int, w
     m, k = rows.shape
     widths = [w.shape[0] for w in weights]
     pad = MAX_WEIGHTS - len(weights)
+    pdl = dependent_launch(rows)
     _projections[(sum(cdiv(n, block_n) for n in widths),)](
         rows, *weights, *weights[:1] * pad, y, m, *widths, *(0,) * pad, K=k, BLOCK_M=max(16, next_power_of_2(m)),
-        BLOCK_N=block_n, BLOCK_K=step, num_stages=stages, num_warps=warps,
+        BLOCK_N=block_n, BLOCK_K=step, PDL=pdl, num_stages=stages, num_warps=warps, launch_pdl=pdl,
     )
 
 
 def launch_gated_projection(rows, w_gate, w_up, y, block_n: int, step: int, stages: int, warps: int = 4) -> None:
     """One `_gated_projection` launch: y (M, I) = silu(rows W_gate^T) * (rows W_up^T), rows (M, K) contiguous."""
     m, k = rows.shape
+    pdl = dependent_launch(rows)
     _gated_projection[(cdiv(w_gate.shape[0], block_n),)](
         rows, w_gate, w_up, y, m, w_gate.shape[0], K=k, BLOCK_M=max(16, next_power_of_2(m)), BLOCK_N=block_n,
-        BLOCK_K=step, num_stages=stages, num_warps=warps,
+        BLOCK_K=step, PDL=pdl, num_stages=stages, num_warps=warps, launch_pdl=pdl,
+    )
+
+
+SUM_BLOCK = 1024  # elements of the output per program of the partials' sum
+
+
+def launch_split_linear(rows, weight, y, residual, block_n: int, step: int, split: int, stages: int,
+                        warps: int = 4) -> None:
+    """Two launches: y (M, N) = rows (M, K) weight^T as `split` float32 partial products over equal parts of K (each
+    a multiple of `step`), then their sum rounded to y's dtype, plus `residual` (M, N) where it is given."""
+    m, k = rows.shape
+    n = weight.shape[0]
+    pdl = dependent_launch(rows)
+    parts = torch.empty(split, m, n, dtype=torch.float32, device=rows.device)
+    _split_products[(cdiv(n, block_n), split)](
+        rows, weight, parts, m, n, K=k, SPLIT=split, BLOCK_M=max(16, next_power_of_2(m)), BLOCK_N=block_n,
+        BLOCK_K=step, PDL=pdl, num_stages=stages, num_warps=warps, launch_pdl=pdl,
+    )
+    _split_sum[(cdiv(m * n, SUM_BLOCK),)](
+        parts, y if residual is None else residual, y, m * n, SPLIT=split, BLOCK=SUM_BLOCK, ADD=residual is not None,
+        PDL=pdl, launch_pdl=pdl,
     )
 
 
 def linear_maps(x: torch.Tensor, *linears: nn.Linear, fused: bool) -> tuple[torch.Tensor, ...]:
     """(layer(x) for each of `linears`): with `fused` (the caller is on a fast implementation), the products of two or
-    more plain layers in one launch (per MAX_WEIGHTS) where the kernel takes x; every other layer through its own
-    forward.
+    more plain layers in one launch (per MAX_WEIGHTS) where the kernel takes x, a plain layer alone split along K
+    (`split_linear`); every other layer through its own forward.
     The kernel's outputs are contiguous blocks of one buffer (decoding steps are bound by host work: one
     allocation, one split), viewed with x's leading dims."""
     if not (fused and few_rows_apply(x)):
         return tuple(layer(x) for layer in linears)
     read = [layer for layer in linears if kernel_reads(layer, x)]
-    if len(read) < 2:  # one weight alone: cuBLAS measured as fast (o_proj), and its launch costs less host time
+    if len(read) == 1 and len(linears) == 1:  # a weight alone: split along K
+        return (split_linear(x, read[0]),)
+    if len(read) < 2:
         return tuple(layer(x) for layer in linears)
     rows = x.reshape(-1, x.shape[-1]).contiguous()  # (M, K)
     block_m = max(16, next_power_of_2(rows.shape[0]))  # x's rows padded for the tensor cores
@@ -131,6 +166,41 @@ def linear_maps(x: torch.Tensor, *linears: nn.Linear, fused: bool) -> tuple[torc
         return tuple(products)
     computed = {id(layer): y for layer, y in zip(read, products)}
     return tuple(computed[id(layer)] if id(layer) in computed else layer(x) for layer in linears)
+
+
+def split_config(tokens: int, width: int) -> tuple[int, int, int]:
+    """(rows a program, its K step, parts of K) of `launch_split_linear`, what measured fastest on the H200 for o_proj
+    and down_proj (benchmarks/pdl_bench.py): at one token 64 rows, 512-wide steps and a part of 1-2 steps (4 parts
+    of o_proj's 2048, 8 of down_proj's 8192); at 32 tokens 32 rows, 256-wide steps, 2 parts. Each part a multiple of
+    the step (the loop has no mask)."""
+    block_n, step, most = (64, 512, 8) if tokens <= 16 else (32, 256, 2)
+    step = min(step, width & -width)
+    steps = width // step
+    return block_n, step, min(most, steps & -steps)  # a power of two dividing the steps
+
+
+def split_linear_applies(x: torch.Tensor, linear: nn.Module, residual: torch.Tensor | None = None) -> bool:
+    return (
+        few_rows_apply(x) and kernel_reads(linear, x)
+        and (residual is None or (
+            type(residual) is torch.Tensor and residual.dtype == x.dtype and residual.is_contiguous()
+            and residual.shape == (*x.shape[:-1], linear.out_features)
+        ))
+    )
+
+
+def split_linear(x: torch.Tensor, linear: nn.Linear, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """linear(x), or residual + linear(x) rounded as that sum is, through the split products and their sum (check
+    `split_linear_applies` first)."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()  # (M, K)
+    weight = linear._parameters["weight"]
+    y = torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype, device=x.device)
+    if rows.shape[0] == 0:
+        return y
+    block_n, step, split = split_config(rows.shape[0], rows.shape[1])
+    stages = pipeline_stages(max(16, next_power_of_2(rows.shape[0])), block_n, step, x)
+    launch_split_linear(rows, weight, y, residual, block_n, step, split, stages)
+    return y
 
 
 def gated_projection_applies(x: torch.Tensor, gate: nn.Module, up: nn.Module) -> bool:

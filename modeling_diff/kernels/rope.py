@@ -15,7 +15,8 @@ import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ._triton import (
-    TRITON_AVAILABLE, cdiv, eager_kernels_run_on, is_power_of_2, needs_grad, next_power_of_2, promoted_dtype,
+    TRITON_AVAILABLE, cdiv, dependent_launch, eager_kernels_run_on, is_power_of_2, needs_grad, next_power_of_2,
+    promoted_dtype,
 )
 
 if TRITON_AVAILABLE:
@@ -34,9 +35,9 @@ def rope_kernel_applies(query, key, cos, sin) -> bool:
     )
 
 
-def _rotate(query, key, cos, sin, transpose: bool, dtype: torch.dtype):
+def _rotate(query, key, cos, sin, transpose: bool, dtype: torch.dtype, pdl: bool = False):
     """One launch: query (B, L, Hq, d) and key (B, L, Hk, d) -> both rotated, contiguous, in `dtype`; `transpose`
-    applies the transposed rotation (the backward)."""
+    applies the transposed rotation (the backward); `pdl`: a dependent launch (decoding steps)."""
     batch, length, q_heads, dim = query.shape
     k_heads = key.shape[2]
     out_q = torch.empty(batch, length, q_heads, dim, dtype=dtype, device=query.device)
@@ -45,7 +46,7 @@ def _rotate(query, key, cos, sin, transpose: bool, dtype: torch.dtype):
     _rope[(batch * length, cdiv(q_heads, block_h) + cdiv(k_heads, block_h))](
         query, key, cos, sin, out_q, out_k, *query.stride()[:3], *key.stride()[:3], *out_q.stride()[:3],
         *out_k.stride()[:3], cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1),
-        length, q_heads, k_heads, HALF=dim // 2, BLOCK_H=block_h, TRANSPOSE=transpose,
+        length, q_heads, k_heads, HALF=dim // 2, BLOCK_H=block_h, TRANSPOSE=transpose, PDL=pdl, launch_pdl=pdl,
     )
     return out_q, out_k
 
@@ -70,5 +71,6 @@ def apply_rope(query, key, cos, sin, fused: bool):
         dtype = promoted_dtype(query.dtype, cos.dtype)  # as x * cos: a float32 cos under autocast gives float32
         if needs_grad(query, key):
             return _Rope.apply(query, key, cos, sin, dtype)
-        return _rotate(query, key, cos, sin, transpose=False, dtype=dtype)  # decoding: no autograd node to build
+        # decoding: no autograd node to build
+        return _rotate(query, key, cos, sin, transpose=False, dtype=dtype, pdl=dependent_launch(query))
     return apply_rotary_pos_emb(query, key, cos, sin, unsqueeze_dim=2)

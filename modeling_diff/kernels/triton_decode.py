@@ -16,7 +16,7 @@ import functools
 import torch
 from torch.library import triton_op, wrap_triton
 
-from ._triton import TRITON_INTERPRETING, cdiv, next_power_of_2
+from ._triton import TRITON_INTERPRETING, cdiv, dependent_launch, next_power_of_2
 from .masks import causal_offset, kernel_mask
 from .triton_combine import anneal_fraction, dex_lambda, differential_lambda, v1_combine_rows
 
@@ -27,6 +27,8 @@ try:
     import triton.language as tl
 except ImportError as error:
     raise ImportError("modeling_diff's Triton kernels need the triton package") from error
+
+from .triton_launch import let_dependents_start, wait_for_inputs
 
 
 # The split-KV kernel's launch parameters, in one place for tuning on the GPU; `_partial_softmaxes` passes them.
@@ -49,7 +51,10 @@ def _decode_partial(
     G: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     DQ: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, PAIRED: tl.constexpr,
     CHUNK_STATIC: tl.constexpr,  # `chunk` under the interpreter, whose loop bounds must be compile-time; else 0
+    PDL: tl.constexpr,
 ):
+    let_dependents_start(PDL)
+    wait_for_inputs(PDL)  # the cache's new entries are the kernel before's
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     b = pid_bh // H_KV
@@ -144,13 +149,15 @@ def _decode_reduce_combined(
     Logits, szb, szl, szh, NormW, eps, norm_scale, LambdaQ1, LambdaK1, LambdaQ2, LambdaK2,
     Operator, HeadMask, LambdaLearn, AnnealStep, anneal_steps, lambda_init,
     G: tl.constexpr, BLOCK_R: tl.constexpr, DV: tl.constexpr, MAX_SPLITS: tl.constexpr,
-    MODE: tl.constexpr, ANNEALED: tl.constexpr, D_LAMBDA: tl.constexpr,
+    MODE: tl.constexpr, ANNEALED: tl.constexpr, D_LAMBDA: tl.constexpr, PDL: tl.constexpr,
 ):
     """The merge, then each mode's differential term on the merged head outputs (`decode.py`):
     MODE 0 (V1) pairs of query heads (2i, 2i+1) -> norm_scale * subln(O1 - lambda O2), lambda from its vectors;
     MODE 1 (V2) pairs -> O1 - sigmoid(z) min(1, t/T) O2, z = Logits (B, L, h);
     MODE 2 (DEX) each head -> O - lambda(t) mask_h O W^T, W = Operator (DV, DV).
     A program per query row (DEX) or per pair (V1, V2: subln needs both maps of the pair)."""
+    let_dependents_start(PDL)
+    wait_for_inputs(PDL)
     pid_bh = tl.program_id(0)
     b = pid_bh // H_KV
     kvh = pid_bh % H_KV
@@ -218,12 +225,13 @@ def _partial_softmaxes(query, key, value, mask, scale: float, launcher):
     parts = batch * kv_heads * splits * block_rows
     work = torch.empty(parts * (v_dim + 2), dtype=torch.float32, device=query.device)  # outputs, maxima, sums
     mask_arg, mask_strides = kernel_mask(mask, query)
+    pdl = launcher is _plain and dependent_launch(query)  # not through torch.compile's launch (the custom op)
     launcher(_decode_partial)[(batch * kv_heads, splits)](
         query, key, value, mask_arg, work, *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *mask_strides,
         kv_heads, kv_length, length, causal_offset(length, kv_length, mask is not None), chunk, splits, parts,
         SCALE=scale, G=groups, HAS_MASK=mask is not None, BLOCK_R=block_rows, BLOCK_N=block_n,
         DQ=q_dim, DK=k_dim, DV=v_dim, PAIRED=k_dim == 2 * q_dim, CHUNK_STATIC=chunk if TRITON_INTERPRETING else 0,
-        num_warps=PARTIAL_NUM_WARPS, num_stages=PARTIAL_NUM_STAGES,
+        PDL=pdl, num_warps=PARTIAL_NUM_WARPS, num_stages=PARTIAL_NUM_STAGES, **({"launch_pdl": True} if pdl else {}),
     )
     return work, splits, parts, block_rows
 
@@ -268,11 +276,12 @@ def combined_decode_kernels(query, key, value, mask, scale: float, combine, out=
             dex = (combine.operator.contiguous(), combine.head_mask, combine.lambda_learn)
             lambda_init = combine.lambda_init
     # A program per query row (DEX) or pair of rows (V1, V2): the group's (heads / kv heads) x L outputs.
+    pdl = dependent_launch(query)
     _decode_reduce_combined[(batch * kv_heads, heads // kv_heads * length)](
         work, out, *out.stride()[:3], kv_heads, length, splits, parts,
         *logits, *norm, *vectors, *dex, *anneal, lambda_init,
         G=groups, BLOCK_R=block_rows, DV=v_dim, MAX_SPLITS=next_power_of_2(splits),
-        MODE=mode, ANNEALED=mode != 0 and combine.anneal_steps > 0, D_LAMBDA=d_lambda,
+        MODE=mode, ANNEALED=mode != 0 and combine.anneal_steps > 0, D_LAMBDA=d_lambda, PDL=pdl, launch_pdl=pdl,
     )
     return out
 

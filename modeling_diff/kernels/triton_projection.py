@@ -1,14 +1,20 @@
-"""Triton projections of a few rows (decoding steps): several Linear maps of one input in one launch.
+"""Triton projections of a few rows (decoding steps): several Linear maps of one input in one launch, and one Linear
+map split along its input width.
 
 Imported only when triton is installed (see `kernels/projection.py` for the reference, the dispatch and the block
 sizes). x (M, K) with M a decoding step's tokens (batch x new tokens, at most 64), weights (N_i, K) row-major as
-nn.Linear keeps them. A program owns BLOCK_N rows of one weight and every row of x; it walks K in BLOCK_K steps and
-multiplies on the tensor cores (x padded to BLOCK_M >= 16 rows: the step is bound by the weight's bytes, not by
-arithmetic):
+nn.Linear keeps them. A program owns BLOCK_N rows of one weight and every row of x; it walks K (or its part of K)
+in BLOCK_K steps and multiplies on the tensor cores (x padded to BLOCK_M >= 16 rows: the step is bound by the
+weight's bytes, not by arithmetic). Under PDL a program reads its first weight tile before it waits for x
+(`triton_launch.py`):
 
     projections        y_i = x W_i^T for up to four weights (q, k, v and V2's lambda_proj) in one output buffer,
                        each weight's programs in turn, each y_i (M, N_i) a contiguous block of it
     gated_projection   y = silu(x W_g^T) * (x W_u^T), each rounded to the dtype as LlamaMLP rounds them
+    split_products     P_s = x[:, K_s] W[:, K_s]^T in float32, for SPLIT equal parts K_s of K (more programs than
+                       one weight's row blocks: o_proj and down_proj have 2048 rows, 32 blocks for 132 SMs)
+    split_sum          y = sum_s P_s rounded to the dtype (F.linear's output), plus a residual where ADD, rounded
+                       again (residual + F.linear(...))
 """
 
 # In a try block because transformers' remote-code loader requires every *unguarded* import of a Hub export's
@@ -19,24 +25,34 @@ try:
 except ImportError as error:
     raise ImportError("modeling_diff's Triton kernels need the triton package") from error
 
+from .triton_launch import let_dependents_start, wait_for_inputs
 from .triton_swiglu import _silu
 
 
 @triton.jit
-def _row_block_products(X, W, V, M, row0, N, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, GATED: tl.constexpr):
+def _row_block_products(X, W, V, M, row0, N, k0, K: tl.constexpr, K_PART: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
     """float32 (BLOCK_M, BLOCK_N) blocks of x W^T and, where GATED, of x V^T, for the weights' rows row0 + [0,
-    BLOCK_N); K a multiple of BLOCK_K. Both weights are read in the same loop (twice the bytes in flight)."""
+    BLOCK_N) and columns k0 + [0, K_PART); K_PART a multiple of BLOCK_K. Both weights are read in the same loop
+    (twice the bytes in flight). The first tiles are read before the wait for x (PDL)."""
     rows = tl.arange(0, BLOCK_M)
     cols = row0 + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
+    ks = k0 + tl.arange(0, BLOCK_K)
     x_ptrs = X + rows[:, None] * K + ks[None, :]
     w_offsets = cols[:, None].to(tl.int64) * K + ks[None, :]
     x_ok = rows[:, None] < M
     w_ok = cols[:, None] < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    let_dependents_start(PDL)
+    w = tl.load(W + w_offsets, mask=w_ok, other=0.0)
+    if GATED:  # a compile-time branch: no scope of its own
+        v = tl.load(V + w_offsets, mask=w_ok, other=0.0)
+    wait_for_inputs(PDL)
+    x = tl.load(x_ptrs, mask=x_ok, other=0.0)
+    acc = tl.dot(x, tl.trans(w))
     acc_v = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k in range(0, K, BLOCK_K):
+    if GATED:
+        acc_v = tl.dot(x, tl.trans(v))
+    for k in range(BLOCK_K, K_PART, BLOCK_K):
         x = tl.load(x_ptrs + k, mask=x_ok, other=0.0)
         acc = tl.dot(x, tl.trans(tl.load(W + w_offsets + k, mask=w_ok, other=0.0)), acc)
         if GATED:
@@ -55,7 +71,7 @@ def _store_rows(Y, y, M, row0, N, stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.con
 
 @triton.jit(do_not_specialize=["M"])  # the tokens of a step change with the batch: one compiled kernel for all
 def _projections(X, W0, W1, W2, W3, Y, M, N0, N1, N2, N3, K: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     # Y (M x (N0 + N1 + N2 + N3) elements) = the blocks X W0^T (M, N0), X W1^T (M, N1), ... one after another, each
     # row-major: the first cdiv(N0, BLOCK_N) programs compute the first block, the next ones the second, ...; an
     # unused weight has N_i = 0. Contiguous blocks, not column blocks of one (M, sum) matrix: a DynamicCache
@@ -73,15 +89,42 @@ def _projections(X, W0, W1, W2, W3, Y, M, N0, N1, N2, N3, K: tl.constexpr,
         W, N, row0, col0 = W2, N2, (pid - end1) * BLOCK_N, N0 + N1
     else:
         W, N, row0, col0 = W3, N3, (pid - end2) * BLOCK_N, N0 + N1 + N2
-    acc, _ = _row_block_products(X, W, W, M, row0, N, K, BLOCK_M, BLOCK_N, BLOCK_K, False)
+    acc, _ = _row_block_products(X, W, W, M, row0, N, 0, K, K, BLOCK_M, BLOCK_N, BLOCK_K, False, PDL)
     _store_rows(Y + M * col0, acc, M, row0, N, N, BLOCK_M, BLOCK_N)
 
 
 @triton.jit(do_not_specialize=["M"])
 def _gated_projection(X, WG, WU, Y, M, N, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr):
+                      BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     row0 = tl.program_id(0) * BLOCK_N
-    gate, up = _row_block_products(X, WG, WU, M, row0, N, K, BLOCK_M, BLOCK_N, BLOCK_K, True)
+    gate, up = _row_block_products(X, WG, WU, M, row0, N, 0, K, K, BLOCK_M, BLOCK_N, BLOCK_K, True, PDL)
     dtype = Y.dtype.element_ty
     silu = _silu(gate.to(dtype).to(tl.float32))[0].to(dtype).to(tl.float32)
     _store_rows(Y, silu * up.to(dtype).to(tl.float32), M, row0, N, N, BLOCK_M, BLOCK_N)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _split_products(X, W, P, M, N, K: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    # P (SPLIT, M, N) float32: program (j, s) computes rows j * BLOCK_N.. of the partial product over K's part s
+    row0 = tl.program_id(0) * BLOCK_N
+    part = tl.program_id(1)
+    acc, _ = _row_block_products(X, W, W, M, row0, N, part * (K // SPLIT), K, K // SPLIT, BLOCK_M, BLOCK_N, BLOCK_K,
+                                 False, PDL)
+    _store_rows(P + part * M * N, acc, M, row0, N, N, BLOCK_M, BLOCK_N)
+
+
+@triton.jit(do_not_specialize=["MN"])
+def _split_sum(P, Res, Y, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr):
+    # Y (MN elements) = sum of the SPLIT partials P (SPLIT, MN) rounded to Y's dtype, + Res (MN) rounded again
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offsets < MN
+    let_dependents_start(PDL)
+    wait_for_inputs(PDL)
+    y = tl.zeros((BLOCK,), tl.float32)
+    for part in range(SPLIT):
+        y += tl.load(P + part * MN + offsets, mask=ok, other=0.0)
+    y = y.to(Y.dtype.element_ty)
+    if ADD:
+        y = (y.to(tl.float32) + tl.load(Res + offsets, mask=ok, other=0.0).to(tl.float32)).to(Y.dtype.element_ty)
+    tl.store(Y + offsets, y, mask=ok)

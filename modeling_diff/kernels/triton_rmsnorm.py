@@ -15,22 +15,26 @@ try:
 except ImportError as error:
     raise ImportError("modeling_diff's Triton kernels need the triton package") from error
 
+from .triton_launch import let_dependents_start, wait_for_inputs
+
 
 @triton.jit(do_not_specialize=["R"])  # the row count (tokens) changes every call: one compiled kernel for all
 def _rms_norm_fwd(X, W, Y, Rstd, Res, Sum, R, N, eps, BLOCK_N: tl.constexpr, SAVE: tl.constexpr,
-                  ADD: tl.constexpr):
+                  ADD: tl.constexpr, PDL: tl.constexpr):
     # X, Y: (R, N) contiguous; one program per row; Rstd (R,) float32, saved for the backward where SAVE. Where ADD,
     # the norm is of x + res rounded to the dtype (a residual add: Res (R, N)), which is written to Sum (R, N).
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     ok = cols < N
+    let_dependents_start(PDL)
+    w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
+    wait_for_inputs(PDL)
     x = tl.load(X + row * N + cols, mask=ok, other=0.0)
     if ADD:
         res = tl.load(Res + row * N + cols, mask=ok, other=0.0).to(tl.float32)
         x = (x.to(tl.float32) + res).to(X.dtype.element_ty)
         tl.store(Sum + row * N + cols, x, mask=ok)
     x = x.to(tl.float32)
-    w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
     n = (x * rstd).to(X.dtype.element_ty).to(tl.float32)
     tl.store(Y + row * N + cols, (w * n).to(Y.dtype.element_ty), mask=ok)

@@ -16,6 +16,8 @@ try:
 except ImportError as error:
     raise ImportError("modeling_diff's Triton kernels need the triton package") from error
 
+from .triton_launch import let_dependents_start, wait_for_inputs
+
 
 @triton.jit
 def _rotate_heads(X, Out, Cos, Sin, b, l, heads, H, sxb, sxl, sxh, sob, sol, soh, scb, scl,
@@ -45,9 +47,11 @@ def _rotate_heads(X, Out, Cos, Sin, b, l, heads, H, sxb, sxl, sxh, sob, sol, soh
 @triton.jit(do_not_specialize=["L"])  # the token count changes every call: one compiled kernel for all
 def _rope(
     Q, K, Cos, Sin, OutQ, OutK, sqb, sql, sqh, skb, skl, skh, soqb, soql, soqh, sokb, sokl, sokh, scb, scl,
-    L, HQ, HK, HALF: tl.constexpr, BLOCK_H: tl.constexpr, TRANSPOSE: tl.constexpr,
+    L, HQ, HK, HALF: tl.constexpr, BLOCK_H: tl.constexpr, TRANSPOSE: tl.constexpr, PDL: tl.constexpr,
 ):
     # The query and the key in one launch: blocks of BLOCK_H heads, the query's first, then the key's.
+    let_dependents_start(PDL)
+    wait_for_inputs(PDL)
     t = tl.program_id(0)
     b = t // L
     l = t % L
