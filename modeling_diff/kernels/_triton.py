@@ -18,9 +18,12 @@ TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 TRITON_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Programmatic dependent launch (PDL, compute capability 9.0+): a kernel launched with it may start while the
 # kernel before it in the stream finishes, and waits (griddepcontrol.wait, `triton_launch.py`) before it reads
-# anything the kernels before it wrote; before that wait it reads only weights. A decoding step's ~200 kernels
-# each start that much earlier (benchmarks/pdl_bench.py). MODELING_DIFF_PDL=0 turns it off.
+# anything the kernels before it wrote; before that wait it reads only weights. It is for steps of at most
+# PDL_MAX_TOKENS tokens: on the H200 it took a batch-1 step of the ~1.1B models from 1.30 to 1.15 ms with
+# o_proj and down_proj split, and made V1's batch-32 step slower (2.07 -> 2.18 ms; benchmarks/decode_variants.py).
+# MODELING_DIFF_PDL=0 turns it off.
 PDL_ENABLED = os.environ.get("MODELING_DIFF_PDL", "1") != "0"
+PDL_MAX_TOKENS = 16
 
 
 def triton_available() -> bool:
@@ -38,10 +41,10 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def dependent_launch(tensor: torch.Tensor) -> bool:
-    """Whether a kernel on `tensor` launches with PDL (see PDL_ENABLED): on CUDA of compute capability 9.0+ (the
-    interpreter runs on CPU tensors: never)."""
-    return PDL_ENABLED and tensor.is_cuda and _capability(tensor.get_device()) >= (9, 0)
+def dependent_launch(tensor: torch.Tensor, tokens: int) -> bool:
+    """Whether a kernel of a step of `tokens` tokens on `tensor` launches with PDL (see PDL_ENABLED): at most
+    PDL_MAX_TOKENS, on CUDA of compute capability 9.0+ (the interpreter runs on CPU tensors: never)."""
+    return PDL_ENABLED and tokens <= PDL_MAX_TOKENS and tensor.is_cuda and _capability(tensor.get_device()) >= (9, 0)
 
 
 def needs_grad(*tensors) -> bool:

@@ -14,9 +14,9 @@ not gate, up and the product. The reference is the layers' own forward (F.linear
 
 A weight alone has too few row blocks for the GPU (o_proj's and down_proj's 2048 rows are 32 programs of 64 rows
 for 132 multiprocessors), so its products are split along K into float32 partials, which a second launch sums (and
-adds the decoder's residual to: `residual + down_proj(x)` in one pass). cuBLAS takes o_proj at 1 token in
-5.2 us and down_proj in 11.3 (12.5 with the residual add); the split products with their sum, 3.5 and 8.8 us
-(benchmarks/pdl_bench.py on the H200, with PDL).
+adds the decoder's residual to: `residual + down_proj(x)` in one pass), in steps of at most 16 tokens. cuBLAS takes
+o_proj at 1 token in 5.2 us and down_proj in 11.3 (12.5 with the residual add); the split products with their sum,
+3.5 and 8.8 us (benchmarks/pdl_bench.py on the H200, with PDL).
 
 The kernels take x where `few_rows_apply`: no gradient, on CUDA of compute capability 8.0+ (or the interpreter)
 outside torch.compile, at most MAX_ROWS tokens of a 16-bit dtype; and they read plain bias-free Linear layers of
@@ -99,7 +99,7 @@ def launch_projections(rows, weights, y, block_n: int, step: int, stages: int, w
     m, k = rows.shape
     widths = [w.shape[0] for w in weights]
     pad = MAX_WEIGHTS - len(weights)
-    pdl = dependent_launch(rows)
+    pdl = dependent_launch(rows, m)
     _projections[(sum(cdiv(n, block_n) for n in widths),)](
         rows, *weights, *weights[:1] * pad, y, m, *widths, *(0,) * pad, K=k, BLOCK_M=max(16, next_power_of_2(m)),
         BLOCK_N=block_n, BLOCK_K=step, PDL=pdl, num_stages=stages, num_warps=warps, launch_pdl=pdl,
@@ -109,7 +109,7 @@ def launch_projections(rows, weights, y, block_n: int, step: int, stages: int, w
 def launch_gated_projection(rows, w_gate, w_up, y, block_n: int, step: int, stages: int, warps: int = 4) -> None:
     """One `_gated_projection` launch: y (M, I) = silu(rows W_gate^T) * (rows W_up^T), rows (M, K) contiguous."""
     m, k = rows.shape
-    pdl = dependent_launch(rows)
+    pdl = dependent_launch(rows, m)
     _gated_projection[(cdiv(w_gate.shape[0], block_n),)](
         rows, w_gate, w_up, y, m, w_gate.shape[0], K=k, BLOCK_M=max(16, next_power_of_2(m)), BLOCK_N=block_n,
         BLOCK_K=step, PDL=pdl, num_stages=stages, num_warps=warps, launch_pdl=pdl,
@@ -117,6 +117,7 @@ def launch_gated_projection(rows, w_gate, w_up, y, block_n: int, step: int, stag
 
 
 SUM_BLOCK = 1024  # elements of the output per program of the partials' sum
+SPLIT_MAX_TOKENS = 16
 
 
 def launch_split_linear(rows, weight, y, residual, block_n: int, step: int, split: int, stages: int,
@@ -125,7 +126,7 @@ def launch_split_linear(rows, weight, y, residual, block_n: int, step: int, spli
     a multiple of `step`), then their sum rounded to y's dtype, plus `residual` (M, N) where it is given."""
     m, k = rows.shape
     n = weight.shape[0]
-    pdl = dependent_launch(rows)
+    pdl = dependent_launch(rows, m)
     parts = torch.empty(split, m, n, dtype=torch.float32, device=rows.device)
     _split_products[(cdiv(n, block_n), split)](
         rows, weight, parts, m, n, K=k, SPLIT=split, BLOCK_M=max(16, next_power_of_2(m)), BLOCK_N=block_n,
@@ -168,20 +169,21 @@ def linear_maps(x: torch.Tensor, *linears: nn.Linear, fused: bool) -> tuple[torc
     return tuple(computed[id(layer)] if id(layer) in computed else layer(x) for layer in linears)
 
 
-def split_config(tokens: int, width: int) -> tuple[int, int, int]:
+def split_config(width: int) -> tuple[int, int, int]:
     """(rows a program, its K step, parts of K) of `launch_split_linear`, what measured fastest on the H200 for o_proj
-    and down_proj (benchmarks/pdl_bench.py): at one token 64 rows, 512-wide steps and a part of 1-2 steps (4 parts
-    of o_proj's 2048, 8 of down_proj's 8192); at 32 tokens 32 rows, 256-wide steps, 2 parts. Each part a multiple of
-    the step (the loop has no mask)."""
-    block_n, step, most = (64, 512, 8) if tokens <= 16 else (32, 256, 2)
-    step = min(step, width & -width)
+    and down_proj at one token (benchmarks/pdl_bench.py): 64 rows, 512-wide steps and parts of 1-2 steps (4 parts of
+    o_proj's 2048, 8 of down_proj's 8192); each part a whole number of steps (the loop has no mask)."""
+    step = min(512, width & -width)
     steps = width // step
-    return block_n, step, min(most, steps & -steps)  # a power of two dividing the steps
+    return 64, step, min(8, steps & -steps)  # a power of two dividing the steps
 
 
 def split_linear_applies(x: torch.Tensor, linear: nn.Module, residual: torch.Tensor | None = None) -> bool:
+    """Whether `split_linear` takes x: steps of at most SPLIT_MAX_TOKENS tokens (at 32 the split products and their
+    sum measured slower than cuBLAS in the H200's step, benchmarks/decode_variants.py), a plain layer, a residual of
+    the output's shape and x's dtype."""
     return (
-        few_rows_apply(x) and kernel_reads(linear, x)
+        few_rows_apply(x) and x.numel() <= SPLIT_MAX_TOKENS * x.shape[-1] and kernel_reads(linear, x)
         and (residual is None or (
             type(residual) is torch.Tensor and residual.dtype == x.dtype and residual.is_contiguous()
             and residual.shape == (*x.shape[:-1], linear.out_features)
@@ -197,7 +199,7 @@ def split_linear(x: torch.Tensor, linear: nn.Linear, residual: torch.Tensor | No
     y = torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype, device=x.device)
     if rows.shape[0] == 0:
         return y
-    block_n, step, split = split_config(rows.shape[0], rows.shape[1])
+    block_n, step, split = split_config(rows.shape[1])
     stages = pipeline_stages(max(16, next_power_of_2(rows.shape[0])), block_n, step, x)
     launch_split_linear(rows, weight, y, residual, block_n, step, split, stages)
     return y

@@ -37,7 +37,7 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, eps: float, save: bool):
     rows = x.numel() // width
     y = torch.empty(x.shape, dtype=promoted_dtype(weight.dtype, x.dtype), device=x.device)
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device) if save else None
-    pdl = not save and dependent_launch(x)  # decoding steps
+    pdl = not save and dependent_launch(x, rows)  # decoding steps
     _rms_norm_fwd[(rows,)](x, weight, y, y if rstd is None else rstd, x, x, rows, width, eps,
                            BLOCK_N=next_power_of_2(width), SAVE=save, ADD=False, PDL=pdl, launch_pdl=pdl)
     return y, rstd
@@ -84,7 +84,7 @@ def add_rms_norm(residual: torch.Tensor, update: torch.Tensor, weight: torch.Ten
     rows = residual.numel() // width
     total = torch.empty_like(residual)
     y = torch.empty(residual.shape, dtype=promoted_dtype(weight.dtype, residual.dtype), device=residual.device)
-    pdl = dependent_launch(residual)
+    pdl = dependent_launch(residual, rows)
     _rms_norm_fwd[(rows,)](update, weight, y, y, residual, total, rows, width, eps,
                            BLOCK_N=next_power_of_2(width), SAVE=False, ADD=True, PDL=pdl, launch_pdl=pdl)
     return total, y

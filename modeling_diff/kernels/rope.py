@@ -72,5 +72,5 @@ def apply_rope(query, key, cos, sin, fused: bool):
         if needs_grad(query, key):
             return _Rope.apply(query, key, cos, sin, dtype)
         # decoding: no autograd node to build
-        return _rotate(query, key, cos, sin, transpose=False, dtype=dtype, pdl=dependent_launch(query))
+        return _rotate(query, key, cos, sin, transpose=False, dtype=dtype, pdl=dependent_launch(query, query.shape[0] * query.shape[1]))
     return apply_rotary_pos_emb(query, key, cos, sin, unsqueeze_dim=2)

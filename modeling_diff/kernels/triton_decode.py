@@ -225,7 +225,7 @@ def _partial_softmaxes(query, key, value, mask, scale: float, launcher):
     parts = batch * kv_heads * splits * block_rows
     work = torch.empty(parts * (v_dim + 2), dtype=torch.float32, device=query.device)  # outputs, maxima, sums
     mask_arg, mask_strides = kernel_mask(mask, query)
-    pdl = launcher is _plain and dependent_launch(query)  # not through torch.compile's launch (the custom op)
+    pdl = launcher is _plain and dependent_launch(query, batch * length)  # not through torch.compile's launch (the custom op)
     launcher(_decode_partial)[(batch * kv_heads, splits)](
         query, key, value, mask_arg, work, *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *mask_strides,
         kv_heads, kv_length, length, causal_offset(length, kv_length, mask is not None), chunk, splits, parts,
@@ -276,7 +276,7 @@ def combined_decode_kernels(query, key, value, mask, scale: float, combine, out=
             dex = (combine.operator.contiguous(), combine.head_mask, combine.lambda_learn)
             lambda_init = combine.lambda_init
     # A program per query row (DEX) or pair of rows (V1, V2): the group's (heads / kv heads) x L outputs.
-    pdl = dependent_launch(query)
+    pdl = dependent_launch(query, batch * length)
     _decode_reduce_combined[(batch * kv_heads, heads // kv_heads * length)](
         work, out, *out.stride()[:3], kv_heads, length, splits, parts,
         *logits, *norm, *vectors, *dex, *anneal, lambda_init,

@@ -34,7 +34,8 @@ def _row_block_products(X, W, V, M, row0, N, k0, K: tl.constexpr, K_PART: tl.con
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
     """float32 (BLOCK_M, BLOCK_N) blocks of x W^T and, where GATED, of x V^T, for the weights' rows row0 + [0,
     BLOCK_N) and columns k0 + [0, K_PART); K_PART a multiple of BLOCK_K. Both weights are read in the same loop
-    (twice the bytes in flight). The first tiles are read before the wait for x (PDL)."""
+    (twice the bytes in flight). Under PDL (steps of at most 16 tokens) the first tiles are read before the wait for
+    x: one more tile in shared memory, which the smallest x leaves room for."""
     rows = tl.arange(0, BLOCK_M)
     cols = row0 + tl.arange(0, BLOCK_N)
     ks = k0 + tl.arange(0, BLOCK_K)
@@ -42,17 +43,19 @@ def _row_block_products(X, W, V, M, row0, N, k0, K: tl.constexpr, K_PART: tl.con
     w_offsets = cols[:, None].to(tl.int64) * K + ks[None, :]
     x_ok = rows[:, None] < M
     w_ok = cols[:, None] < N
-    let_dependents_start(PDL)
-    w = tl.load(W + w_offsets, mask=w_ok, other=0.0)
-    if GATED:  # a compile-time branch: no scope of its own
-        v = tl.load(V + w_offsets, mask=w_ok, other=0.0)
-    wait_for_inputs(PDL)
-    x = tl.load(x_ptrs, mask=x_ok, other=0.0)
-    acc = tl.dot(x, tl.trans(w))
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc_v = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    if GATED:
-        acc_v = tl.dot(x, tl.trans(v))
-    for k in range(BLOCK_K, K_PART, BLOCK_K):
+    if PDL:  # compile-time branches (no scope of their own): the first tiles of the weights before the wait for x
+        let_dependents_start(PDL)
+        w = tl.load(W + w_offsets, mask=w_ok, other=0.0)
+        if GATED:
+            v = tl.load(V + w_offsets, mask=w_ok, other=0.0)
+        wait_for_inputs(PDL)
+        x = tl.load(x_ptrs, mask=x_ok, other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc)
+        if GATED:
+            acc_v = tl.dot(x, tl.trans(v), acc_v)
+    for k in range(BLOCK_K if PDL else 0, K_PART, BLOCK_K):
         x = tl.load(x_ptrs + k, mask=x_ok, other=0.0)
         acc = tl.dot(x, tl.trans(tl.load(W + w_offsets + k, mask=w_ok, other=0.0)), acc)
         if GATED:
