@@ -1,11 +1,13 @@
-"""What programmatic dependent launch (PDL) and split-K save in a graph-replayed decoding step: experimental kernels.
+"""What programmatic dependent launch (PDL) and split-K save in a graph-replayed decoding step: experimental kernels
+(the experiment behind `kernels/triton_launch.py` and `projection.split_linear`, with the variants they did not take:
+PDL without reading the weights before the wait, other block sizes and parts).
 
     python benchmarks/pdl_bench.py [--out $OUT/pdl.json]
 
 A graph-replayed batch-1 step of the ~1.1B models runs ~200 kernels, ~1.2 us apart (benchmarks/RESULTS.md). With
 PDL (Hopper), a kernel launched with `launch_pdl=True` may start while the one before it finishes; it waits
 (griddepcontrol.wait) before reading what that one wrote, and may read its weights before the wait. This times:
-1. the boundary: a graph of CALLS tiny kernels, PDL off and on;
+1. the boundary: a graph of 20 tiny kernels, PDL off and on;
 2. GEMVs of the step's weights (x (M, K) W^T, W (N, K)), Triton, over block sizes and split-K (float32 partials, then
    a reduce that adds the residual), PDL off / on / on with the first weight tile read before the wait, against
    cuBLAS's F.linear;
@@ -23,8 +25,7 @@ import triton.language as tl
 from tqdm import tqdm
 
 from bench import copy_bandwidth, warm_up_gpu, write_atomically
-
-CALLS = 20
+from projection_bench import graph_time  # CALLS calls in one CUDA graph, the median of 20 replays
 
 
 @triton.jit
@@ -81,29 +82,6 @@ def _split_reduce(P, R, Y, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl
     for s in range(SPLIT):
         acc += tl.load(P + s * MN + offs, mask=ok)
     tl.store(Y + offs, (acc.to(Y.dtype.element_ty).to(tl.float32) + r).to(Y.dtype.element_ty), mask=ok)
-
-
-def graph_time(fn) -> float:
-    """Seconds per call of `fn`, CALLS calls in one CUDA graph, the median of 20 replays."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / CALLS)
-    return sorted(times)[len(times) // 2]
 
 
 def gemv_call(x, w, residual, block_n, block_k, split, stages, pdl, prefetch, warps=4):
