@@ -462,7 +462,13 @@ def test_split_linear_matches_the_formula_and_adds_the_residual(tokens):
         assert projection.split_linear_applies(x, layer, residual)
         out = projection.split_linear(x, layer, residual)  # the block sizes of split_config
         assert out.shape == residual.shape and (tokens == 0 or rel_err(out, residual.float() + reference) < TOL)
-        assert projection.linear_maps(x, layer, fused=True)[0].shape == (tokens, 1, rows)
+        launches = []
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(projection, "_split_sum", CountedKernel(projection._split_sum, launches))
+            assert projection.linear_maps(x, layer, fused=True)[0].shape == (tokens, 1, rows)
+            assert len(launches) == (tokens > 0)
+            projection.linear_maps(rand(17, 1, width), layer, fused=True)  # more tokens: the layer's own forward
+            assert len(launches) == (tokens > 0)
         if tokens > 1:
             poisoned = x.clone()
             poisoned[0] = float("nan")

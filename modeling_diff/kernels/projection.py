@@ -147,7 +147,7 @@ def linear_maps(x: torch.Tensor, *linears: nn.Linear, fused: bool) -> tuple[torc
     if not (fused and few_rows_apply(x)):
         return tuple(layer(x) for layer in linears)
     read = [layer for layer in linears if kernel_reads(layer, x)]
-    if len(read) == 1 and len(linears) == 1:  # a weight alone: split along K
+    if len(read) == 1 and len(linears) == 1 and split_linear_applies(x, read[0]):  # a weight alone: split along K
         return (split_linear(x, read[0]),)
     if len(read) < 2:
         return tuple(layer(x) for layer in linears)
