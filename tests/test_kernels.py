@@ -437,6 +437,20 @@ def test_projections_of_a_decoding_step_match_the_formula(tokens, monkeypatch):
     assert len(launches) == launched
 
 
+def test_kernel_mask_views_a_bool_mask_without_a_copy():
+    """Eagerly a bool mask reaches the kernels as its own bytes viewed as uint8 (no copy kernel per layer and step),
+    a broadcast batch with stride 0; other dtypes are converted."""
+    from modeling_diff.kernels.masks import kernel_mask
+
+    mask = torch.rand(1, 1, 3, 7, device=DEVICE) > 0.5
+    viewed, strides = kernel_mask(mask, mask)
+    assert viewed.dtype == torch.uint8 and viewed.data_ptr() == mask.data_ptr() and strides == (0, 7, 1)
+    assert torch.equal(viewed.bool(), mask)
+    converted, _ = kernel_mask(mask.float(), mask)
+    assert converted.dtype == torch.uint8 and torch.equal(converted.bool(), mask)
+    assert kernel_mask(None, mask) == (mask, (0, 0, 0))
+
+
 @pytest.mark.parametrize("tokens", [0, 1, 16])
 def test_split_linear_matches_the_formula_and_adds_the_residual(tokens):
     """A Linear map alone (o_proj, down_proj of a step) as float32 partial products over parts of its input width,

@@ -14,12 +14,17 @@ import torch
 
 
 def kernel_mask(mask: torch.Tensor | None, placeholder: torch.Tensor):
-    """(tensor, (batch, query, key) strides) for a kernel: the bool mask (B or 1, 1, L, S) as uint8 (a copy, and a
-    no-op on a uint8 mask: Inductor cannot lower a bool -> uint8 view), batch stride 0 when broadcast over the
-    batch; without a mask, `placeholder` and zero strides (the kernels do not read it)."""
+    """(tensor, (batch, query, key) strides) for a kernel: the bool mask (B or 1, 1, L, S) as uint8, batch stride 0
+    when broadcast over the batch; without a mask, `placeholder` and zero strides (the kernels do not read it).
+    Eagerly the bytes are viewed as uint8 (a decoding step asks this of every layer, and a copy was a kernel of
+    2.8 us a layer on the H200); under torch.compile they are copied, since Inductor cannot lower a bool -> uint8
+    view (a no-op on a uint8 mask)."""
     if mask is None:
         return placeholder, (0, 0, 0)
-    mask = mask.to(torch.uint8)
+    if mask.dtype == torch.bool and not torch.compiler.is_compiling():
+        mask = mask.view(torch.uint8)
+    else:
+        mask = mask.to(torch.uint8)
     return mask, (mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(2), mask.stride(3))
 
 
