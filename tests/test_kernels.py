@@ -1029,6 +1029,30 @@ def test_decoding_steps_with_a_hook_on_the_mlp_show_it_the_mlps_own_output():
         assert rel_err(out, own) < TOL
 
 
+def test_dependent_launch_only_where_it_exists(monkeypatch):
+    """PDL only for steps of at most 16 tokens on NVIDIA GPUs of compute capability 9.0+: never on CPU tensors (the
+    interpreter), on older GPUs, on ROCm (whose devices report capabilities of their own), or when turned off."""
+    from modeling_diff.kernels import _triton
+
+    class FakeCuda:  # a tensor's two attributes that the decision reads
+        is_cuda = True
+
+        def get_device(self):
+            return 0
+
+    assert not _triton.dependent_launch(torch.zeros(1), 1)
+    for hip, capability, tokens, enabled, expected in [
+        (None, (9, 0), 1, True, True), (None, (9, 0), 16, True, True), (None, (9, 0), 17, True, False),
+        (None, (8, 0), 1, True, False), ("6.2", (9, 4), 1, True, False), (None, (10, 0), 1, False, False),
+    ]:
+        _triton._has_dependent_launch.cache_clear()
+        monkeypatch.setattr(torch.version, "hip", hip)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index, capability=capability: capability)
+        monkeypatch.setattr(_triton, "PDL_ENABLED", enabled)
+        assert _triton.dependent_launch(FakeCuda(), tokens) is expected
+    _triton._has_dependent_launch.cache_clear()
+
+
 @pytest.mark.skipif(not GPU, reason="programmatic dependent launch needs a CUDA GPU (compute capability 9.0+)")
 def test_dependent_launches_change_no_bit_of_a_decoding_step(monkeypatch):
     """PDL only lets a kernel start earlier; every kernel waits for its inputs: the steps' logits with it equal

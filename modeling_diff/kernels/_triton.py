@@ -37,14 +37,15 @@ def eager_kernels_run_on(tensor: torch.Tensor) -> bool:
 
 
 @functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+def _has_dependent_launch(index: int) -> bool:
+    """An NVIDIA GPU of compute capability 9.0+ (ROCm's devices report capabilities of their own: no PDL there)."""
+    return torch.version.hip is None and torch.cuda.get_device_capability(index) >= (9, 0)
 
 
 def dependent_launch(tensor: torch.Tensor, tokens: int) -> bool:
     """Whether a kernel of a step of `tokens` tokens on `tensor` launches with PDL (see PDL_ENABLED): at most
-    PDL_MAX_TOKENS, on CUDA of compute capability 9.0+ (the interpreter runs on CPU tensors: never)."""
-    return PDL_ENABLED and tokens <= PDL_MAX_TOKENS and tensor.is_cuda and _capability(tensor.get_device()) >= (9, 0)
+    PDL_MAX_TOKENS, on NVIDIA GPUs of compute capability 9.0+ (the interpreter runs on CPU tensors: never)."""
+    return PDL_ENABLED and tokens <= PDL_MAX_TOKENS and tensor.is_cuda and _has_dependent_launch(tensor.get_device())
 
 
 def needs_grad(*tensors) -> bool:
