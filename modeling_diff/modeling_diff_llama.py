@@ -38,8 +38,8 @@ from .generation import graphed_greedy_generate
 from .diff_attention import ATTENTION_CLASSES, DexAttention, DexLambda, DifferentialLambda, DiffAttentionV1, DiffAttentionV2
 from .kernels import (
     add_rms_norm, add_rms_norm_applies, gated_projection, gated_projection_applies, resolve, rms_norm,
-    rms_norm_kernel_applies, silu_mul, silu_mul_applies, split_linear, split_linear_applies, swiglu_mlp,
-    swiglu_mlp_applies, uses_fast_kernels,
+    rms_norm_kernel_applies, runs_own_forward, silu_mul, silu_mul_applies, split_linear, split_linear_applies,
+    swiglu_mlp, swiglu_mlp_applies, uses_fast_kernels,
 )
 
 # "cache" (transformers > 5.17) or "past_key_values" (5.17): the keyword of masks and model outputs.
@@ -87,7 +87,7 @@ def add_and_norm(norm: nn.Module, residual: torch.Tensor, update: torch.Tensor, 
     implementation) is read last: training leaves at the gradient check."""
     if (
         type(norm) in ADD_FUSED_NORMS
-        and not (norm._forward_hooks or norm._forward_pre_hooks or "forward" in norm.__dict__)
+        and runs_own_forward(norm)
         and add_rms_norm_applies(residual, update, norm.weight)
         and uses_fast_kernels(resolve(config._attn_implementation, update))
     ):
@@ -165,7 +165,7 @@ class DiffLlamaDecoderLayer(GradientCheckpointingLayer):
         mlp = self.mlp
         if (
             type(mlp) is DiffLlamaMLP
-            and not (mlp._forward_hooks or mlp._forward_pre_hooks or "forward" in mlp.__dict__)
+            and runs_own_forward(mlp)
             and uses_fast_kernels(resolve(self.config._attn_implementation, hidden_states))
         ):
             decoded = mlp.decoding_forward(hidden_states, residual)

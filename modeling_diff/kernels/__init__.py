@@ -22,7 +22,7 @@ triton is optional: it is imported only where it is installed (`_triton.TRITON_A
 every path is plain PyTorch, so the model (and its Hub export) loads anywhere.
 """
 
-from ._modules import is_plain_linear
+from ._modules import is_plain_linear, runs_own_forward
 from ._triton import triton_available
 from .attention import (
     FUSED_DIFF, NAME as DIFF_TRITON, diff_triton_attention_forward, has_extra_options, register, resolve,
@@ -43,6 +43,6 @@ __all__ = [
     "apply_rope", "combined_decode_applies", "combined_decode_attention", "diff_triton_attention_forward",
     "flash_diff_applies", "flash_diff_attention", "gated_projection", "gated_projection_applies", "has_extra_options",
     "is_plain_linear", "linear_maps", "resolve", "rms_norm", "rms_norm_kernel_applies", "silu_mul", "silu_mul_applies",
-    "split_linear", "split_linear_applies", "swiglu_mlp", "swiglu_mlp_applies", "triton_available",
+    "runs_own_forward", "split_linear", "split_linear_applies", "swiglu_mlp", "swiglu_mlp_applies", "triton_available",
     "uses_fast_kernels", "v1_combine", "v2_combine", "v2_combine_projected",
 ]

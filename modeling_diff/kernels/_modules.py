@@ -6,13 +6,20 @@ import torch
 from torch import nn
 
 
+def runs_own_forward(module: nn.Module) -> bool:
+    """No hooks and no forward bound on the instance (accelerate's offloading, Liger's instance patch): a fast path
+    may take the module's work without anyone missing a call. The dicts read directly: decoding steps ask this of
+    several modules a layer, bound by host work."""
+    return not (module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__)
+
+
 def is_plain_linear(module: nn.Module) -> bool:
     """A torch Linear as built: its own Parameter and no hooks. Not PEFT's LoRA layers, a tensor-parallel,
     offloading (accelerate's `_hf_hook` forward) or quantized layer: those keep their own forward."""
-    return (  # the module's dicts read directly: decoding steps ask this of every projection, bound by host work
+    return (
         type(module) is nn.Linear
         and type(module._parameters.get("weight")) is nn.Parameter
-        and not (module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__)
+        and runs_own_forward(module)
     )
 
 
