@@ -29,7 +29,8 @@ from .configuration import DiffLlamaConfig
 from .kernels import (
     DIFF_TRITON, FUSED_DIFF, DexCombine, V1Combine, V2Combine, apply_rope, combined_decode_applies,
     combined_decode_attention, flash_diff_applies, flash_diff_attention, has_extra_options, is_plain_linear,
-    linear_maps, resolve, split_linear, split_linear_applies, uses_fast_kernels, v1_combine, v2_combine_projected,
+    linear_maps, resolve, split_linear, split_linear_applies, update_cache, uses_fast_kernels, v1_combine,
+    v2_combine_projected,
 )
 
 
@@ -229,7 +230,7 @@ class _DiffAttentionBase(nn.Module, metaclass=abc.ABCMeta):
         if not self.decode_applies(implementation, query, key, value, attention_mask, kwargs):
             return None
         if cache is not None:
-            key, value = cache.update(key, value, self.layer_idx)
+            key, value = update_cache(cache, self.layer_idx, key, value)  # one launch into a StaticCache
         return combined_decode_attention(
             self.decode_query(query), key, value, attention_mask, self.scaling, self.decode_combine(side), out
         )

@@ -978,8 +978,8 @@ def decode(model, cache_class, ids, mask, steps):
 def test_decoding_steps_on_the_kernel_equal_eager(mode, cache_class, monkeypatch):
     """Prefill, then decoding steps through the split-KV kernel with the differential term in it, the
     projections' kernels (q, k, v and V2's lambda_proj in one launch, the MLP's gate and up in one, o_proj and
-    down_proj split along their input, down_proj's sum with the residual add) and the residual add with the norm
-    after it in one pass, with left padding, dynamic and static caches. The keys and values that
+    down_proj split along their input, down_proj's sum with the residual add), the residual add with the norm
+    after it in one pass, and a StaticCache's write in one launch, with left padding, dynamic and static caches. The keys and values that
     reach the cache are contiguous: a DynamicCache concatenates them with its cache, and torch.cat's fast CUDA
     kernel takes only contiguous inputs (a column view of the projections' output took the slow one)."""
     import modeling_diff.diff_attention as attention
@@ -994,9 +994,12 @@ def test_decoding_steps_on_the_kernel_equal_eager(mode, cache_class, monkeypatch
     monkeypatch.setattr(projection, "_projections", CountedKernel(projection._projections, projections))
     monkeypatch.setattr(projection, "_gated_projection", CountedKernel(projection._gated_projection, gated))
     monkeypatch.setattr(projection, "_split_sum", CountedKernel(projection._split_sum, split))
-    layouts, update = [], cache_class.update
-    monkeypatch.setattr(cache_class, "update", lambda self, k, v, *a, **kw: layouts.append(
-        (k.shape[-2], k.is_contiguous(), v.is_contiguous())) or update(self, k, v, *a, **kw))
+    import modeling_diff.kernels.cache_write as cache_write
+
+    layouts, update, writes = [], attention.update_cache, []
+    monkeypatch.setattr(attention, "update_cache", lambda cache, i, k, v: layouts.append(
+        (k.shape[-2], k.is_contiguous(), v.is_contiguous())) or update(cache, i, k, v))
+    monkeypatch.setattr(cache_write, "_static_cache_write", CountedKernel(cache_write._static_cache_write, writes))
     eager, fast = model_pair(mode, FAST)
     ids, mask = padded_batch(eager.config.vocab_size, length=40)  # prefill: SDPA (more rows than the kernel's)
     steps = torch.randint(3, eager.config.vocab_size, (ids.shape[0], 2), device=DEVICE)
@@ -1006,6 +1009,8 @@ def test_decoding_steps_on_the_kernel_equal_eager(mode, cache_class, monkeypatch
     assert len(projections) == len(gated) == len(kernel_calls)  # the prefill's 80 tokens take cuBLAS
     assert len(split) == 2 * len(kernel_calls)  # o_proj, and down_proj with the residual add
     assert len(added) == (1 + steps.shape[1]) * eager.config.num_hidden_layers  # the add before the MLP's norm
+    # a StaticCache takes each step's keys and values in one launch (`kernels/cache_write.py`)
+    assert len(writes) == (len(kernel_calls) if cache_class is StaticCache else 0)
     # a step's (batch > 1): a column view of the projections would not be contiguous (the prefill's are transposed)
     assert ids.shape[0] > 1 and {layout for layout in layouts if layout[0] == 1} == {(1, True, True)}
 

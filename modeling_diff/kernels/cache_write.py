@@ -1,0 +1,90 @@
+"""The cache update of a decoding step: into a StaticCache layer in one launch (`triton_cache_write.py`), through
+`Cache.update` everywhere else.
+
+    update_cache(cache, layer_idx, key (B, H_kv, L, Dk), value (B, H_kv, L, Dv)) -> (keys, values) of the layer
+
+transformers' `StaticLayer.update` (the reference) issues five kernels a layer and step: an `arange` and an add
+for the positions, the in-place add to the layer's length, and one `index_copy_` each for the keys and the values.
+In a batch-1 step of the ~1.1B models they took ~7.6 us a layer, where the bytes take well under one (the
+graph-replayed step's profile, benchmarks/RESULTS.md). The kernel does all of it in one launch: it reads the
+layer's length on the device (no synchronisation: it runs inside CUDA graphs), stores each new token's key and
+value at its position, and advances the length.
+
+It applies to a decoding step without gradients on the kernels' devices, to a cache whose `update` is transformers'
+own and not offloading, and to a layer that is exactly an initialized `StaticLayer` (not a sliding window, a
+quantized or a user's layer) holding keys and values of the step's dtype, batch, heads and widths. Positions at or
+beyond the cache's length are not written: the kernel does not raise on the device (a replayed graph could not);
+`generate()` sizes the cache for every step, and transformers' own update fails there.
+"""
+
+import weakref
+
+import torch
+from transformers.cache_utils import Cache, StaticLayer
+
+from ._triton import (
+    TRITON_AVAILABLE, cdiv, dependent_launch, eager_kernels_run_on, is_power_of_2, needs_grad, next_power_of_2,
+)
+
+if TRITON_AVAILABLE:
+    from .triton_cache_write import _static_cache_write
+
+MAX_TOKENS = 64  # new tokens (batch x length) of a step the kernel takes, as the decode kernel
+BLOCK_ELEMENTS = 4096  # about this many elements of keys and values per program
+
+# Each layer's ticket counter (an int32 on its device, 0 between launches; the kernel's last program resets it):
+# one per layer, so that layers of caches decoded on different streams never share one.
+_TICKETS: "weakref.WeakKeyDictionary[StaticLayer, torch.Tensor]" = weakref.WeakKeyDictionary()
+
+
+def _static_layer(cache: Cache, layer_idx: int) -> StaticLayer | None:
+    """The cache's layer `layer_idx` where the kernel may stand in for `cache.update`: transformers' own update, no
+    offloading, an initialized plain StaticLayer; else None."""
+    if type(cache).update is not Cache.update or getattr(cache, "offloading", False) or layer_idx >= len(cache.layers):
+        return None
+    layer = cache.layers[layer_idx]
+    return layer if type(layer) is StaticLayer and layer.is_initialized else None
+
+
+def static_cache_write_applies(layer: StaticLayer | None, key: torch.Tensor, value: torch.Tensor) -> bool:
+    if layer is None or needs_grad(key, value) or not eager_kernels_run_on(key):
+        return False
+    keys, values = layer.keys, layer.values
+    return (
+        key.shape[0] * key.shape[2] <= MAX_TOKENS
+        and key.dtype == value.dtype == keys.dtype == values.dtype
+        and key.device == value.device == keys.device == values.device == layer.cumulative_length.device
+        and layer.cumulative_length.dtype == torch.int64 and layer.cumulative_length.numel() == 1
+        and key.shape[:2] == keys.shape[:2] and value.shape[:2] == values.shape[:2]
+        and key.shape[2] == value.shape[2]
+        and key.shape[-1] == keys.shape[-1] and value.shape[-1] == values.shape[-1]
+        and is_power_of_2(key.shape[-1]) and is_power_of_2(value.shape[-1])
+        and all(t.stride(-1) == 1 for t in (key, value, keys, values))
+    )
+
+
+def write_static_cache(layer: StaticLayer, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """StaticLayer.update in one launch (check `static_cache_write_applies` first): key and value (B, H_kv, L, D)
+    stored at the layer's positions t .. t + L - 1, its length advanced by L -> (keys, values), the layer's tensors."""
+    batch, heads, length, dk = key.shape
+    keys, values = layer.keys, layer.values
+    ticket = _TICKETS.get(layer)
+    if ticket is None or ticket.device != key.device:
+        ticket = _TICKETS[layer] = torch.zeros(1, dtype=torch.int32, device=key.device)
+    block_h = min(next_power_of_2(heads), max(1, BLOCK_ELEMENTS // max(dk, value.shape[-1])))
+    pdl = dependent_launch(key, batch * length)
+    _static_cache_write[(batch * length, cdiv(heads, block_h))](
+        key, value, keys, values, layer.cumulative_length, ticket,
+        key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2),
+        keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
+        length, heads, keys.shape[2], DK=dk, DV=value.shape[-1], BLOCK_H=block_h, PDL=pdl, launch_pdl=pdl,
+    )
+    return keys, values
+
+
+def update_cache(cache: Cache, layer_idx: int, key: torch.Tensor, value: torch.Tensor):
+    """cache.update(key, value, layer_idx), through the kernel where it applies (see the module docstring)."""
+    layer = _static_layer(cache, layer_idx)
+    if static_cache_write_applies(layer, key, value):
+        return write_static_cache(layer, key, value)
+    return cache.update(key, value, layer_idx)

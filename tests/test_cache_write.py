@@ -1,0 +1,107 @@
+"""The decoding step's StaticCache write (`kernels/cache_write.py`) against transformers' own `StaticLayer.update`:
+the same keys, values and length, bit for bit; nothing written beyond the cache; every other cache and layer through
+`Cache.update`."""
+
+import pytest
+import torch
+from transformers.cache_utils import DynamicCache, StaticCache, StaticLayer
+
+from modeling_diff.kernels import cache_write
+from modeling_diff.kernels.cache_write import _static_layer, static_cache_write_applies, update_cache
+
+from conftest import tiny_config
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPE = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+
+
+def prefilled_caches(batch=2, heads=2, dk=8, dv=16, prompt=5, max_cache_len=12):
+    """Two StaticCaches of one layer holding the same random prompt."""
+    config = tiny_config("v2", num_hidden_layers=1)
+    caches = [StaticCache(config=config, max_cache_len=max_cache_len) for _ in range(2)]
+    key = torch.randn(batch, heads, prompt, dk, dtype=DTYPE, device=DEVICE)
+    value = torch.randn(batch, heads, prompt, dv, dtype=DTYPE, device=DEVICE)
+    for cache in caches:
+        cache.update(key, value, 0)
+    return caches
+
+
+def step(batch=2, heads=2, length=1, dk=8, dv=16, transposed=True):
+    """A step's key and value (B, H, L, D); `transposed`: views of (B, L, H, D), as the projections give them."""
+    shape = (batch, length, heads) if transposed else (batch, heads, length)
+    key = torch.randn(*shape, dk, dtype=DTYPE, device=DEVICE)
+    value = torch.randn(*shape, dv, dtype=DTYPE, device=DEVICE)
+    return (key.transpose(1, 2), value.transpose(1, 2)) if transposed else (key, value)
+
+
+@pytest.mark.parametrize("batch, heads, length, dk, dv, transposed", [
+    (2, 2, 1, 8, 16, True), (1, 4, 1, 16, 16, False), (3, 2, 3, 8, 16, True), (2, 8, 2, 1024, 1024, True),
+])
+def test_the_write_equals_transformers_update(batch, heads, length, dk, dv, transposed, monkeypatch):
+    """Several steps: keys, values and the length equal StaticLayer.update's; several programs per step (tokens,
+    and head blocks where BLOCK_ELEMENTS is small) share the ticket, which is 0 again after each launch."""
+    monkeypatch.setattr(cache_write, "BLOCK_ELEMENTS", 1024)
+    reference, fast = prefilled_caches(batch, heads, dk, dv)
+    layer = fast.layers[0]
+    for _ in range(2):
+        key, value = step(batch, heads, length, dk, dv, transposed)
+        assert static_cache_write_applies(_static_layer(fast, 0), key, value)
+        expected = reference.update(key, value, 0)
+        got = update_cache(fast, 0, key, value)
+        assert got[0] is layer.keys and got[1] is layer.values
+        torch.testing.assert_close(got[0], expected[0], rtol=0, atol=0)
+        torch.testing.assert_close(got[1], expected[1], rtol=0, atol=0)
+        assert layer.cumulative_length.item() == reference.layers[0].cumulative_length.item()
+        assert cache_write._TICKETS[layer].item() == 0
+    assert fast.get_seq_length() == 5 + 2 * length
+
+
+def test_positions_beyond_the_cache_are_not_written():
+    """A step that runs past max_cache_len writes the positions that exist and nothing beyond them (the layer's
+    tensors are views of larger ones here, whose rest must stay zero), and advances the length as transformers
+    does."""
+    _, fast = prefilled_caches(batch=2, prompt=10, max_cache_len=12)
+    layer = fast.layers[0]
+    spare = [torch.zeros(*t.shape[:2], 20, t.shape[3], dtype=DTYPE, device=DEVICE) for t in (layer.keys, layer.values)]
+    for backing, t in zip(spare, (layer.keys, layer.values)):
+        backing[:, :, :12] = t
+    layer.keys, layer.values = (backing[:, :, :12] for backing in spare)
+    keys_before = layer.keys.clone()
+    key, value = step(batch=2, length=4)
+    update_cache(fast, 0, key, value)
+    torch.testing.assert_close(layer.keys[:, :, :10], keys_before[:, :, :10], rtol=0, atol=0)
+    torch.testing.assert_close(layer.keys[:, :, 10:], key[:, :, :2], rtol=0, atol=0)
+    torch.testing.assert_close(layer.values[:, :, 10:], value[:, :, :2], rtol=0, atol=0)
+    assert all(backing[:, :, 12:].abs().sum() == 0 for backing in spare)
+    assert layer.cumulative_length.item() == 14
+
+
+def test_other_caches_and_layers_take_cache_update(monkeypatch):
+    """A DynamicCache, an offloading or a subclassed StaticCache, an uninitialized layer, a layer of another class,
+    a step with gradients, another dtype or more tokens than the kernel takes: `Cache.update`."""
+    calls = []
+    update = StaticLayer.update
+    monkeypatch.setattr(StaticLayer, "update", lambda self, *a, **kw: calls.append(1) or update(self, *a, **kw))
+    _, fast = prefilled_caches(max_cache_len=48)
+    key, value = step()
+    assert _static_layer(DynamicCache(), 0) is None
+    assert _static_layer(StaticCache(config=tiny_config("v2", num_hidden_layers=1), max_cache_len=8), 0) is None
+
+    class Logged(StaticCache):
+        def update(self, *args, **kwargs):
+            return super().update(*args, **kwargs)
+
+    assert _static_layer(Logged(config=tiny_config("v2", num_hidden_layers=1), max_cache_len=8), 0) is None
+    fast.offloading = True
+    assert _static_layer(fast, 0) is None
+    fast.offloading = False
+    layer = _static_layer(fast, 0)
+    assert layer is not None
+    assert not static_cache_write_applies(layer, key.requires_grad_(), value)
+    key = key.detach()
+    assert not static_cache_write_applies(layer, key.double(), value.double())
+    wide = step(batch=2, length=33)
+    assert not static_cache_write_applies(layer, *wide)
+    calls.clear()
+    update_cache(fast, 0, *wide)
+    assert calls == [1]
