@@ -1,6 +1,12 @@
-"""The graph-replayed StaticCache step with each of the decoding step's launch choices on and off, in one process:
-programmatic dependent launch (`kernels/_triton.PDL_ENABLED`) and o_proj / down_proj split along their input
-(`kernels/projection.split_linear`; off: cuBLAS and the residual add, as before it).
+"""The graph-replayed StaticCache step with each of the decoding step's launch choices turned off alone (and each
+experimental one turned on alone), in one process:
+
+- `pdl`: programmatic dependent launch (`kernels/_triton.PDL_ENABLED`);
+- `split`: o_proj / down_proj split along their input (`kernels/projection.split_linear`; off: cuBLAS and the
+  residual add, as before it);
+- `cache_write`: the StaticCache write in one launch (`kernels/cache_write.py`; off: transformers' `Cache.update`);
+- `qkv16` (experimental, off by default): the q, k, v launch with programs of 16 weight rows at most 16 tokens,
+  twice the programs of the default 32.
 
     python benchmarks/decode_variants.py [--seq 2048] [--batch 1 32] [--models v1 v2 dex] [--out $OUT/variants.json]
 
@@ -16,25 +22,61 @@ import torch
 from tqdm import tqdm
 
 import modeling_diff.diff_attention as attention
+import modeling_diff.kernels.projection as projection
 import modeling_diff.modeling_diff_llama as modeling
 from bench import (
     MODELS, bench_static_decode, build, copy_bandwidth, decode_work, kernels_patched, warm_up_gpu, write_atomically,
 )
 from modeling_diff.kernels import _triton
 
-VARIANTS = [(pdl, split) for pdl in (True, False) for split in (True, False)]
+
+def _no_split(*args):
+    return False
+
+
+def _cache_update(cache, layer_idx, key, value):
+    return cache.update(key, value, layer_idx)
+
+
+def _launch_qkv16(rows, weights, y, block_n, step, stages, warps=4):
+    if rows.shape[0] <= 16:
+        block_n = 16
+        step = projection.block_k(rows.shape[1], block_n)
+        stages = projection.pipeline_stages(16, block_n, step, rows)
+    _launch_projections(rows, weights, y, block_n, step, stages, warps)
+
+
+_launch_projections = projection.launch_projections
+
+# feature -> (the objects and attribute names it sets, the values that turn it from its default to the other state)
+FEATURES = {
+    "pdl": [(_triton, "PDL_ENABLED", False)],
+    "split": [(attention, "split_linear_applies", _no_split), (modeling, "split_linear_applies", _no_split)],
+    "cache_write": [(attention, "update_cache", _cache_update)],
+    "qkv16": [(projection, "launch_projections", _launch_qkv16)],
+}
+EXPERIMENTAL = {"qkv16"}  # off by default: its variant turns it on
+VARIANTS = ["default", *FEATURES]
+
+
+def label(variant: str) -> str:
+    if variant == "default":
+        return "default"
+    return f"{variant} {'on' if variant in EXPERIMENTAL else 'off'}"
 
 
 @contextlib.contextmanager
-def variant(pdl: bool, split: bool):
-    saved = _triton.PDL_ENABLED, attention.split_linear_applies, modeling.split_linear_applies
-    _triton.PDL_ENABLED = pdl
-    if not split:
-        attention.split_linear_applies = modeling.split_linear_applies = lambda *args: False
+def switched(variant: str):
+    """The default step, with `variant`'s feature switched to its other state."""
+    changes = FEATURES.get(variant, [])
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in changes]
+    for owner, name, value in changes:
+        setattr(owner, name, value)
     try:
         yield
     finally:
-        _triton.PDL_ENABLED, attention.split_linear_applies, modeling.split_linear_applies = saved
+        for owner, name, value in saved:
+            setattr(owner, name, value)
 
 
 def main(argv=None):
@@ -44,28 +86,29 @@ def main(argv=None):
     parser.add_argument("--models", nargs="+", default=["v1", "v2", "dex"], choices=MODELS)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     warm_up_gpu()
     bandwidth = copy_bandwidth()
     rows = []
-    print("| model | batch | PDL | split o_proj, down_proj | step ms (range) | share |\n|---|---|---|---|---|---|")
+    print("| model | batch | variant | step ms (range) | share |\n|---|---|---|---|---|")
     for name in args.models:
         with kernels_patched(name):
             model = build(name, max_positions=args.seq + args.steps + 16).eval()
             for batch in args.batch:
                 floor = decode_work(name, model, batch, args.seq, args.steps) * batch / bandwidth  # seconds a step
-                times = {v: [] for v in VARIANTS}
+                times = {v: [] for v in args.variants}
                 for _ in tqdm(range(args.rounds), desc=f"{name} b{batch}", leave=False):
-                    for v in VARIANTS:
-                        with variant(*v):
+                    for v in args.variants:
+                        with switched(v):
                             times[v].append(batch / bench_static_decode(model, batch, args.seq, args.steps, 4096))
-                for (pdl, split), ts in times.items():
+                for v, ts in times.items():
                     ts.sort()
                     step = ts[len(ts) // 2]
-                    rows.append(dict(model=name, batch=batch, seq=args.seq, pdl=pdl, split=split, step_ms=step * 1e3,
+                    rows.append(dict(model=name, batch=batch, seq=args.seq, variant=label(v), step_ms=step * 1e3,
                                      steps_ms=[t * 1e3 for t in ts], floor_ms=floor * 1e3, share=floor / step))
-                    print(f"| {name} | {batch} | {pdl} | {split} | {step * 1e3:.3f} ({ts[0] * 1e3:.3f}-"
+                    print(f"| {name} | {batch} | {label(v)} | {step * 1e3:.3f} ({ts[0] * 1e3:.3f}-"
                           f"{ts[-1] * 1e3:.3f}) | {floor / step:.2f} |")
             del model
             torch.cuda.empty_cache()
