@@ -2,6 +2,7 @@
 
     python benchmarks/attention_bench.py --seq 2048 8192
     python benchmarks/attention_bench.py --sweep     # V1's flash-diff backward kernels over a grid of block sizes
+    python benchmarks/attention_bench.py --sweep --seq 2048 --kernels dkdv     # the dK/dV kernel alone
 
 Rows: transformers' LlamaAttention (32 heads of 64, 8 kv heads; SDPA) as the reference; modeling_diff V1 and
 V2 through the flash-diff kernel (`kernels/flash_diff.py`, attn_implementation "fused_diff") and through the
@@ -97,15 +98,20 @@ def _grid(blocks, warps, stages):
 
 
 DKDV_BLOCKS = [(16, 32), (32, 32), (64, 32), (128, 32), (16, 64), (32, 64), (64, 64), (32, 128)]
-DKDV_GRID = [*_grid(DKDV_BLOCKS, [4], [2, 3]), *_grid([(32, 64), (64, 64), (32, 128)], [8], [3])]
+# 8 warps at 128 keys: two warpgroups of 64 keys share the query tiles; 16 x 128 is the grid's one fast-sized
+# config that spills nothing (`kernel_registers.py`), 32 x 128 at 2 stages spills only outside the query loops
+DKDV_GRID = [*_grid(DKDV_BLOCKS, [4], [2, 3]), *_grid([(32, 64), (64, 64), (16, 128), (32, 128)], [8], [3]),
+             *_grid([(16, 128), (32, 128)], [8], [2])]
 DQ_GRID = _grid([(64, 32), (64, 64), (128, 32), (128, 64)], [4, 8], [2, 3])
+SWEEP_KERNELS = ("dkdv", "dkdv1", "dq")
 
 
-def sweep_backward(seq: int, tokens: int) -> list[dict]:
+def sweep_backward(seq: int, tokens: int, kernels_timed=SWEEP_KERNELS) -> list[dict]:
     """V1's backward kernels at the ~1.1B model's shapes (16 heads, 4 kv heads, d 64, V 128), each config of the
     grid timed alone (median ms of triton.testing.do_bench), the other kernel left to its autotuner; the dK/dV
     kernel also with one query head per program (`flash_diff.dkdv_heads_per_program`). Each config's gradients
-    are compared with the autotuned kernels' (max relative error)."""
+    are compared with the autotuned kernels' (max relative error). kernels_timed: those of SWEEP_KERNELS to time
+    (dkdv1: the dK/dV kernel with one query head a program)."""
     import triton
 
     import modeling_diff.kernels.flash_diff as flash_diff
@@ -133,6 +139,7 @@ def sweep_backward(seq: int, tokens: int) -> list[dict]:
         ("dkdv", kernels._flash_diff_bwd_dkdv, DKDV_GRID, 0),
         ("dq", kernels._flash_diff_bwd_dq, DQ_GRID, long_keys),
     ]
+    runs = [run for run, timed in zip(runs, SWEEP_KERNELS) if timed in kernels_timed]
     for name, raw, candidates, threshold in runs:
         attribute = f"flash_diff_bwd_{name}"
         tuned = getattr(flash_diff, attribute)
@@ -166,11 +173,13 @@ def main(argv=None):
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--sweep", action="store_true", help="V1's backward kernels over a grid of block sizes")
+    parser.add_argument("--kernels", nargs="+", choices=SWEEP_KERNELS, default=SWEEP_KERNELS,
+                        help="--sweep: the kernels to time (dkdv1: dK/dV with one query head a program)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("attention_bench.py needs a CUDA GPU")
     if args.sweep:
-        rows = [r for s in args.seq for r in sweep_backward(s, args.tokens)]
+        rows = [r for s in args.seq for r in sweep_backward(s, args.tokens, args.kernels)]
         print("| kernel | seq x batch | heads a program | BLOCK_M | BLOCK_N | warps | stages | ms | registers / spills | "
               "grad error | autotuner's pick |")
         print("|---|---|---|---|---|---|---|---|---|---|---|")

@@ -7,6 +7,11 @@ Triton compiles each config of `attention_bench.py --sweep`'s dK/dV grid for sm_
 bytes spilled. The H200's sweep found the kernel's fast configs all spilling
 (`results_h200_flash_diff_backward_sweep.md`), so a change meant to remove spills can be checked here first, on
 the CPU, before device time goes to timing it.
+
+ptxas's totals do not say where the spills run. nvdisasm (also shipped with triton) gives the SASS, and the
+last columns count the spill instructions (LDL + STL) inside each query loop (the innermost loops: the diagonal
+tiles, then the tiles every query sees), which run once a query tile, against those in the rest of the kernel,
+which run once a query head or once a program.
 """
 
 import inspect
@@ -23,7 +28,8 @@ from triton.compiler import ASTSource
 from attention_bench import DKDV_GRID
 from modeling_diff.kernels.triton_flash_diff import _flash_diff_bwd_dkdv
 
-PTXAS = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "ptxas")
+BIN = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin")
+PTXAS, NVDISASM = os.path.join(BIN, "ptxas"), os.path.join(BIN, "nvdisasm")
 POINTERS = {"Mu": "*fp32", "Lse": "*fp32", "Delta": "*fp32", "Mask": "*u8",
             **dict.fromkeys("Q K V G DK DVout".split(), "*bf16")}
 # the GPU's constants (S_STATIC and L_STATIC: their defaults, the interpreter's loop bounds off)
@@ -31,34 +37,79 @@ V1_SHAPES = dict(SCALE=0.125, GROUP=4, DQK=64, DV=128, SPLIT_K=True, V1=True, HA
                  L_STATIC=0)
 
 
-def ptxas_report(kernel, constants: dict, num_warps: int, num_stages: int) -> tuple[int, int]:
-    """(registers per thread, bytes of spill stores) of `kernel` compiled for sm_90a: the pointers of POINTERS, the
-    `constants` as constexprs, every other argument an int32."""
+def compile_sm90(kernel, constants: dict, num_warps: int, num_stages: int):
+    """`kernel` compiled for sm_90a: the pointers of POINTERS, the `constants` as constexprs, every other argument
+    an int32."""
     params = list(inspect.signature(kernel.fn).parameters)
     constants = {name: value for name, value in constants.items() if name in params}
     signature = {p: "constexpr" if p in constants else POINTERS.get(p, "i32") for p in params}
-    source = ASTSource(fn=kernel, signature=signature,
+    # As the GPU's launcher specializes them: pointers 16-byte aligned, ints multiples of 16 (the model's strides
+    # and lengths are). Without it no load is vectorized or pipelined and the kernel is not the one that runs
+    # (32 x 64, 4 warps, 3 stages: 824 bytes of spill stores unaligned, 380 aligned).
+    aligned = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if signature[p] != "constexpr"}
+    source = ASTSource(fn=kernel, signature=signature, attrs=aligned,
                        constexprs={(params.index(name),): value for name, value in constants.items()})
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=num_warps, num_stages=num_stages))
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def ptxas_counts(kernel, constants: dict, num_warps: int, num_stages: int) -> dict:
+    """ptxas's counts for `kernel` (`compile_sm90`): registers (per thread), stack (bytes of local memory a thread:
+    the GPU's `n_spills` is stack / 4, the unit of `attention_bench.py --sweep`'s spills column), stores and loads
+    (bytes of spill stores and loads); and loops: (SASS instructions, LDL + STL among them) of each innermost loop,
+    in program order; rest: the LDL + STL outside them."""
+    compiled = compile_sm90(kernel, constants, num_warps, num_stages)
     with tempfile.TemporaryDirectory() as folder:
-        ptx = os.path.join(folder, "kernel.ptx")
+        ptx, cubin = os.path.join(folder, "kernel.ptx"), os.path.join(folder, "kernel.cubin")
         with open(ptx, "w") as file:
             file.write(compiled.asm["ptx"])
+        with open(cubin, "wb") as file:
+            file.write(compiled.asm["cubin"])
         log = subprocess.run([PTXAS, "-v", "--gpu-name", "sm_90a", ptx, "-o", os.devnull],
                              capture_output=True, text=True, check=True).stderr
-    registers = int(re.search(r"Used (\d+) registers", log).group(1))
-    spilled = int(re.search(r"(\d+) bytes spill stores", log).group(1))
-    return registers, spilled
+        sass = subprocess.run([NVDISASM, "-c", cubin], capture_output=True, text=True, check=True).stdout
+    count = lambda pattern: int(re.search(pattern, log).group(1))  # noqa: E731
+    loops, rest = spills_by_loop(sass)
+    return dict(registers=count(r"Used (\d+) registers"), stack=count(r"(\d+) bytes stack frame"),
+                stores=count(r"(\d+) bytes spill stores"), loads=count(r"(\d+) bytes spill loads"),
+                loops=loops, rest=rest)
+
+
+def spills_by_loop(sass: str) -> tuple[list[tuple[int, int]], int]:
+    """([(instructions, LDL + STL)] of each innermost loop of nvdisasm's `sass`, LDL + STL outside them). A loop: a
+    branch back to a label before it."""
+    labels, instructions, label = {}, [], None
+    for line in sass.splitlines():
+        if found := re.match(r"\s*\.(L_x_\d+):", line):
+            label = found.group(1)
+        elif found := re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line):
+            instructions.append(found.group(2))
+            if label is not None:
+                labels[label], label = len(instructions) - 1, None
+    spans = [(labels[found.group(1)], i) for i, text in enumerate(instructions)
+             if (found := re.search(r"BRA\b.*?\.(L_x_\d+)", text)) and labels.get(found.group(1), i) < i]
+    innermost = [(a, b) for a, b in spans if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in spans)]
+    spill = [bool(re.search(r"\b(LDL|STL)\b", text)) for text in instructions]
+    loops = [(b - a + 1, sum(spill[a:b + 1])) for a, b in innermost]
+    return loops, sum(spill) - sum(n for _, n in loops)
+
+
+def ptxas_report(kernel, constants: dict, num_warps: int, num_stages: int) -> tuple[int, int]:
+    """(registers per thread, bytes of spill stores) of `kernel` compiled for sm_90a (`ptxas_counts`)."""
+    counts = ptxas_counts(kernel, constants, num_warps, num_stages)
+    return counts["registers"], counts["stores"]
 
 
 def main():
-    print("| BLOCK_M | BLOCK_N | warps | stages | registers | spill stores (bytes) |\n|---|---|---|---|---|---|")
+    print("| BLOCK_M | BLOCK_N | warps | stages | registers | stack bytes (GPU spills x 4) | spill stores / loads "
+          "(bytes) | LDL + STL a query tile (instructions of the loop) | LDL + STL elsewhere |\n"
+          "|---|---|---|---|---|---|---|---|---|")
     for config in DKDV_GRID:
         options = {k: config[k] for k in ("num_warps", "num_stages")}
-        registers, spilled = ptxas_report(_flash_diff_bwd_dkdv, {**V1_SHAPES, **config}, **options)
+        c = ptxas_counts(_flash_diff_bwd_dkdv, {**V1_SHAPES, **config}, **options)
+        loops = ", ".join(f"{spills} ({size})" for size, spills in c["loops"])
         print(f"| {config['BLOCK_M']} | {config['BLOCK_N']} | {options['num_warps']} | {options['num_stages']} | "
-              f"{registers} | {spilled} |", flush=True)
+              f"{c['registers']} | {c['stack']} | {c['stores']} / {c['loads']} | {loops} | {c['rest']} |", flush=True)
 
 
 if __name__ == "__main__":
