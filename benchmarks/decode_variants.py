@@ -1,12 +1,12 @@
-"""The graph-replayed StaticCache step with each of the decoding step's launch choices turned off alone (and each
-experimental one turned on alone), in one process:
+"""The graph-replayed StaticCache step with each of the decoding step's launch choices turned off alone, in one
+process:
 
 - `pdl`: programmatic dependent launch (`kernels/_triton.PDL_ENABLED`);
 - `split`: o_proj / down_proj split along their input (`kernels/projection.split_linear`; off: cuBLAS and the
   residual add, as before it);
 - `cache_write`: the StaticCache write in one launch (`kernels/cache_write.py`; off: transformers' `Cache.update`);
-- `qkv16` (experimental, off by default): the q, k, v launch with programs of 16 weight rows at most 16 tokens,
-  twice the programs of the default 32.
+- `rotated`: q, k, v split along their input, summed and rotated in one pass (`kernels/projection.rotated_projections`;
+  off: one launch for the products, then the RoPE kernel).
 
     python benchmarks/decode_variants.py [--seq 2048] [--batch 1 32] [--models v1 v2 dex] [--out $OUT/variants.json]
 
@@ -22,7 +22,6 @@ import torch
 from tqdm import tqdm
 
 import modeling_diff.diff_attention as attention
-import modeling_diff.kernels.projection as projection
 import modeling_diff.modeling_diff_llama as modeling
 from bench import (
     MODELS, bench_static_decode, build, copy_bandwidth, decode_work, kernels_patched, warm_up_gpu, write_atomically,
@@ -30,7 +29,7 @@ from bench import (
 from modeling_diff.kernels import _triton
 
 
-def _no_split(*args):
+def _no_split(*args):  # a dispatch predicate that declines
     return False
 
 
@@ -38,36 +37,23 @@ def _cache_update(cache, layer_idx, key, value):
     return cache.update(key, value, layer_idx)
 
 
-def _launch_qkv16(rows, weights, y, block_n, step, stages, warps=4):
-    if rows.shape[0] <= 16:
-        block_n = 16
-        step = projection.block_k(rows.shape[1], block_n)
-        stages = projection.pipeline_stages(16, block_n, step, rows)
-    _launch_projections(rows, weights, y, block_n, step, stages, warps)
-
-
-_launch_projections = projection.launch_projections
-
-# feature -> (the objects and attribute names it sets, the values that turn it from its default to the other state)
+# feature -> the (object, attribute, value) that turn it off
 FEATURES = {
     "pdl": [(_triton, "PDL_ENABLED", False)],
     "split": [(attention, "split_linear_applies", _no_split), (modeling, "split_linear_applies", _no_split)],
     "cache_write": [(attention, "update_cache", _cache_update)],
-    "qkv16": [(projection, "launch_projections", _launch_qkv16)],
+    "rotated": [(attention, "rotated_projections_apply", _no_split)],
 }
-EXPERIMENTAL = {"qkv16"}  # off by default: its variant turns it on
 VARIANTS = ["default", *FEATURES]
 
 
 def label(variant: str) -> str:
-    if variant == "default":
-        return "default"
-    return f"{variant} {'on' if variant in EXPERIMENTAL else 'off'}"
+    return variant if variant == "default" else f"{variant} off"
 
 
 @contextlib.contextmanager
 def switched(variant: str):
-    """The default step, with `variant`'s feature switched to its other state."""
+    """The default step, with `variant`'s feature turned off."""
     changes = FEATURES.get(variant, [])
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in changes]
     for owner, name, value in changes:

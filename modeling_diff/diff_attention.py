@@ -29,8 +29,8 @@ from .configuration import DiffLlamaConfig
 from .kernels import (
     DIFF_TRITON, FUSED_DIFF, DexCombine, V1Combine, V2Combine, apply_rope, combined_decode_applies,
     combined_decode_attention, flash_diff_applies, flash_diff_attention, has_extra_options, is_plain_linear,
-    linear_maps, resolve, split_linear, split_linear_applies, update_cache, uses_fast_kernels, v1_combine,
-    v2_combine_projected,
+    linear_maps, resolve, rotated_projections, rotated_projections_apply, split_linear, split_linear_applies,
+    update_cache, uses_fast_kernels, v1_combine, v2_combine_projected,
 )
 
 
@@ -186,6 +186,20 @@ class _DiffAttentionBase(nn.Module, metaclass=abc.ABCMeta):
     def dropout_p(self) -> float:
         return self.attention_dropout if self.training else 0.0
 
+    def rotated_projections(self, implementation, hidden_states, position_embeddings, *linears):
+        """(q, k, v, *side) = each of `linears` (q_proj, k_proj, v_proj, side layers) of hidden_states (B, L, .),
+        (B, L, N_i) each, with RoPE on every d-wide head of q and k. In a decoding step of at most 16 tokens the
+        products split along their input and one pass that sums them and rotates q and k (`kernels/projection.py`,
+        two launches); else the products in one launch (decoding steps) or each layer's forward, then RoPE."""
+        cos, sin = position_embeddings  # (B or 1, L, d)
+        fused = uses_fast_kernels(implementation)
+        if fused and rotated_projections_apply(hidden_states, linears, cos, sin, self.head_dim):
+            return rotated_projections(hidden_states, linears, cos, sin, self.head_dim)
+        query, key, value, *side = linear_maps(hidden_states, *linears, fused=fused)
+        heads = (*hidden_states.shape[:-1], -1, self.head_dim)
+        query, key = apply_rope(query.view(heads), key.view(heads), cos, sin, fused)
+        return query.flatten(-2), key.flatten(-2), value, *side
+
     def flash_diff_applies(self, implementation, pairs, key, value, attention_mask, kwargs) -> bool:
         """Whether both maps and the combine go to the fused flash-diff kernel (`kernels/flash_diff.py`):
         `fused_diff`, or `diff_triton` where the mode prefers it; no extra attention options; shapes it covers."""
@@ -290,18 +304,14 @@ class DiffAttentionV1(_DiffAttentionBase):
         token."""
         input_shape = hidden_states.shape[:-1]  # (B, L)
         d = self.head_dim
-        # one launch for the three in a decoding step (`kernels/projection.py`), each layer's forward otherwise
-        query_states, key_states, value_states = linear_maps(
-            hidden_states, self.q_proj, self.k_proj, self.v_proj, fused=uses_fast_kernels(implementation)
+        # the same rotation for every d-wide head: Q1, Q2, K1 and K2 alike
+        query_states, key_states, value_states = self.rotated_projections(
+            implementation, hidden_states, position_embeddings, self.q_proj, self.k_proj, self.v_proj
         )
-        query_states = query_states.view(*input_shape, -1, d)  # (B, L, 2h, d): (Q1, Q2) per head
-        key_states = key_states.view(*input_shape, -1, d)  # (B, L, 2h_kv, d): (K1, K2) per head
+        query_states = query_states.view(*input_shape, -1, 2, d)  # (B, L, h, 2, d): (Q1, Q2) per head
+        key_states = key_states.view(*input_shape, -1, 2 * d).transpose(1, 2)  # (B, h_kv, L, 2d): K1|K2
         value_states = value_states.view(*input_shape, -1, 2 * d).transpose(1, 2)  # (B, h_kv, L, 2d)
-
-        cos, sin = position_embeddings  # (B, L, d), the same rotation for every head and both halves
-        query_states, key_states = apply_rope(query_states, key_states, cos, sin, uses_fast_kernels(implementation))
-        key_states = key_states.unflatten(2, (-1, 2)).flatten(-2).transpose(1, 2)
-        return query_states.unflatten(2, (-1, 2)), key_states, value_states, ()
+        return query_states, key_states, value_states, ()
 
     def decode_applies(self, implementation, pairs, key, value, attention_mask, kwargs) -> bool:
         """subln plain, the decode kernel's shapes, and not flash-diff's (which goes first where it applies)."""
@@ -379,17 +389,13 @@ class _LlamaLayoutAttention(_DiffAttentionBase):
         """-> query (B, query_heads, L, d), key and value (B, h_kv, L, d), RoPE applied, and the outputs of the
         `side` layers of the same input (V2's lambda_proj), (B, L, .) each."""
         hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-        # one launch for all of them in a decoding step (`kernels/projection.py`), each layer's forward otherwise
-        query_states, key_states, value_states, *side_outputs = linear_maps(
-            hidden_states, self.q_proj, self.k_proj, self.v_proj, *side, fused=uses_fast_kernels(implementation)
+        query_states, key_states, value_states, *side_outputs = self.rotated_projections(
+            implementation, hidden_states, position_embeddings, self.q_proj, self.k_proj, self.v_proj, *side
         )
-        query_states = query_states.view(hidden_shape)  # (B, L, query_heads, d)
-        key_states = key_states.view(hidden_shape)  # (B, L, h_kv, d)
+        query_states = query_states.view(hidden_shape).transpose(1, 2)  # (B, query_heads, L, d)
+        key_states = key_states.view(hidden_shape).transpose(1, 2)  # (B, h_kv, L, d)
         value_states = value_states.view(hidden_shape).transpose(1, 2)  # (B, h_kv, L, d)
-
-        cos, sin = position_embeddings
-        query_states, key_states = apply_rope(query_states, key_states, cos, sin, uses_fast_kernels(implementation))
-        return query_states.transpose(1, 2), key_states.transpose(1, 2), value_states, side_outputs
+        return query_states, key_states, value_states, side_outputs
 
     def attend(self, implementation, query_states, key_states, value_states, attention_mask, **kwargs):
         """-> per-head outputs (B, L, query_heads, d) and, with eager, maps (B, query_heads, L, S)."""

@@ -451,6 +451,46 @@ def test_kernel_mask_views_a_bool_mask_without_a_copy():
     assert kernel_mask(None, mask) == (mask, (0, 0, 0))
 
 
+@pytest.mark.parametrize("batch, length, cos_batch", [(1, 1, 1), (4, 1, 4), (2, 3, 1), (16, 1, 16)])
+def test_rotated_projections_match_the_products_and_transformers_rope(batch, length, cos_batch):
+    """q, k, v (and V2's lambda_proj) of a step as split products, summed and rotated in one pass: each x W^T, with
+    transformers' apply_rotary_pos_emb on every head of q and k (V1's 2d-wide kv heads too: each d-wide half); cos
+    and sin shared by the batch or per row; a NaN token stays in its own row. Not taken: more than 16 tokens,
+    cos of another dtype or width, a hooked layer, recorded gradients."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from modeling_diff.kernels import projection
+
+    torch.manual_seed(6)
+    width, d = 2048, 64 if GPU else 16  # split_config: 4 parts of 512
+    layers = [linear_layer(width, n) for n in (8 * d, 4 * d, 4 * d, 6)]  # q, k (2 kv heads of 2d), v, lambda_proj
+    x = rand(batch, length, width)
+    cos, sin = rand(cos_batch, length, d), rand(cos_batch, length, d)
+    expected = [x.float() @ layer.weight.float().T for layer in layers]
+    heads = (batch, length, -1, d)
+    rope = apply_rotary_pos_emb(expected[0].to(DTYPE).view(heads), expected[1].to(DTYPE).view(heads), cos, sin, 2)
+    expected[:2] = [t.flatten(-2) for t in rope]
+    assert projection.split_config(width)[2] == 4
+    with torch.no_grad():
+        assert projection.rotated_projections_apply(x, layers, cos, sin, d)
+        out = projection.rotated_projections(x, layers, cos, sin, d)
+        for got, ref in zip(out, expected):
+            assert got.shape == ref.shape and got.is_contiguous() and rel_err(got, ref) < TOL
+        poisoned = x.clone()
+        poisoned[0, 0] = float("nan")
+        out = projection.rotated_projections(poisoned, layers, cos, sin, d)
+        for got, ref in zip(out, expected):
+            assert got[0, 0].isnan().all() and not got.flatten(0, 1)[1:].isnan().any()
+        assert not projection.rotated_projections_apply(rand(17, 1, width), layers, cos[:, :1], sin[:, :1], d)
+        assert not projection.rotated_projections_apply(x, layers, cos.double(), sin.double(), d)
+        assert not projection.rotated_projections_apply(x, layers, cos[..., :-2], sin[..., :-2], d - 2)
+        assert not projection.rotated_projections_apply(x, layers[:1], cos, sin, d)
+        handle = layers[2].register_forward_hook(lambda *args: None)
+        assert not projection.rotated_projections_apply(x, layers, cos, sin, d)
+        handle.remove()
+    assert not projection.rotated_projections_apply(x, layers, cos, sin, d)  # gradients recorded
+
+
 @pytest.mark.parametrize("tokens", [0, 1, 16])
 def test_split_linear_matches_the_formula_and_adds_the_residual(tokens):
     """A Linear map alone (o_proj, down_proj of a step) as float32 partial products over parts of its input width,
@@ -977,23 +1017,24 @@ def decode(model, cache_class, ids, mask, steps):
 @pytest.mark.parametrize("cache_class", [DynamicCache, StaticCache])
 def test_decoding_steps_on_the_kernel_equal_eager(mode, cache_class, monkeypatch):
     """Prefill, then decoding steps through the split-KV kernel with the differential term in it, the
-    projections' kernels (q, k, v and V2's lambda_proj in one launch, the MLP's gate and up in one, o_proj and
-    down_proj split along their input, down_proj's sum with the residual add), the residual add with the norm
-    after it in one pass, and a StaticCache's write in one launch, with left padding, dynamic and static caches. The keys and values that
-    reach the cache are contiguous: a DynamicCache concatenates them with its cache, and torch.cat's fast CUDA
+    projections' kernels (q, k, v and V2's lambda_proj split along their input with their sum and RoPE in one
+    pass, the MLP's gate and up in one, o_proj and down_proj split along their input, down_proj's sum with the
+    residual add), the residual add with the norm after it in one pass, and a StaticCache's write in one launch,
+    with left padding, dynamic and static caches. The keys and values that reach the cache are contiguous: a DynamicCache concatenates them with its cache, and torch.cat's fast CUDA
     kernel takes only contiguous inputs (a column view of the projections' output took the slow one)."""
     import modeling_diff.diff_attention as attention
     import modeling_diff.kernels.projection as projection
 
     import modeling_diff.modeling_diff_llama as modeling
 
-    kernel_calls, projections, gated, added, split = [], [], [], [], []
+    kernel_calls, projections, gated, added, split, rotated = [], [], [], [], [], []
     kernel, add_norm = attention.combined_decode_attention, modeling.add_rms_norm
     monkeypatch.setattr(attention, "combined_decode_attention", lambda *a: kernel_calls.append(1) or kernel(*a))
     monkeypatch.setattr(modeling, "add_rms_norm", lambda *a: added.append(1) or add_norm(*a))
     monkeypatch.setattr(projection, "_projections", CountedKernel(projection._projections, projections))
     monkeypatch.setattr(projection, "_gated_projection", CountedKernel(projection._gated_projection, gated))
     monkeypatch.setattr(projection, "_split_sum", CountedKernel(projection._split_sum, split))
+    monkeypatch.setattr(projection, "_split_sum_rotate", CountedKernel(projection._split_sum_rotate, rotated))
     import modeling_diff.kernels.cache_write as cache_write
 
     layouts, update, writes = [], attention.update_cache, []
@@ -1006,7 +1047,9 @@ def test_decoding_steps_on_the_kernel_equal_eager(mode, cache_class, monkeypatch
     logits = [decode(model, cache_class, ids, mask, steps) for model in (eager, fast)]
     assert rel_err(logits[1], logits[0]) < TOL
     assert len(kernel_calls) == steps.shape[1] * eager.config.num_hidden_layers  # every decoding step
-    assert len(projections) == len(gated) == len(kernel_calls)  # the prefill's 80 tokens take cuBLAS
+    assert len(gated) == len(rotated) == len(kernel_calls)  # the prefill's 80 tokens take cuBLAS
+    # q, k, v (and lambda_proj) split along their input, summed and rotated in one pass; o_proj and down_proj split
+    assert len(projections) == 3 * len(kernel_calls)
     assert len(split) == 2 * len(kernel_calls)  # o_proj, and down_proj with the residual add
     assert len(added) == (1 + steps.shape[1]) * eager.config.num_hidden_layers  # the add before the MLP's norm
     # a StaticCache takes each step's keys and values in one launch (`kernels/cache_write.py`)

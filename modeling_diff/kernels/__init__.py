@@ -10,8 +10,8 @@
 - `swiglu.py`: the decoder's SwiGLU MLP in training, its activation computed again in the backward instead of
   kept, and silu(gate) * up alone for MLPs of wrapped layers (`triton_swiglu.py`).
 - `projection.py`: the Linear maps of a decoding step in fewer launches: q, k, v (and V2's lambda_proj) in one,
-  the MLP's gate and up with silu(gate) * up in one, o_proj and down_proj split along their input
-  (`triton_projection.py`).
+  the MLP's gate and up with silu(gate) * up in one, o_proj and down_proj split along their input, and q, k, v
+  split with their sum and RoPE in one pass (`triton_projection.py`).
 - `triton_launch.py`: programmatic dependent launch (Hopper) in the decoding step's kernels.
 - `cache_write.py`: a decoding step's keys and values into a StaticCache layer, its length advanced, in one
   launch (`triton_cache_write.py`), where transformers' update issues five.
@@ -34,7 +34,10 @@ from .cache_write import update_cache
 from .combine import v1_combine, v2_combine, v2_combine_projected
 from .decode import DexCombine, V1Combine, V2Combine, combined_decode_applies, combined_decode_attention
 from .flash_diff import flash_diff_applies, flash_diff_attention
-from .projection import gated_projection, gated_projection_applies, linear_maps, split_linear, split_linear_applies
+from .projection import (
+    gated_projection, gated_projection_applies, linear_maps, rotated_projections, rotated_projections_apply,
+    split_linear, split_linear_applies,
+)
 from .rmsnorm import add_rms_norm, add_rms_norm_applies, rms_norm, rms_norm_kernel_applies
 from .rope import apply_rope
 from .swiglu import silu_mul, silu_mul_applies, swiglu_mlp, swiglu_mlp_applies
@@ -45,7 +48,8 @@ __all__ = [
     "DIFF_TRITON", "FUSED_DIFF", "DexCombine", "V1Combine", "V2Combine", "add_rms_norm", "add_rms_norm_applies",
     "apply_rope", "combined_decode_applies", "combined_decode_attention", "diff_triton_attention_forward",
     "flash_diff_applies", "flash_diff_attention", "gated_projection", "gated_projection_applies", "has_extra_options",
-    "is_plain_linear", "linear_maps", "resolve", "rms_norm", "rms_norm_kernel_applies", "silu_mul", "silu_mul_applies",
+    "is_plain_linear", "linear_maps", "resolve", "rms_norm", "rms_norm_kernel_applies", "rotated_projections",
+    "rotated_projections_apply", "silu_mul", "silu_mul_applies",
     "runs_own_forward", "split_linear", "split_linear_applies", "swiglu_mlp", "swiglu_mlp_applies", "triton_available",
     "update_cache", "uses_fast_kernels", "v1_combine", "v2_combine", "v2_combine_projected",
 ]

@@ -35,7 +35,7 @@ from ._triton import (
 )
 
 if TRITON_AVAILABLE:
-    from .triton_projection import _gated_projection, _projections, _split_products, _split_sum
+    from .triton_projection import _gated_projection, _projections, _split_sum, _split_sum_rotate
 
 MAX_ROWS = 64  # tokens of a step the kernels take (x padded to a power of two >= 16 rows on the tensor cores)
 MAX_WEIGHTS = 4  # weights of one `_projections` launch
@@ -92,17 +92,19 @@ def pipeline_stages(block_m: int, weight_rows: int, block_k: int, x: torch.Tenso
     return max(1, min(4, int(0.9 * shared_memory(x.device)) // stage))
 
 
-def launch_projections(rows, weights, y, block_n: int, step: int, stages: int, warps: int = 4) -> None:
+def launch_projections(rows, weights, y, block_n: int, step: int, stages: int, warps: int = 4, split: int = 1) -> None:
     """One `_projections` launch: rows (M, K) W_i^T for up to MAX_WEIGHTS weights (N_i, K) into y, M x (sum of
-    widths) contiguous elements: the products (M, N_i) one after another, each row-major. `step` divides K. The
-    block sizes are the caller's (`benchmarks/projection_bench.py --sweep` tries others)."""
+    widths) contiguous elements: the products (M, N_i) one after another, each row-major; with `split` > 1 the
+    float32 partial products over `split` equal parts of K, y (split, M x sum of widths). `step` divides K (or its
+    parts). The block sizes are the caller's (`benchmarks/projection_bench.py --sweep` tries others)."""
     m, k = rows.shape
     widths = [w.shape[0] for w in weights]
     pad = MAX_WEIGHTS - len(weights)
     pdl = dependent_launch(rows, m)
-    _projections[(sum(cdiv(n, block_n) for n in widths),)](
-        rows, *weights, *weights[:1] * pad, y, m, *widths, *(0,) * pad, K=k, BLOCK_M=max(16, next_power_of_2(m)),
-        BLOCK_N=block_n, BLOCK_K=step, PDL=pdl, num_stages=stages, num_warps=warps, launch_pdl=pdl,
+    _projections[(sum(cdiv(n, block_n) for n in widths), split)](
+        rows, *weights, *weights[:1] * pad, y, m, *widths, *(0,) * pad, K=k, SPLIT=split,
+        BLOCK_M=max(16, next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=step, PDL=pdl, num_stages=stages,
+        num_warps=warps, launch_pdl=pdl,
     )
 
 
@@ -128,10 +130,7 @@ def launch_split_linear(rows, weight, y, residual, block_n: int, step: int, spli
     n = weight.shape[0]
     pdl = dependent_launch(rows, m)
     parts = torch.empty(split, m, n, dtype=torch.float32, device=rows.device)
-    _split_products[(cdiv(n, block_n), split)](
-        rows, weight, parts, m, n, K=k, SPLIT=split, BLOCK_M=max(16, next_power_of_2(m)), BLOCK_N=block_n,
-        BLOCK_K=step, PDL=pdl, num_stages=stages, num_warps=warps, launch_pdl=pdl,
-    )
+    launch_projections(rows, [weight], parts, block_n, step, stages, warps, split)
     _split_sum[(cdiv(m * n, SUM_BLOCK),)](
         parts, y if residual is None else residual, y, m * n, SPLIT=split, BLOCK=SUM_BLOCK, ADD=residual is not None,
         PDL=pdl, launch_pdl=pdl,
@@ -167,6 +166,50 @@ def linear_maps(x: torch.Tensor, *linears: nn.Linear, fused: bool) -> tuple[torc
         return tuple(products)
     computed = {id(layer): y for layer, y in zip(read, products)}
     return tuple(computed[id(layer)] if id(layer) in computed else layer(x) for layer in linears)
+
+
+ROTATE_BLOCK = 512  # columns per program of `_split_sum_rotate`
+
+
+def rotated_projections_apply(x: torch.Tensor, linears, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> bool:
+    """Whether `rotated_projections` takes x: steps of at most SPLIT_MAX_TOKENS tokens (as `split_linear`), two to
+    MAX_WEIGHTS plain layers, q's and k's widths whole heads, cos and sin (B or 1, L, head_dim) of x's dtype."""
+    return (
+        few_rows_apply(x) and x.dim() == 3 and x.numel() <= SPLIT_MAX_TOKENS * x.shape[-1]
+        and 2 <= len(linears) <= MAX_WEIGHTS and all(kernel_reads(layer, x) for layer in linears)
+        and linears[0].out_features % head_dim == 0 and linears[1].out_features % head_dim == 0 and head_dim % 2 == 0
+        and cos.shape == sin.shape and cos.dim() == 3 and cos.shape[0] in (1, x.shape[0])
+        and cos.shape[1:] == (x.shape[1], head_dim) and cos.dtype == sin.dtype == x.dtype
+        and cos.stride(-1) == sin.stride(-1) == 1 and cos.stride() == sin.stride()
+        and not (cos.requires_grad or sin.requires_grad)
+    )
+
+
+def rotated_projections(x: torch.Tensor, linears, cos: torch.Tensor, sin: torch.Tensor,
+                        head_dim: int) -> tuple[torch.Tensor, ...]:
+    """(layer(x) for each of `linears`) with RoPE (`rope.py`'s formula) on every head_dim-wide head of the first two
+    (q and k), in two launches: the products split along K (`launch_projections` with `split`, o_proj's measured
+    split: `split_config`), then one pass that sums the parts, rounds them as F.linear does and rotates q and k
+    (`_split_sum_rotate`), where `linear_maps` and `apply_rope` take three. Check `rotated_projections_apply` first.
+    x (B, L, K); cos, sin (B or 1, L, head_dim) -> each (B, L, N_i), contiguous blocks of one buffer."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()  # (M, K)
+    m = rows.shape[0]
+    weights = [layer._parameters["weight"] for layer in linears]
+    widths = [w.shape[0] for w in weights]
+    pad = MAX_WEIGHTS - len(weights)
+    block_n, step, split = split_config(rows.shape[1])
+    parts = torch.empty(split, m * sum(widths), dtype=torch.float32, device=x.device)
+    y = torch.empty(m * sum(widths), dtype=x.dtype, device=x.device)
+    if m > 0:
+        stages = pipeline_stages(max(16, next_power_of_2(m)), block_n, step, x)
+        launch_projections(rows, weights, parts, block_n, step, stages, split=split)
+        pdl = dependent_launch(rows, m)
+        _split_sum_rotate[(m, cdiv(sum(widths), ROTATE_BLOCK))](
+            parts, y, cos, sin, m, x.shape[1], *widths, *(0,) * pad, cos.stride(0) if cos.shape[0] > 1 else 0,
+            cos.stride(1), SPLIT=split, HALF=head_dim // 2, BLOCK=ROTATE_BLOCK, PDL=pdl, launch_pdl=pdl,
+        )
+    blocks = y.split([m * n for n in widths])
+    return tuple(block.view(*x.shape[:-1], n) for block, n in zip(blocks, widths))
 
 
 def split_config(width: int) -> tuple[int, int, int]:

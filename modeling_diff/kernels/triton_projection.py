@@ -9,12 +9,13 @@ weight's bytes, not by arithmetic). Under PDL a program reads its first weight t
 (`triton_launch.py`):
 
     projections        y_i = x W_i^T for up to four weights (q, k, v and V2's lambda_proj) in one output buffer,
-                       each weight's programs in turn, each y_i (M, N_i) a contiguous block of it
+                       each weight's programs in turn, each y_i (M, N_i) a contiguous block of it; with SPLIT > 1
+                       the float32 partials P_s = x[:, K_s] W_i[:, K_s]^T for SPLIT equal parts K_s of K (more
+                       programs than the weights' row blocks: o_proj's 2048 rows are 32 blocks for 132 SMs)
     gated_projection   y = silu(x W_g^T) * (x W_u^T), each rounded to the dtype as LlamaMLP rounds them
-    split_products     P_s = x[:, K_s] W[:, K_s]^T in float32, for SPLIT equal parts K_s of K (more programs than
-                       one weight's row blocks: o_proj and down_proj have 2048 rows, 32 blocks for 132 SMs)
     split_sum          y = sum_s P_s rounded to the dtype (F.linear's output), plus a residual where ADD, rounded
                        again (residual + F.linear(...))
+    split_sum_rotate   the sum for q, k, v (and lambda_proj), with RoPE on q's and k's heads in the same pass
 """
 
 # In a try block because transformers' remote-code loader requires every *unguarded* import of a Hub export's
@@ -73,14 +74,17 @@ def _store_rows(Y, y, M, row0, N, stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.con
 
 
 @triton.jit(do_not_specialize=["M"])  # the tokens of a step change with the batch: one compiled kernel for all
-def _projections(X, W0, W1, W2, W3, Y, M, N0, N1, N2, N3, K: tl.constexpr,
+def _projections(X, W0, W1, W2, W3, Y, M, N0, N1, N2, N3, K: tl.constexpr, SPLIT: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     # Y (M x (N0 + N1 + N2 + N3) elements) = the blocks X W0^T (M, N0), X W1^T (M, N1), ... one after another, each
     # row-major: the first cdiv(N0, BLOCK_N) programs compute the first block, the next ones the second, ...; an
     # unused weight has N_i = 0. Contiguous blocks, not column blocks of one (M, sum) matrix: a DynamicCache
     # concatenates v (and k) with its cache, and torch.cat's fast kernel needs contiguous inputs. K (the input width)
-    # is a constant of the compiled kernel: two per model (hidden and MLP widths).
+    # is a constant of the compiled kernel: two per model (hidden and MLP widths). SPLIT > 1: program (j, s)
+    # computes the float32 partial product over K's part s into Y's part s, (SPLIT, M x (N0 + ... + N3)) in all
+    # (`_split_sum_rotate` sums them).
     pid = tl.program_id(0)
+    part = tl.program_id(1)
     end0 = tl.cdiv(N0, BLOCK_N)
     end1 = end0 + tl.cdiv(N1, BLOCK_N)
     end2 = end1 + tl.cdiv(N2, BLOCK_N)
@@ -92,8 +96,9 @@ def _projections(X, W0, W1, W2, W3, Y, M, N0, N1, N2, N3, K: tl.constexpr,
         W, N, row0, col0 = W2, N2, (pid - end1) * BLOCK_N, N0 + N1
     else:
         W, N, row0, col0 = W3, N3, (pid - end2) * BLOCK_N, N0 + N1 + N2
-    acc, _ = _row_block_products(X, W, W, M, row0, N, 0, K, K, BLOCK_M, BLOCK_N, BLOCK_K, False, PDL)
-    _store_rows(Y + M * col0, acc, M, row0, N, N, BLOCK_M, BLOCK_N)
+    acc, _ = _row_block_products(X, W, W, M, row0, N, part * (K // SPLIT), K, K // SPLIT, BLOCK_M, BLOCK_N, BLOCK_K,
+                                 False, PDL)
+    _store_rows(Y + part * M * (N0 + N1 + N2 + N3) + M * col0, acc, M, row0, N, N, BLOCK_M, BLOCK_N)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -104,17 +109,6 @@ def _gated_projection(X, WG, WU, Y, M, N, K: tl.constexpr, BLOCK_M: tl.constexpr
     dtype = Y.dtype.element_ty
     silu = _silu(gate.to(dtype).to(tl.float32))[0].to(dtype).to(tl.float32)
     _store_rows(Y, silu * up.to(dtype).to(tl.float32), M, row0, N, N, BLOCK_M, BLOCK_N)
-
-
-@triton.jit(do_not_specialize=["M"])
-def _split_products(X, W, P, M, N, K: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    # P (SPLIT, M, N) float32: program (j, s) computes rows j * BLOCK_N.. of the partial product over K's part s
-    row0 = tl.program_id(0) * BLOCK_N
-    part = tl.program_id(1)
-    acc, _ = _row_block_products(X, W, W, M, row0, N, part * (K // SPLIT), K, K // SPLIT, BLOCK_M, BLOCK_N, BLOCK_K,
-                                 False, PDL)
-    _store_rows(P + part * M * N, acc, M, row0, N, N, BLOCK_M, BLOCK_N)
 
 
 @triton.jit(do_not_specialize=["MN"])
@@ -131,3 +125,40 @@ def _split_sum(P, Res, Y, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.
     if ADD:
         y = (y.to(tl.float32) + tl.load(Res + offsets, mask=ok, other=0.0).to(tl.float32)).to(Y.dtype.element_ty)
     tl.store(Y + offsets, y, mask=ok)
+
+
+@triton.jit(do_not_specialize=["M", "L"])
+def _split_sum_rotate(P, Y, Cos, Sin, M, L, N0, N1, N2, N3, scb, scl, SPLIT: tl.constexpr, HALF: tl.constexpr,
+                      BLOCK: tl.constexpr, PDL: tl.constexpr):
+    # Y (M x NT elements, NT = N0 + .. + N3, `_projections`' blocks) = the sum of the SPLIT float32 partials P
+    # (SPLIT, M x NT), rounded to Y's dtype (F.linear's output); then every 2 HALF wide head of the first two
+    # blocks (q and k) rotated (RoPE, `triton_rope.py`'s arithmetic: float32, rounded once) with the token's cos and
+    # sin (B or 1, L, 2 HALF; batch stride scb, 0 = shared). A program: BLOCK columns of one token m = b L + l.
+    let_dependents_start(PDL)
+    wait_for_inputs(PDL)
+    m = tl.program_id(0)
+    b = m // L
+    l = m % L
+    nt = N0 + N1 + N2 + N3
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # columns of the (M, NT) product
+    ok = c < nt
+    col0 = tl.where(c < N0, 0, tl.where(c < N0 + N1, N0, tl.where(c < N0 + N1 + N2, N0 + N1, N0 + N1 + N2)))
+    width = tl.where(c < N0, N0, tl.where(c < N0 + N1, N1, tl.where(c < N0 + N1 + N2, N2, N3)))
+    rotated = c < N0 + N1
+    j = (c - col0) % (2 * HALF)  # the column within its head
+    partner = tl.where(j < HALF, c + HALF, c - HALF)  # rotate_half's other column, in the same head
+    at = M * col0 + m * width + (c - col0)
+    at_partner = M * col0 + m * width + (partner - col0)
+    x = tl.zeros((BLOCK,), tl.float32)
+    x_partner = tl.zeros((BLOCK,), tl.float32)
+    for s in range(SPLIT):
+        x += tl.load(P + s * M * nt + at, mask=ok, other=0.0)
+        x_partner += tl.load(P + s * M * nt + at_partner, mask=ok & rotated, other=0.0)
+    dtype = Y.dtype.element_ty
+    x = x.to(dtype).to(tl.float32)
+    x_partner = x_partner.to(dtype).to(tl.float32)
+    cs = b * scb + l * scl + j
+    cos = tl.load(Cos + cs, mask=ok & rotated, other=1.0).to(tl.float32)
+    sin = tl.load(Sin + cs, mask=ok & rotated, other=0.0).to(tl.float32)
+    y = tl.where(rotated, x * cos + tl.where(j < HALF, -x_partner, x_partner) * sin, x)  # x cos + rotate_half(x) sin
+    tl.store(Y + at, y.to(dtype), mask=ok)
