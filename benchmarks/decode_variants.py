@@ -9,6 +9,10 @@ process:
   off: one launch for the products, then the RoPE kernel).
 
     python benchmarks/decode_variants.py [--seq 2048] [--batch 1 32] [--models v1 v2 dex] [--out $OUT/variants.json]
+    python benchmarks/decode_variants.py --variants default --partial 128,4,3,2 64,4,3,4   # the decode kernel's launch
+
+`--partial BLOCK_N,WARPS,STAGES,PROGRAMS_PER_SM ...` adds a variant per launch configuration of the split-KV decode
+kernel (`kernels/triton_decode.py`; its default is 64,4,3,2).
 
 Prints the step (ms) and its share of the roofline (bench.py's definition, the bandwidth measured in the same run) per
 model, batch and variant; the variants alternate within each model and batch, `--rounds` times (median).
@@ -26,7 +30,7 @@ import modeling_diff.modeling_diff_llama as modeling
 from bench import (
     MODELS, bench_static_decode, build, copy_bandwidth, decode_work, kernels_patched, warm_up_gpu, write_atomically,
 )
-from modeling_diff.kernels import _triton
+from modeling_diff.kernels import _triton, triton_decode
 
 
 def _no_split(*args):  # a dispatch predicate that declines
@@ -47,13 +51,26 @@ FEATURES = {
 VARIANTS = ["default", *FEATURES]
 
 
+PARTIAL_CONSTANTS = ("PARTIAL_BLOCK_N", "PARTIAL_NUM_WARPS", "PARTIAL_NUM_STAGES", "PROGRAMS_PER_SM")
+
+
+def partial_variant(config: str) -> str:
+    """A `--partial` configuration as a variant: its changes registered in FEATURES under 'partial=...'."""
+    values = [int(v) for v in config.split(",")]
+    if len(values) != len(PARTIAL_CONSTANTS) or min(values) < 1:
+        raise SystemExit(f"--partial takes BLOCK_N,WARPS,STAGES,PROGRAMS_PER_SM (positive ints), got {config!r}")
+    name = f"partial={config}"
+    FEATURES[name] = [(triton_decode, constant, value) for constant, value in zip(PARTIAL_CONSTANTS, values)]
+    return name
+
+
 def label(variant: str) -> str:
-    return variant if variant == "default" else f"{variant} off"
+    return variant if variant == "default" or variant.startswith("partial=") else f"{variant} off"
 
 
 @contextlib.contextmanager
 def switched(variant: str):
-    """The default step, with `variant`'s feature turned off."""
+    """The default step, with `variant`'s feature turned off (or its decode-kernel launch configuration)."""
     changes = FEATURES.get(variant, [])
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in changes]
     for owner, name, value in changes:
@@ -73,8 +90,10 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
+    parser.add_argument("--partial", nargs="*", default=[], metavar="BLOCK_N,WARPS,STAGES,PROGRAMS_PER_SM")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
+    args.variants += [partial_variant(config) for config in args.partial]
     warm_up_gpu()
     bandwidth = copy_bandwidth()
     rows = []

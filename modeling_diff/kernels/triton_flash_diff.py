@@ -403,9 +403,6 @@ else:  # H100/H200-class GPUs; two fp32 accumulators of DV per row bound the til
         dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
         dict(BLOCK_M=32, BLOCK_N=128, num_warps=8, num_stages=3),
         dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2),
-        # two warpgroups of 64 keys sharing each query tile: of the sizes near the fast ones the only one that
-        # spills nothing on sm_90a (`benchmarks/kernel_registers.py`; the others spill outside the query loops)
-        dict(BLOCK_M=16, BLOCK_N=128, num_warps=8, num_stages=3),
     ]
     _DQ = [
         dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
