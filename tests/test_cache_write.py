@@ -4,7 +4,7 @@ the same keys, values and length, bit for bit; nothing written beyond the cache;
 
 import pytest
 import torch
-from transformers.cache_utils import DynamicCache, StaticCache, StaticLayer
+from transformers.cache_utils import DynamicCache, StaticCache, StaticLayer, StaticSlidingWindowLayer
 
 from modeling_diff.kernels import cache_write
 from modeling_diff.kernels.cache_write import _static_layer, static_cache_write_applies, update_cache
@@ -77,8 +77,8 @@ def test_positions_beyond_the_cache_are_not_written():
 
 
 def test_other_caches_and_layers_take_cache_update(monkeypatch):
-    """A DynamicCache, an offloading or a subclassed StaticCache, an uninitialized layer, a layer of another class,
-    a step with gradients, another dtype or more tokens than the kernel takes: `Cache.update`."""
+    """A DynamicCache, an offloading or a subclassed StaticCache, an uninitialized layer, a sliding-window layer,
+    a step with gradients, another dtype, a tensor subclass or more tokens than the kernel takes: `Cache.update`."""
     calls = []
     update = StaticLayer.update
     monkeypatch.setattr(StaticLayer, "update", lambda self, *a, **kw: calls.append(1) or update(self, *a, **kw))
@@ -92,6 +92,11 @@ def test_other_caches_and_layers_take_cache_update(monkeypatch):
             return super().update(*args, **kwargs)
 
     assert _static_layer(Logged(config=tiny_config("v2", num_hidden_layers=1), max_cache_len=8), 0) is None
+    sliding = StaticSlidingWindowLayer(max_cache_len=48, sliding_window=4)
+    sliding.update(key, value)  # initialized
+    windowed = prefilled_caches(max_cache_len=48)[1]
+    windowed.layers[0] = sliding
+    assert _static_layer(windowed, 0) is None
     fast.offloading = True
     assert _static_layer(fast, 0) is None
     fast.offloading = False
@@ -100,6 +105,10 @@ def test_other_caches_and_layers_take_cache_update(monkeypatch):
     assert not static_cache_write_applies(layer, key.requires_grad_(), value)
     key = key.detach()
     assert not static_cache_write_applies(layer, key.double(), value.double())
+    class Marked(torch.Tensor):  # a tensor subclass keeps its own dispatch
+        pass
+
+    assert not static_cache_write_applies(layer, key.as_subclass(Marked), value)
     wide = step(batch=2, length=33)
     assert not static_cache_write_applies(layer, *wide)
     calls.clear()

@@ -49,6 +49,8 @@ def _static_layer(cache: Cache, layer_idx: int) -> StaticLayer | None:
 def static_cache_write_applies(layer: StaticLayer | None, key: torch.Tensor, value: torch.Tensor) -> bool:
     if layer is None or needs_grad(key, value) or not eager_kernels_run_on(key):
         return False
+    if not (type(key) is type(value) is type(layer.keys) is type(layer.values) is torch.Tensor):
+        return False  # DTensors, subclasses: their own dispatch
     keys, values = layer.keys, layer.values
     return (
         key.shape[0] * key.shape[2] <= MAX_TOKENS
