@@ -12,7 +12,7 @@ process:
     python benchmarks/decode_variants.py --variants default --partial 128,4,3,2 64,4,3,4   # the decode kernel's launch
 
 `--partial BLOCK_N,WARPS,STAGES,PROGRAMS_PER_SM ...` adds a variant per launch configuration of the split-KV decode
-kernel (`kernels/triton_decode.py`; its default is 64,4,3,2).
+kernel (`kernels/triton_decode.py`; its default is 64,4,3,2, with 4 stages in steps of at most 16 tokens).
 
 Prints the step (ms) and its share of the roofline (bench.py's definition, the bandwidth measured in the same run) per
 model, batch and variant; the variants alternate within each model and batch, `--rounds` times (median).
@@ -51,7 +51,11 @@ FEATURES = {
 VARIANTS = ["default", *FEATURES]
 
 
-PARTIAL_CONSTANTS = ("PARTIAL_BLOCK_N", "PARTIAL_NUM_WARPS", "PARTIAL_NUM_STAGES", "PROGRAMS_PER_SM")
+# --partial's fields -> the constants each sets (STAGES: at every token count)
+PARTIAL_CONSTANTS = (
+    ("PARTIAL_BLOCK_N",), ("PARTIAL_NUM_WARPS",), ("PARTIAL_NUM_STAGES", "PARTIAL_NUM_STAGES_FEW_TOKENS"),
+    ("PROGRAMS_PER_SM",),
+)
 
 
 def partial_variant(config: str) -> str:
@@ -60,7 +64,10 @@ def partial_variant(config: str) -> str:
     if len(values) != len(PARTIAL_CONSTANTS) or min(values) < 1:
         raise SystemExit(f"--partial takes BLOCK_N,WARPS,STAGES,PROGRAMS_PER_SM (positive ints), got {config!r}")
     name = f"partial={config}"
-    FEATURES[name] = [(triton_decode, constant, value) for constant, value in zip(PARTIAL_CONSTANTS, values)]
+    FEATURES[name] = [
+        (triton_decode, constant, value)
+        for constants, value in zip(PARTIAL_CONSTANTS, values) for constant in constants
+    ]
     return name
 
 

@@ -652,6 +652,30 @@ def test_decode_attention_matches_the_formula(q_heads, kv_heads, length, kv_leng
     assert rel_err(out, attention_formula(q, k, v, visible, scale)) < TOL
 
 
+def test_decode_kernel_takes_four_pipeline_stages_in_steps_of_at_most_16_tokens():
+    """The split-KV kernel's pipeline: 4 stages in steps of at most 16 tokens (faster at batch 1 on the H200), 3 above
+    (4 made V1's batch-32 step slower)."""
+    from modeling_diff.kernels import triton_decode
+
+    stages = []
+
+    class Recorded:  # a launcher (`_partial_softmaxes`' argument) that records the launch's num_stages
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                stages.append(kwargs["num_stages"])
+                return self.kernel[grid](*args, **kwargs)
+            return launch
+
+    with torch.no_grad():
+        for batch, length in ((1, 1), (16, 1), (4, 4), (17, 1), (8, 4)):
+            query, key, value = rand(batch, 4, length, 16), rand(batch, 2, 24, 16), rand(batch, 2, 24, 16)
+            triton_decode._partial_softmaxes(query, key, value, None, 0.25, Recorded)
+    assert stages == [4, 4, 4, 3, 3]
+
+
 def test_decode_attention_reads_strided_cache_views():
     """V1 hands the kernel views of the cache (key = K1|K2 slices are not copied)."""
     torch.manual_seed(3)

@@ -16,7 +16,7 @@ import functools
 import torch
 from torch.library import triton_op, wrap_triton
 
-from ._triton import TRITON_INTERPRETING, cdiv, dependent_launch, next_power_of_2
+from ._triton import PDL_MAX_TOKENS, TRITON_INTERPRETING, cdiv, dependent_launch, next_power_of_2
 from .masks import causal_offset, kernel_mask
 from .triton_combine import anneal_fraction, dex_lambda, differential_lambda, v1_combine_rows
 
@@ -35,6 +35,9 @@ from .triton_launch import let_dependents_start, wait_for_inputs
 PARTIAL_BLOCK_N = 64  # keys per tile; a power of two >= 16 (tl.dot's smallest), and the shortest chunk
 PARTIAL_NUM_WARPS = 4
 PARTIAL_NUM_STAGES = 3  # Triton's default
+# Steps of at most PDL_MAX_TOKENS tokens: 4 stages took 0.02 ms off V1's and V2's batch-1 steps on the H200 (DEX's
+# changed by less than its spread); at batch 32 they made V1's 0.27 ms slower (benchmarks/decode_variants.py --partial).
+PARTIAL_NUM_STAGES_FEW_TOKENS = 4
 # The number of chunks (splits) aims at about this many programs per multiprocessor.
 PROGRAMS_PER_SM = 2
 
@@ -205,6 +208,11 @@ def _plain(kernel):
     return kernel
 
 
+def partial_stages(tokens: int) -> int:
+    """The split-KV kernel's pipeline stages for a step of `tokens` tokens (see PARTIAL_NUM_STAGES_FEW_TOKENS)."""
+    return PARTIAL_NUM_STAGES_FEW_TOKENS if tokens <= PDL_MAX_TOKENS else PARTIAL_NUM_STAGES
+
+
 def _partial_softmaxes(query, key, value, mask, scale: float, launcher):
     """Launch the split-KV kernel; -> (workspace of the partial softmaxes, splits, parts, rows per program).
     query (B, Hq, L, DQ) any strides; with key (B, H_KV, S, 2 DQ) its heads are read PAIRED (V1).
@@ -231,7 +239,8 @@ def _partial_softmaxes(query, key, value, mask, scale: float, launcher):
         kv_heads, kv_length, length, causal_offset(length, kv_length, mask is not None), chunk, splits, parts,
         SCALE=scale, G=groups, HAS_MASK=mask is not None, BLOCK_R=block_rows, BLOCK_N=block_n,
         DQ=q_dim, DK=k_dim, DV=v_dim, PAIRED=k_dim == 2 * q_dim, CHUNK_STATIC=chunk if TRITON_INTERPRETING else 0,
-        PDL=pdl, num_warps=PARTIAL_NUM_WARPS, num_stages=PARTIAL_NUM_STAGES, **({"launch_pdl": True} if pdl else {}),
+        PDL=pdl, num_warps=PARTIAL_NUM_WARPS, num_stages=partial_stages(batch * length),
+        **({"launch_pdl": True} if pdl else {}),
     )
     return work, splits, parts, block_rows
 
