@@ -186,7 +186,7 @@ class _DiffAttentionBase(nn.Module, metaclass=abc.ABCMeta):
     def dropout_p(self) -> float:
         return self.attention_dropout if self.training else 0.0
 
-    def rotated_projections(self, implementation, hidden_states, position_embeddings, *linears):
+    def project_and_rotate(self, implementation, hidden_states, position_embeddings, *linears):
         """(q, k, v, *side) = each of `linears` (q_proj, k_proj, v_proj, side layers) of hidden_states (B, L, .),
         (B, L, N_i) each, with RoPE on every d-wide head of q and k. In a decoding step of at most 16 tokens the
         products split along their input and one pass that sums them and rotates q and k (`kernels/projection.py`,
@@ -305,7 +305,7 @@ class DiffAttentionV1(_DiffAttentionBase):
         input_shape = hidden_states.shape[:-1]  # (B, L)
         d = self.head_dim
         # the same rotation for every d-wide head: Q1, Q2, K1 and K2 alike
-        query_states, key_states, value_states = self.rotated_projections(
+        query_states, key_states, value_states = self.project_and_rotate(
             implementation, hidden_states, position_embeddings, self.q_proj, self.k_proj, self.v_proj
         )
         query_states = query_states.view(*input_shape, -1, 2, d)  # (B, L, h, 2, d): (Q1, Q2) per head
@@ -389,7 +389,7 @@ class _LlamaLayoutAttention(_DiffAttentionBase):
         """-> query (B, query_heads, L, d), key and value (B, h_kv, L, d), RoPE applied, and the outputs of the
         `side` layers of the same input (V2's lambda_proj), (B, L, .) each."""
         hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-        query_states, key_states, value_states, *side_outputs = self.rotated_projections(
+        query_states, key_states, value_states, *side_outputs = self.project_and_rotate(
             implementation, hidden_states, position_embeddings, self.q_proj, self.k_proj, self.v_proj, *side
         )
         query_states = query_states.view(hidden_shape).transpose(1, 2)  # (B, query_heads, L, d)

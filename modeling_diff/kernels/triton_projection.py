@@ -27,6 +27,7 @@ except ImportError as error:
     raise ImportError("modeling_diff's Triton kernels need the triton package") from error
 
 from .triton_launch import let_dependents_start, wait_for_inputs
+from .triton_rope import rotated
 from .triton_swiglu import _silu
 
 
@@ -144,7 +145,7 @@ def _split_sum_rotate(P, Y, Cos, Sin, M, L, N0, N1, N2, N3, scb, scl, SPLIT: tl.
     ok = c < nt
     col0 = tl.where(c < N0, 0, tl.where(c < N0 + N1, N0, tl.where(c < N0 + N1 + N2, N0 + N1, N0 + N1 + N2)))
     width = tl.where(c < N0, N0, tl.where(c < N0 + N1, N1, tl.where(c < N0 + N1 + N2, N2, N3)))
-    rotated = c < N0 + N1
+    in_qk = c < N0 + N1  # q's and k's columns: rotated
     j = (c - col0) % (2 * HALF)  # the column within its head
     partner = tl.where(j < HALF, c + HALF, c - HALF)  # rotate_half's other column, in the same head
     at = M * col0 + m * width + (c - col0)
@@ -153,12 +154,12 @@ def _split_sum_rotate(P, Y, Cos, Sin, M, L, N0, N1, N2, N3, scb, scl, SPLIT: tl.
     x_partner = tl.zeros((BLOCK,), tl.float32)
     for s in range(SPLIT):
         x += tl.load(P + s * M * nt + at, mask=ok, other=0.0)
-        x_partner += tl.load(P + s * M * nt + at_partner, mask=ok & rotated, other=0.0)
+        x_partner += tl.load(P + s * M * nt + at_partner, mask=ok & in_qk, other=0.0)
     dtype = Y.dtype.element_ty
     x = x.to(dtype).to(tl.float32)
     x_partner = x_partner.to(dtype).to(tl.float32)
     cs = b * scb + l * scl + j
-    cos = tl.load(Cos + cs, mask=ok & rotated, other=1.0).to(tl.float32)
-    sin = tl.load(Sin + cs, mask=ok & rotated, other=0.0).to(tl.float32)
-    y = tl.where(rotated, x * cos + tl.where(j < HALF, -x_partner, x_partner) * sin, x)  # x cos + rotate_half(x) sin
+    cos = tl.load(Cos + cs, mask=ok & in_qk, other=1.0).to(tl.float32)
+    sin = tl.load(Sin + cs, mask=ok & in_qk, other=0.0).to(tl.float32)
+    y = tl.where(in_qk, rotated(x, x_partner, cos, sin, tl.where(j < HALF, -1.0, 1.0)), x)
     tl.store(Y + at, y.to(dtype), mask=ok)

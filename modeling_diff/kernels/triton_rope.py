@@ -20,6 +20,14 @@ from .triton_launch import let_dependents_start, wait_for_inputs
 
 
 @triton.jit
+def rotated(x, partner, cos, sin, sign):
+    """RoPE of one column x of a head (float32): x cos + rotate_half(x) sin, where rotate_half(x) at x's column is
+    sign * partner, partner the column HALF away in the same head (sign -1 in the first half, +1 in the second; the
+    transpose swaps the signs and the halves' sines)."""
+    return x * cos + sign * partner * sin
+
+
+@triton.jit
 def _rotate_heads(X, Out, Cos, Sin, b, l, heads, H, sxb, sxl, sxh, sob, sol, soh, scb, scl,
                   HALF: tl.constexpr, TRANSPOSE: tl.constexpr):
     # X, Out: (B, L, H, 2 * HALF), last dim contiguous; Cos, Sin: (B or 1, L, 2 * HALF), batch stride scb (0 = shared).
@@ -34,11 +42,11 @@ def _rotate_heads(X, Out, Cos, Sin, b, l, heads, H, sxb, sxl, sxh, sob, sol, soh
     x1 = tl.load(x_ptr, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(x_ptr + HALF, mask=ok, other=0.0).to(tl.float32)
     if TRANSPOSE:
-        o1 = x1 * c1 + x2 * s2
-        o2 = x2 * c2 - x1 * s1
+        o1 = rotated(x1, x2, c1, s2, 1.0)
+        o2 = rotated(x2, x1, c2, s1, -1.0)
     else:
-        o1 = x1 * c1 - x2 * s1
-        o2 = x2 * c2 + x1 * s2
+        o1 = rotated(x1, x2, c1, s1, -1.0)
+        o2 = rotated(x2, x1, c2, s2, 1.0)
     o_ptr = Out + b * sob + l * sol + heads[:, None] * soh + cols[None, :]
     tl.store(o_ptr, o1.to(Out.dtype.element_ty), mask=ok)
     tl.store(o_ptr + HALF, o2.to(Out.dtype.element_ty), mask=ok)
