@@ -13,6 +13,9 @@ process:
 
 `--partial BLOCK_N,WARPS,STAGES,PROGRAMS_PER_SM ...` adds a variant per launch configuration of the split-KV decode
 kernel (`kernels/triton_decode.py`; its default is 64,4,3,2, with 4 stages in steps of at most 16 tokens).
+`--gated BLOCK_N,BLOCK_K,WARPS,STAGES ...` adds one per launch configuration of the MLP's gate and up
+(`kernels/projection.py`'s GATED_FEW_TOKENS / GATED_MORE_TOKENS, both set); `--split BLOCK_N,STEP,PARTS ...` one per
+launch configuration of the products split along K (SPLIT_LAUNCH: q, k, v, o_proj and down_proj).
 
 Prints the step (ms) and its share of the roofline (bench.py's definition, the bandwidth measured in the same run) per
 model, batch and variant; the variants alternate within each model and batch, `--rounds` times (median).
@@ -30,7 +33,7 @@ import modeling_diff.modeling_diff_llama as modeling
 from bench import (
     MODELS, bench_static_decode, build, copy_bandwidth, decode_work, kernels_patched, warm_up_gpu, write_atomically,
 )
-from modeling_diff.kernels import _triton, triton_decode
+from modeling_diff.kernels import _triton, projection, triton_decode
 
 
 def _no_split(*args):  # a dispatch predicate that declines
@@ -58,11 +61,16 @@ PARTIAL_CONSTANTS = (
 )
 
 
+def launch_values(option: str, config: str, fields: int) -> list[int]:
+    values = [int(v) for v in config.split(",")]
+    if len(values) != fields or min(values) < 1:
+        raise SystemExit(f"{option} takes {fields} comma-separated positive ints, got {config!r}")
+    return values
+
+
 def partial_variant(config: str) -> str:
     """A `--partial` configuration as a variant: its changes registered in FEATURES under 'partial=...'."""
-    values = [int(v) for v in config.split(",")]
-    if len(values) != len(PARTIAL_CONSTANTS) or min(values) < 1:
-        raise SystemExit(f"--partial takes BLOCK_N,WARPS,STAGES,PROGRAMS_PER_SM (positive ints), got {config!r}")
+    values = launch_values("--partial", config, len(PARTIAL_CONSTANTS))
     name = f"partial={config}"
     FEATURES[name] = [
         (triton_decode, constant, value)
@@ -71,8 +79,26 @@ def partial_variant(config: str) -> str:
     return name
 
 
+def gated_variant(config: str) -> str:
+    """A `--gated` configuration (rows a program, K step, warps, most stages of the MLP's gate and up launch, at
+    every token count) as a variant registered in FEATURES under 'gated=...'."""
+    values = tuple(launch_values("--gated", config, 4))
+    name = f"gated={config}"
+    FEATURES[name] = [(projection, "GATED_FEW_TOKENS", values), (projection, "GATED_MORE_TOKENS", values)]
+    return name
+
+
+def split_variant(config: str) -> str:
+    """A `--split` configuration (rows a program, most K step, most parts of K of the split products: q, k, v,
+    o_proj, down_proj) as a variant registered in FEATURES under 'split=...'."""
+    values = tuple(launch_values("--split", config, 3))
+    name = f"split={config}"
+    FEATURES[name] = [(projection, "SPLIT_LAUNCH", values)]
+    return name
+
+
 def label(variant: str) -> str:
-    return variant if variant == "default" or variant.startswith("partial=") else f"{variant} off"
+    return variant if variant == "default" or "=" in variant else f"{variant} off"
 
 
 @contextlib.contextmanager
@@ -98,9 +124,13 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
     parser.add_argument("--partial", nargs="*", default=[], metavar="BLOCK_N,WARPS,STAGES,PROGRAMS_PER_SM")
+    parser.add_argument("--gated", nargs="*", default=[], metavar="BLOCK_N,BLOCK_K,WARPS,STAGES")
+    parser.add_argument("--split", nargs="*", default=[], metavar="BLOCK_N,STEP,PARTS")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     args.variants += [partial_variant(config) for config in args.partial]
+    args.variants += [gated_variant(config) for config in args.gated]
+    args.variants += [split_variant(config) for config in args.split]
     warm_up_gpu()
     bandwidth = copy_bandwidth()
     rows = []

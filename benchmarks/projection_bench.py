@@ -4,7 +4,7 @@ each timed as a CUDA graph of 20 calls replayed (what a graph-replayed decoding 
 from the host), and the host time of a call issued eagerly (the layers' own forward against the kernel's wrapper:
 what an eager DynamicCache step, bound by the host CPU, pays).
 
-    python benchmarks/projection_bench.py [--sweep] [--out $OUT/projections.json]
+    python benchmarks/projection_bench.py [--sweep] [--shapes gate down] [--tokens 1] [--out $OUT/projections.json]
 
 Shapes: the ~1.1B presets (hidden 2048, MLP 8192, vocab 32000), at 1 and 32 tokens. Prints per shape the time of
 each and the bandwidth reached (the weights' bytes / time; the copy bandwidth measured in the same run beside it).
@@ -87,12 +87,15 @@ def kernel_call(x, weights, gated, block_n, step, warps, stages):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sweep", action="store_true", help="time other block sizes, warps and stages too")
+    parser.add_argument("--shapes", nargs="+", help="only the shapes whose name contains one of these")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 32], help="tokens of x (at most 64)")
     parser.add_argument("--out", help="JSON file for the rows")
     args = parser.parse_args(argv)
     warm_up_gpu()
     bandwidth = copy_bandwidth()
     rows = []
-    cases = [(s, m) for s in SHAPES for m in (1, 32)]
+    shapes = [s for s in SHAPES if not args.shapes or any(part in s[0] for part in args.shapes)]
+    cases = [(s, m) for s in shapes for m in args.tokens]
     for (name, widths, k, gated), m in tqdm(cases, desc="shapes"):
         torch.manual_seed(0)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -116,7 +119,7 @@ def main(argv=None):
             call = (lambda: gated_projection(x, *layers)) if gated else (lambda: linear_maps(x, *layers, fused=True))
             row["kernel_us"] = graph_time(call) * 1e6
             row["cublas_host_us"], row["kernel_host_us"] = host_time(module_calls) * 1e6, host_time(call) * 1e6
-        configs = itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 4)) if args.sweep else ()
+        configs = itertools.product((16, 32, 64, 128), (64, 128, 256, 512), (4, 8), (3, 4, 5)) if args.sweep else ()
         timed = [(row["kernel_us"], "default")]
         for config in configs:
             try:
@@ -124,6 +127,7 @@ def main(argv=None):
             except Exception as error:  # a config out of the GPU's shared memory
                 tqdm.write(f"{name} m={m} {config}: {type(error).__name__}")
         row["best_us"], row["best_config"] = min(timed, key=lambda t: t[0])
+        row["configs"] = sorted(timed, key=lambda t: t[0])
         row["cublas_tbs"] = nbytes / row["cublas_us"] / 1e6
         row["kernel_tbs"] = nbytes / row["kernel_us"] / 1e6
         row["best_tbs"] = nbytes / row["best_us"] / 1e6

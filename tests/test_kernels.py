@@ -20,6 +20,7 @@ from conftest import MODES, tiny_config, tiny_model  # conftest sets TRITON_INTE
 from transformers import DynamicCache, StaticCache
 
 from modeling_diff import preset_config
+from modeling_diff.kernels import _triton
 from modeling_diff.kernels._triton import next_power_of_2
 from modeling_diff.kernels.combine import v1_combine_triton, v2_combine_projection_triton, v2_combine_triton
 from modeling_diff.kernels.decode import decode_attention
@@ -518,11 +519,13 @@ def test_split_linear_matches_the_formula_and_adds_the_residual(tokens):
         assert out.shape == residual.shape and (tokens == 0 or rel_err(out, residual.float() + reference) < TOL)
         launches = []
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(projection, "_split_sum", CountedKernel(projection._split_sum, launches))
+            patch.setattr(projection, "_projections", CountedKernel(projection._projections, launches))
             assert projection.linear_maps(x, layer, fused=True)[0].shape == (tokens, 1, rows)
-            assert len(launches) == (tokens > 0)
+            assert len(launches) == (tokens > 0)  # the products and their sum in one launch
             projection.linear_maps(rand(17, 1, width), layer, fused=True)  # more tokens: the layer's own forward
             assert len(launches) == (tokens > 0)
+        if tokens:  # every row block's ticket is back to 0 for the next launch
+            assert not _triton._TICKETS[id(layer.weight)][layer.weight.device].any()
         if tokens > 1:
             poisoned = x.clone()
             poisoned[0] = float("nan")
@@ -1041,8 +1044,8 @@ def decode(model, cache_class, ids, mask, steps):
 @pytest.mark.parametrize("cache_class", [DynamicCache, StaticCache])
 def test_decoding_steps_on_the_kernel_equal_eager(mode, cache_class, monkeypatch):
     """Prefill, then decoding steps through the split-KV kernel with the differential term in it, the
-    projections' kernels (q, k, v and V2's lambda_proj split along their input with their sum and RoPE in one
-    pass, the MLP's gate and up in one, o_proj and down_proj split along their input, down_proj's sum with the
+    projections' kernels (q, k, v and V2's lambda_proj split along their input, summed and rotated in the same
+    launch, the MLP's gate and up in one, o_proj and down_proj split along their input and summed, down_proj's with the
     residual add), the residual add with the norm after it in one pass, and a StaticCache's write in one launch,
     with left padding, dynamic and static caches. The keys and values that reach the cache are contiguous: a DynamicCache concatenates them with its cache, and torch.cat's fast CUDA
     kernel takes only contiguous inputs (a column view of the projections' output took the slow one)."""
@@ -1051,14 +1054,12 @@ def test_decoding_steps_on_the_kernel_equal_eager(mode, cache_class, monkeypatch
 
     import modeling_diff.modeling_diff_llama as modeling
 
-    kernel_calls, projections, gated, added, split, rotated = [], [], [], [], [], []
+    kernel_calls, projections, gated, added = [], [], [], []
     kernel, add_norm = attention.combined_decode_attention, modeling.add_rms_norm
     monkeypatch.setattr(attention, "combined_decode_attention", lambda *a: kernel_calls.append(1) or kernel(*a))
     monkeypatch.setattr(modeling, "add_rms_norm", lambda *a: added.append(1) or add_norm(*a))
     monkeypatch.setattr(projection, "_projections", CountedKernel(projection._projections, projections))
     monkeypatch.setattr(projection, "_gated_projection", CountedKernel(projection._gated_projection, gated))
-    monkeypatch.setattr(projection, "_split_sum", CountedKernel(projection._split_sum, split))
-    monkeypatch.setattr(projection, "_split_sum_rotate", CountedKernel(projection._split_sum_rotate, rotated))
     import modeling_diff.kernels.cache_write as cache_write
 
     layouts, update, writes = [], attention.update_cache, []
@@ -1071,10 +1072,10 @@ def test_decoding_steps_on_the_kernel_equal_eager(mode, cache_class, monkeypatch
     logits = [decode(model, cache_class, ids, mask, steps) for model in (eager, fast)]
     assert rel_err(logits[1], logits[0]) < TOL
     assert len(kernel_calls) == steps.shape[1] * eager.config.num_hidden_layers  # every decoding step
-    assert len(gated) == len(rotated) == len(kernel_calls)  # the prefill's 80 tokens take cuBLAS
-    # q, k, v (and lambda_proj) split along their input, summed and rotated in one pass; o_proj and down_proj split
+    assert len(gated) == len(kernel_calls)  # the prefill's 80 tokens take cuBLAS
+    # one launch each: q, k, v (and lambda_proj) split along their input, summed and rotated; o_proj split and
+    # summed; down_proj split and summed with the residual add
     assert len(projections) == 3 * len(kernel_calls)
-    assert len(split) == 2 * len(kernel_calls)  # o_proj, and down_proj with the residual add
     assert len(added) == (1 + steps.shape[1]) * eager.config.num_hidden_layers  # the add before the MLP's norm
     # a StaticCache takes each step's keys and values in one launch (`kernels/cache_write.py`)
     assert len(writes) == (len(kernel_calls) if cache_class is StaticCache else 0)

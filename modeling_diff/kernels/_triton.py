@@ -9,6 +9,7 @@ paths are simply not chosen there.
 import functools
 import importlib.util
 import os
+import weakref
 
 import torch
 
@@ -46,6 +47,32 @@ def dependent_launch(tensor: torch.Tensor, tokens: int) -> bool:
     """Whether a kernel of a step of `tokens` tokens on `tensor` launches with PDL (see PDL_ENABLED): at most
     PDL_MAX_TOKENS, on NVIDIA GPUs of compute capability 9.0+ (the interpreter runs on CPU tensors: never)."""
     return PDL_ENABLED and tokens <= PDL_MAX_TOKENS and tensor.is_cuda and _has_dependent_launch(tensor.get_device())
+
+
+# The ticket counters of the kernels whose last program finishes a launch's work (`cache_write.py`, `projection.py`):
+# int32 zeros, one tensor per owner (a cache layer, a weight) and device, so that launches on different streams
+# never share one; the last program of a launch puts its tickets back to 0. Never replaced while its owner lives
+# (a captured CUDA graph keeps its address), so each is allocated at the largest count its owner can ask. Keyed by
+# the owner's id and dropped with it (a tensor cannot be a weak dictionary's key: its == is elementwise).
+_TICKETS: dict[int, dict[torch.device, torch.Tensor]] = {}
+
+
+def tickets_of(owner, count: int, device: torch.device) -> torch.Tensor:
+    """The zeroed int32 tickets (at least `count`) of `owner`'s launches on `device`. Allocated on first use; under
+    a CUDA graph capture the zeros would be captured, not run, so the first use must be outside one (warm-up)."""
+    per_device = _TICKETS.get(id(owner))
+    if per_device is None:
+        per_device = _TICKETS[id(owner)] = {}
+        weakref.finalize(owner, _TICKETS.pop, id(owner), None)
+    counters = per_device.get(device)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("modeling_diff's decoding kernels ran first inside a CUDA graph capture: run the step "
+                               "once outside it first (warm-up), as torch.cuda.graph's documentation asks")
+        counters = per_device[device] = torch.zeros(count, dtype=torch.int32, device=device)
+    if counters.numel() < count:
+        raise ValueError(f"tickets: {count} asked of a counter of {counters.numel()} (one allocation per owner)")
+    return counters
 
 
 def needs_grad(*tensors) -> bool:

@@ -17,13 +17,12 @@ beyond the cache's length are not written: the kernel does not raise on the devi
 `generate()` sizes the cache for every step, and transformers' own update fails there.
 """
 
-import weakref
-
 import torch
 from transformers.cache_utils import Cache, StaticLayer
 
 from ._triton import (
     TRITON_AVAILABLE, cdiv, dependent_launch, eager_kernels_run_on, is_power_of_2, needs_grad, next_power_of_2,
+    tickets_of,
 )
 
 if TRITON_AVAILABLE:
@@ -31,10 +30,6 @@ if TRITON_AVAILABLE:
 
 MAX_TOKENS = 64  # new tokens (batch x length) of a step the kernel takes, as the decode kernel
 BLOCK_ELEMENTS = 4096  # about this many elements of keys and values per program
-
-# Each layer's ticket counter (an int32 on its device, 0 between launches; the kernel's last program resets it):
-# one per layer, so that layers of caches decoded on different streams never share one.
-_TICKETS: "weakref.WeakKeyDictionary[StaticLayer, torch.Tensor]" = weakref.WeakKeyDictionary()
 
 
 def _static_layer(cache: Cache, layer_idx: int) -> StaticLayer | None:
@@ -70,9 +65,7 @@ def write_static_cache(layer: StaticLayer, key: torch.Tensor, value: torch.Tenso
     stored at the layer's positions t .. t + L - 1, its length advanced by L -> (keys, values), the layer's tensors."""
     batch, heads, length, dk = key.shape
     keys, values = layer.keys, layer.values
-    ticket = _TICKETS.get(layer)
-    if ticket is None or ticket.device != key.device:
-        ticket = _TICKETS[layer] = torch.zeros(1, dtype=torch.int32, device=key.device)
+    ticket = tickets_of(layer, 1, key.device)  # the layer's own (`_triton.tickets_of`), 0 between launches
     block_h = min(next_power_of_2(heads), max(1, BLOCK_ELEMENTS // max(dk, value.shape[-1])))
     pdl = dependent_launch(key, batch * length)
     _static_cache_write[(batch * length, cdiv(heads, block_h))](

@@ -31,11 +31,11 @@ from torch import nn
 
 from ._modules import is_plain_linear
 from ._triton import (
-    TRITON_AVAILABLE, TRITON_INTERPRETING, cdiv, dependent_launch, eager_kernels_run_on, next_power_of_2,
+    TRITON_AVAILABLE, TRITON_INTERPRETING, cdiv, dependent_launch, eager_kernels_run_on, next_power_of_2, tickets_of,
 )
 
 if TRITON_AVAILABLE:
-    from .triton_projection import _gated_projection, _projections, _split_sum, _split_sum_rotate
+    from .triton_projection import _gated_projection, _projections
 
 MAX_ROWS = 64  # tokens of a step the kernels take (x padded to a power of two >= 16 rows on the tensor cores)
 MAX_WEIGHTS = 4  # weights of one `_projections` launch
@@ -85,24 +85,32 @@ def block_k(width: int, block_n: int) -> int:
     return min(16384 // block_n, width & -width)
 
 
-def pipeline_stages(block_m: int, weight_rows: int, block_k: int, x: torch.Tensor) -> int:
-    """Loads in flight per program: 4 (fastest measured on the H200), fewer where x's and the weights' tiles would
-    not fit in 90% of the device's shared memory (the rest for Triton's own scratch)."""
+def pipeline_stages(block_m: int, weight_rows: int, block_k: int, x: torch.Tensor, most: int = 4) -> int:
+    """Loads in flight per program: `most` (4 measured fastest on the H200), fewer where x's and the weights' tiles
+    would not fit in 90% of the device's shared memory (the rest for Triton's own scratch)."""
     stage = (block_m + weight_rows) * block_k * x.element_size()
-    return max(1, min(4, int(0.9 * shared_memory(x.device)) // stage))
+    return max(1, min(most, int(0.9 * shared_memory(x.device)) // stage))
 
 
-def launch_projections(rows, weights, y, block_n: int, step: int, stages: int, warps: int = 4, split: int = 1) -> None:
+def launch_projections(rows, weights, y, block_n: int, step: int, stages: int, warps: int = 4, split: int = 1, *,
+                       out=None, tickets=None, residual=None, rope=None) -> None:
     """One `_projections` launch: rows (M, K) W_i^T for up to MAX_WEIGHTS weights (N_i, K) into y, M x (sum of
     widths) contiguous elements: the products (M, N_i) one after another, each row-major; with `split` > 1 the
     float32 partial products over `split` equal parts of K, y (split, M x sum of widths). `step` divides K (or its
-    parts). The block sizes are the caller's (`benchmarks/projection_bench.py --sweep` tries others)."""
+    parts). The block sizes are the caller's (`benchmarks/projection_bench.py --sweep` tries others).
+    With `out` (y's layout, the output dtype) and `tickets` (int32 zeros, a row block's each: `_triton.tickets`),
+    the same launch writes the partials' sum into out, + `residual` (M, N) where given, with RoPE on the first two
+    weights' heads where `rope` = (cos, sin, L, head_dim) (block_n a multiple of head_dim)."""
     m, k = rows.shape
     widths = [w.shape[0] for w in weights]
     pad = MAX_WEIGHTS - len(weights)
+    cos, sin, length, head_dim = rope if rope is not None else (y, y, 1, 0)
+    strides = (cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1)) if rope is not None else (0, 0)
     pdl = dependent_launch(rows, m)
     _projections[(sum(cdiv(n, block_n) for n in widths), split)](
-        rows, *weights, *weights[:1] * pad, y, m, *widths, *(0,) * pad, K=k, SPLIT=split,
+        rows, *weights, *weights[:1] * pad, y, m, *widths, *(0,) * pad,
+        y if out is None else out, y if residual is None else residual, cos, sin, y if tickets is None else tickets,
+        length, *strides, K=k, SPLIT=split, SUMMED=out is not None, ADD=residual is not None, HALF=head_dim // 2,
         BLOCK_M=max(16, next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=step, PDL=pdl, num_stages=stages,
         num_warps=warps, launch_pdl=pdl,
     )
@@ -118,23 +126,28 @@ def launch_gated_projection(rows, w_gate, w_up, y, block_n: int, step: int, stag
     )
 
 
-SUM_BLOCK = 1024  # elements of the output per program of the partials' sum
 SPLIT_MAX_TOKENS = 16
+SMALLEST_BLOCK_N = 16  # rows a program of the split products, at the least
+
+
+def row_block_tickets(weights, block_n: int) -> torch.Tensor:
+    """The tickets of a split launch over `weights` (one per row block of block_n rows), owned by the first weight
+    and sized for the smallest blocks, so that other block sizes (benchmarks/decode_variants.py --split) fit."""
+    if block_n < SMALLEST_BLOCK_N:
+        raise ValueError(f"block_n: the split products take blocks of at least {SMALLEST_BLOCK_N} rows, got {block_n}")
+    return tickets_of(weights[0], sum(cdiv(w.shape[0], SMALLEST_BLOCK_N) for w in weights), weights[0].device)
 
 
 def launch_split_linear(rows, weight, y, residual, block_n: int, step: int, split: int, stages: int,
                         warps: int = 4) -> None:
-    """Two launches: y (M, N) = rows (M, K) weight^T as `split` float32 partial products over equal parts of K (each
-    a multiple of `step`), then their sum rounded to y's dtype, plus `residual` (M, N) where it is given."""
-    m, k = rows.shape
+    """One launch: y (M, N) = rows (M, K) weight^T as `split` float32 partial products over equal parts of K (each
+    a multiple of `step`), and their sum rounded to y's dtype, plus `residual` (M, N) where it is given, by the last
+    of each row block's programs."""
+    m = rows.shape[0]
     n = weight.shape[0]
-    pdl = dependent_launch(rows, m)
     parts = torch.empty(split, m, n, dtype=torch.float32, device=rows.device)
-    launch_projections(rows, [weight], parts, block_n, step, stages, warps, split)
-    _split_sum[(cdiv(m * n, SUM_BLOCK),)](
-        parts, y if residual is None else residual, y, m * n, SPLIT=split, BLOCK=SUM_BLOCK, ADD=residual is not None,
-        PDL=pdl, launch_pdl=pdl,
-    )
+    launch_projections(rows, [weight], parts, block_n, step, stages, warps, split, out=y,
+                       tickets=row_block_tickets([weight], block_n), residual=residual)
 
 
 def linear_maps(x: torch.Tensor, *linears: nn.Linear, fused: bool) -> tuple[torch.Tensor, ...]:
@@ -168,16 +181,15 @@ def linear_maps(x: torch.Tensor, *linears: nn.Linear, fused: bool) -> tuple[torc
     return tuple(computed[id(layer)] if id(layer) in computed else layer(x) for layer in linears)
 
 
-ROTATE_BLOCK = 512  # columns per program of `_split_sum_rotate`
-
-
 def rotated_projections_apply(x: torch.Tensor, linears, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> bool:
     """Whether `rotated_projections` takes x: steps of at most SPLIT_MAX_TOKENS tokens (as `split_linear`), two to
-    MAX_WEIGHTS plain layers, q's and k's widths whole heads, cos and sin (B or 1, L, head_dim) of x's dtype."""
+    MAX_WEIGHTS plain layers, q's and k's widths whole heads, whole heads in a row block (`rotated_block`), cos and
+    sin (B or 1, L, head_dim) of x's dtype."""
     return (
         few_rows_apply(x) and x.dim() == 3 and x.numel() <= SPLIT_MAX_TOKENS * x.shape[-1]
         and 2 <= len(linears) <= MAX_WEIGHTS and all(kernel_reads(layer, x) for layer in linears)
         and linears[0].out_features % head_dim == 0 and linears[1].out_features % head_dim == 0 and head_dim % 2 == 0
+        and rotated_block(x.shape[-1], head_dim) % head_dim == 0
         and cos.shape == sin.shape and cos.dim() == 3 and cos.shape[0] in (1, x.shape[0])
         and cos.shape[1:] == (x.shape[1], head_dim) and cos.dtype == sin.dtype == x.dtype
         and cos.stride(-1) == sin.stride(-1) == 1 and cos.stride() == sin.stride()
@@ -185,40 +197,48 @@ def rotated_projections_apply(x: torch.Tensor, linears, cos: torch.Tensor, sin: 
     )
 
 
+def rotated_block(width: int, head_dim: int) -> int:
+    """Rows a program of `rotated_projections`: the split's (`split_config`), or a head where that is wider (its
+    sum rotates whole heads; a head_dim that is not a power of two may not fit)."""
+    return max(split_config(width)[0], next_power_of_2(head_dim))
+
+
 def rotated_projections(x: torch.Tensor, linears, cos: torch.Tensor, sin: torch.Tensor,
                         head_dim: int) -> tuple[torch.Tensor, ...]:
     """(layer(x) for each of `linears`) with RoPE (`rope.py`'s formula) on every head_dim-wide head of the first two
-    (q and k), in two launches: the products split along K (`launch_projections` with `split`, o_proj's measured
-    split: `split_config`), then one pass that sums the parts, rounds them as F.linear does and rotates q and k
-    (`_split_sum_rotate`), where `linear_maps` and `apply_rope` take three. Check `rotated_projections_apply` first.
+    (q and k), in one launch: the products split along K (o_proj's measured split: `split_config`), and the last
+    program of each row block sums its parts, rounds them as F.linear does and rotates q's and k's heads, where
+    `linear_maps` and `apply_rope` take three launches. Check `rotated_projections_apply` first.
     x (B, L, K); cos, sin (B or 1, L, head_dim) -> each (B, L, N_i), contiguous blocks of one buffer."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()  # (M, K)
     m = rows.shape[0]
     weights = [layer._parameters["weight"] for layer in linears]
     widths = [w.shape[0] for w in weights]
-    pad = MAX_WEIGHTS - len(weights)
-    block_n, step, split = split_config(rows.shape[1])
+    _, step, split = split_config(rows.shape[1])
+    block_n = rotated_block(rows.shape[1], head_dim)
     parts = torch.empty(split, m * sum(widths), dtype=torch.float32, device=x.device)
     y = torch.empty(m * sum(widths), dtype=x.dtype, device=x.device)
     if m > 0:
         stages = pipeline_stages(max(16, next_power_of_2(m)), block_n, step, x)
-        launch_projections(rows, weights, parts, block_n, step, stages, split=split)
-        pdl = dependent_launch(rows, m)
-        _split_sum_rotate[(m, cdiv(sum(widths), ROTATE_BLOCK))](
-            parts, y, cos, sin, m, x.shape[1], *widths, *(0,) * pad, cos.stride(0) if cos.shape[0] > 1 else 0,
-            cos.stride(1), SPLIT=split, HALF=head_dim // 2, BLOCK=ROTATE_BLOCK, PDL=pdl, launch_pdl=pdl,
-        )
+        launch_projections(rows, weights, parts, block_n, step, stages, split=split, out=y,
+                           tickets=row_block_tickets(weights, block_n), rope=(cos, sin, x.shape[1], head_dim))
     blocks = y.split([m * n for n in widths])
     return tuple(block.view(*x.shape[:-1], n) for block, n in zip(blocks, widths))
+
+
+# (rows a program, most K step, most parts of K) of the split products (`benchmarks/decode_variants.py --split`
+# times others in the step)
+SPLIT_LAUNCH = (64, 512, 8)
 
 
 def split_config(width: int) -> tuple[int, int, int]:
     """(rows a program, its K step, parts of K) of `launch_split_linear`, what measured fastest on the H200 for o_proj
     and down_proj at one token (benchmarks/pdl_bench.py): 64 rows, 512-wide steps and parts of 1-2 steps (4 parts of
     o_proj's 2048, 8 of down_proj's 8192); each part a whole number of steps (the loop has no mask)."""
-    step = min(512, width & -width)
+    block_n, most_step, most_parts = SPLIT_LAUNCH
+    step = min(most_step, width & -width)
     steps = width // step
-    return 64, step, min(8, steps & -steps)  # a power of two dividing the steps
+    return block_n, step, min(most_parts, steps & -steps)  # a power of two dividing the steps
 
 
 def split_linear_applies(x: torch.Tensor, linear: nn.Module, residual: torch.Tensor | None = None) -> bool:
@@ -248,6 +268,12 @@ def split_linear(x: torch.Tensor, linear: nn.Linear, residual: torch.Tensor | No
     return y
 
 
+# (rows a program, K step, warps, most pipeline stages) of `gated_projection`: steps of at most SPLIT_MAX_TOKENS tokens
+# and more (`benchmarks/decode_variants.py --gated` times others in the step)
+GATED_FEW_TOKENS = (32, 128, 4, 4)
+GATED_MORE_TOKENS = (64, 128, 4, 4)
+
+
 def gated_projection_applies(x: torch.Tensor, gate: nn.Module, up: nn.Module) -> bool:
     return (
         few_rows_apply(x) and kernel_reads(gate, x) and kernel_reads(up, x)
@@ -262,6 +288,9 @@ def gated_projection(x: torch.Tensor, gate: nn.Linear, up: nn.Linear) -> torch.T
     m, k = rows.shape
     w_gate, w_up = gate._parameters["weight"], up._parameters["weight"]  # (I, K) each
     y = torch.empty(m, w_gate.shape[0], dtype=x.dtype, device=x.device)
-    block_m, block_n, step = max(16, next_power_of_2(m)), 32 if m <= 16 else 64, min(128, k & -k)
-    launch_gated_projection(rows, w_gate, w_up, y, block_n, step, pipeline_stages(block_m, 2 * block_n, step, x))
+    block_m = max(16, next_power_of_2(m))
+    block_n, step, warps, most_stages = GATED_FEW_TOKENS if m <= SPLIT_MAX_TOKENS else GATED_MORE_TOKENS
+    step = min(step, k & -k)
+    stages = pipeline_stages(block_m, 2 * block_n, step, x, most_stages)
+    launch_gated_projection(rows, w_gate, w_up, y, block_n, step, stages, warps)
     return y.view(*x.shape[:-1], w_gate.shape[0])

@@ -11,11 +11,12 @@ weight's bytes, not by arithmetic). Under PDL a program reads its first weight t
     projections        y_i = x W_i^T for up to four weights (q, k, v and V2's lambda_proj) in one output buffer,
                        each weight's programs in turn, each y_i (M, N_i) a contiguous block of it; with SPLIT > 1
                        the float32 partials P_s = x[:, K_s] W_i[:, K_s]^T for SPLIT equal parts K_s of K (more
-                       programs than the weights' row blocks: o_proj's 2048 rows are 32 blocks for 132 SMs)
+                       programs than the weights' row blocks: o_proj's 2048 rows are 32 blocks for 132 SMs), and
+                       where SUMMED their sum in the same launch: the last of a row block's programs to finish
+                       (a ticket each, an atomic add) sums its block's parts, rounds them to the dtype (F.linear's
+                       output), adds a residual where ADD (residual + F.linear(...), rounded again) and applies
+                       RoPE to q's and k's heads where HALF > 0
     gated_projection   y = silu(x W_g^T) * (x W_u^T), each rounded to the dtype as LlamaMLP rounds them
-    split_sum          y = sum_s P_s rounded to the dtype (F.linear's output), plus a residual where ADD, rounded
-                       again (residual + F.linear(...))
-    split_sum_rotate   the sum for q, k, v (and lambda_proj), with RoPE on q's and k's heads in the same pass
 """
 
 # In a try block because transformers' remote-code loader requires every *unguarded* import of a Hub export's
@@ -74,16 +75,18 @@ def _store_rows(Y, y, M, row0, N, stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.con
              mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
-@triton.jit(do_not_specialize=["M"])  # the tokens of a step change with the batch: one compiled kernel for all
-def _projections(X, W0, W1, W2, W3, Y, M, N0, N1, N2, N3, K: tl.constexpr, SPLIT: tl.constexpr,
+@triton.jit(do_not_specialize=["M", "L"])  # the tokens of a step change with the batch: one compiled kernel for all
+def _projections(X, W0, W1, W2, W3, Y, M, N0, N1, N2, N3, Out, Res, Cos, Sin, Tickets, L, scb, scl,
+                 K: tl.constexpr, SPLIT: tl.constexpr, SUMMED: tl.constexpr, ADD: tl.constexpr, HALF: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     # Y (M x (N0 + N1 + N2 + N3) elements) = the blocks X W0^T (M, N0), X W1^T (M, N1), ... one after another, each
     # row-major: the first cdiv(N0, BLOCK_N) programs compute the first block, the next ones the second, ...; an
     # unused weight has N_i = 0. Contiguous blocks, not column blocks of one (M, sum) matrix: a DynamicCache
     # concatenates v (and k) with its cache, and torch.cat's fast kernel needs contiguous inputs. K (the input width)
     # is a constant of the compiled kernel: two per model (hidden and MLP widths). SPLIT > 1: program (j, s)
-    # computes the float32 partial product over K's part s into Y's part s, (SPLIT, M x (N0 + ... + N3)) in all
-    # (`_split_sum_rotate` sums them).
+    # computes the float32 partial product over K's part s into Y's part s, (SPLIT, M x (N0 + ... + N3)) in all;
+    # where SUMMED, the last of a row block's SPLIT programs to finish (a ticket each: `_sum_parts`) writes Out, the
+    # sum (+ Res where ADD, with RoPE on the first two weights' heads where HALF > 0), in the same launch.
     pid = tl.program_id(0)
     part = tl.program_id(1)
     end0 = tl.cdiv(N0, BLOCK_N)
@@ -99,7 +102,52 @@ def _projections(X, W0, W1, W2, W3, Y, M, N0, N1, N2, N3, K: tl.constexpr, SPLIT
         W, N, row0, col0 = W3, N3, (pid - end2) * BLOCK_N, N0 + N1 + N2
     acc, _ = _row_block_products(X, W, W, M, row0, N, part * (K // SPLIT), K, K // SPLIT, BLOCK_M, BLOCK_N, BLOCK_K,
                                  False, PDL)
-    _store_rows(Y + part * M * (N0 + N1 + N2 + N3) + M * col0, acc, M, row0, N, N, BLOCK_M, BLOCK_N)
+    nt = N0 + N1 + N2 + N3
+    _store_rows(Y + part * M * nt + M * col0, acc, M, row0, N, N, BLOCK_M, BLOCK_N)
+    if SUMMED:
+        tl.debug_barrier()  # every thread's partial stored before the ticket's release (CUTLASS's split-K semaphore)
+        if tl.atomic_add(Tickets + pid, 1, sem="acq_rel") == SPLIT - 1:
+            _sum_parts(Y, Out, Res, Cos, Sin, M, L, row0, N, nt, col0, pid < end1, scb, scl, SPLIT, ADD, HALF,
+                       BLOCK_M, BLOCK_N)
+            tl.store(Tickets + pid, 0)
+
+
+@triton.jit
+def _parts_sum(P, at, ok, stride, SPLIT: tl.constexpr, dtype):
+    # sum of the SPLIT float32 partials at offsets `at` (part s at P + s stride), rounded to dtype, as float32. Past
+    # L1 (.cg): the partials are other programs' stores of this launch
+    y = tl.load(P + at, mask=ok, other=0.0, cache_modifier=".cg")
+    for s in range(1, SPLIT):
+        y += tl.load(P + s * stride + at, mask=ok, other=0.0, cache_modifier=".cg")
+    return y.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _sum_parts(P, Out, Res, Cos, Sin, M, L, row0, N, nt, col0, rotate, scb, scl, SPLIT: tl.constexpr,
+               ADD: tl.constexpr, HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Out[:M, row0:row0 + BLOCK_N] of the weight block at M col0 = the sum of its SPLIT partials rounded to Out's
+    # dtype (F.linear's output); + Res (M, N) rounded again where ADD (residual + F.linear(...)); where HALF > 0 and
+    # `rotate` (q's and k's blocks), RoPE on every 2 HALF wide head (`triton_rope.py`'s arithmetic: float32, rounded
+    # once) with the token's cos and sin (B or 1, L, 2 HALF; batch stride scb, 0 = shared): the block holds whole
+    # heads, so a column's partner is a column of this block.
+    rows = tl.arange(0, BLOCK_M)
+    cols = row0 + tl.arange(0, BLOCK_N)
+    ok = (rows[:, None] < M) & (cols[None, :] < N)
+    at = M * col0 + rows[:, None] * N + cols[None, :]
+    dtype = Out.dtype.element_ty
+    y = _parts_sum(P, at, ok, M * nt, SPLIT, dtype)
+    if ADD:
+        y = (y + tl.load(Res + at, mask=ok, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
+    if HALF > 0:
+        j = cols % (2 * HALF)  # the column within its head
+        partner = tl.where(j < HALF, cols + HALF, cols - HALF)  # rotate_half's other column
+        spun = ok & rotate
+        y_partner = _parts_sum(P, M * col0 + rows[:, None] * N + partner[None, :], spun, M * nt, SPLIT, dtype)
+        cs = (rows // L)[:, None] * scb + (rows % L)[:, None] * scl + j[None, :]
+        cos = tl.load(Cos + cs, mask=spun, other=1.0).to(tl.float32)
+        sin = tl.load(Sin + cs, mask=spun, other=0.0).to(tl.float32)
+        y = tl.where(spun, rotated(y, y_partner, cos, sin, tl.where(j < HALF, -1.0, 1.0)[None, :]), y)
+    tl.store(Out + at, y.to(dtype), mask=ok)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -110,56 +158,3 @@ def _gated_projection(X, WG, WU, Y, M, N, K: tl.constexpr, BLOCK_M: tl.constexpr
     dtype = Y.dtype.element_ty
     silu = _silu(gate.to(dtype).to(tl.float32))[0].to(dtype).to(tl.float32)
     _store_rows(Y, silu * up.to(dtype).to(tl.float32), M, row0, N, N, BLOCK_M, BLOCK_N)
-
-
-@triton.jit(do_not_specialize=["MN"])
-def _split_sum(P, Res, Y, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr):
-    # Y (MN elements) = sum of the SPLIT partials P (SPLIT, MN) rounded to Y's dtype, + Res (MN) rounded again
-    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offsets < MN
-    let_dependents_start(PDL)
-    wait_for_inputs(PDL)
-    y = tl.zeros((BLOCK,), tl.float32)
-    for part in range(SPLIT):
-        y += tl.load(P + part * MN + offsets, mask=ok, other=0.0)
-    y = y.to(Y.dtype.element_ty)
-    if ADD:
-        y = (y.to(tl.float32) + tl.load(Res + offsets, mask=ok, other=0.0).to(tl.float32)).to(Y.dtype.element_ty)
-    tl.store(Y + offsets, y, mask=ok)
-
-
-@triton.jit(do_not_specialize=["M", "L"])
-def _split_sum_rotate(P, Y, Cos, Sin, M, L, N0, N1, N2, N3, scb, scl, SPLIT: tl.constexpr, HALF: tl.constexpr,
-                      BLOCK: tl.constexpr, PDL: tl.constexpr):
-    # Y (M x NT elements, NT = N0 + .. + N3, `_projections`' blocks) = the sum of the SPLIT float32 partials P
-    # (SPLIT, M x NT), rounded to Y's dtype (F.linear's output); then every 2 HALF wide head of the first two
-    # blocks (q and k) rotated (RoPE, `triton_rope.py`'s arithmetic: float32, rounded once) with the token's cos and
-    # sin (B or 1, L, 2 HALF; batch stride scb, 0 = shared). A program: BLOCK columns of one token m = b L + l.
-    let_dependents_start(PDL)
-    wait_for_inputs(PDL)
-    m = tl.program_id(0)
-    b = m // L
-    l = m % L
-    nt = N0 + N1 + N2 + N3
-    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # columns of the (M, NT) product
-    ok = c < nt
-    col0 = tl.where(c < N0, 0, tl.where(c < N0 + N1, N0, tl.where(c < N0 + N1 + N2, N0 + N1, N0 + N1 + N2)))
-    width = tl.where(c < N0, N0, tl.where(c < N0 + N1, N1, tl.where(c < N0 + N1 + N2, N2, N3)))
-    in_qk = c < N0 + N1  # q's and k's columns: rotated
-    j = (c - col0) % (2 * HALF)  # the column within its head
-    partner = tl.where(j < HALF, c + HALF, c - HALF)  # rotate_half's other column, in the same head
-    at = M * col0 + m * width + (c - col0)
-    at_partner = M * col0 + m * width + (partner - col0)
-    x = tl.zeros((BLOCK,), tl.float32)
-    x_partner = tl.zeros((BLOCK,), tl.float32)
-    for s in range(SPLIT):
-        x += tl.load(P + s * M * nt + at, mask=ok, other=0.0)
-        x_partner += tl.load(P + s * M * nt + at_partner, mask=ok & in_qk, other=0.0)
-    dtype = Y.dtype.element_ty
-    x = x.to(dtype).to(tl.float32)
-    x_partner = x_partner.to(dtype).to(tl.float32)
-    cs = b * scb + l * scl + j
-    cos = tl.load(Cos + cs, mask=ok & in_qk, other=1.0).to(tl.float32)
-    sin = tl.load(Sin + cs, mask=ok & in_qk, other=0.0).to(tl.float32)
-    y = tl.where(in_qk, rotated(x, x_partner, cos, sin, tl.where(j < HALF, -1.0, 1.0)), x)
-    tl.store(Y + at, y.to(dtype), mask=ok)
