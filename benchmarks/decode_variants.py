@@ -57,7 +57,7 @@ VARIANTS = ["default", *FEATURES]
 # --partial's fields -> the constants each sets (STAGES: at every token count)
 PARTIAL_CONSTANTS = (
     ("PARTIAL_BLOCK_N",), ("PARTIAL_NUM_WARPS",), ("PARTIAL_NUM_STAGES", "PARTIAL_NUM_STAGES_FEW_TOKENS"),
-    ("PROGRAMS_PER_SM",),
+    ("PROGRAMS_PER_SM", "PROGRAMS_PER_SM_FEW_TOKENS"),
 )
 
 

@@ -655,28 +655,36 @@ def test_decode_attention_matches_the_formula(q_heads, kv_heads, length, kv_leng
     assert rel_err(out, attention_formula(q, k, v, visible, scale)) < TOL
 
 
-def test_decode_kernel_takes_four_pipeline_stages_in_steps_of_at_most_16_tokens():
-    """The split-KV kernel's pipeline: 4 stages in steps of at most 16 tokens (faster at batch 1 on the H200), 3 above
-    (4 made V1's batch-32 step slower)."""
+def test_decode_kernel_launch_in_steps_of_at_most_16_tokens():
+    """The split-KV kernel's launch: 4 pipeline stages in steps of at most 16 tokens (faster at batch 1 on the H200),
+    3 above (4 made V1's batch-32 step slower); chunks for 3 programs per multiprocessor there, 2 above (3 made
+    V1's batch-32 step slower)."""
     from modeling_diff.kernels import triton_decode
 
-    stages = []
+    launches = []
 
-    class Recorded:  # a launcher (`_partial_softmaxes`' argument) that records the launch's num_stages
+    class Recorded:  # a launcher (`_partial_softmaxes`' argument) that records the launch's splits and num_stages
         def __init__(self, kernel):
             self.kernel = kernel
 
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                stages.append(kwargs["num_stages"])
+                launches.append((grid[1], kwargs["num_stages"]))
                 return self.kernel[grid](*args, **kwargs)
             return launch
 
+    sms = triton_decode._sm_count(torch.device(DEVICE))
     with torch.no_grad():
         for batch, length in ((1, 1), (16, 1), (4, 4), (17, 1), (8, 4)):
             query, key, value = rand(batch, 4, length, 16), rand(batch, 2, 24, 16), rand(batch, 2, 24, 16)
             triton_decode._partial_softmaxes(query, key, value, None, 0.25, Recorded)
-    assert stages == [4, 4, 4, 3, 3]
+        assert [stages for _, stages in launches] == [4, 4, 4, 3, 3]
+        launches.clear()
+        kv_length = 64 * 6 * sms  # chunks of whole 64-key tiles for 2 kv heads at 2 and 3 programs per SM
+        for length in (16, 17):
+            query, key, value = rand(1, 4, length, 16), rand(1, 2, kv_length, 16), rand(1, 2, kv_length, 16)
+            triton_decode._partial_softmaxes(query, key, value, None, 0.25, Recorded)
+    assert [splits for splits, _ in launches] == [3 * sms // 2, 2 * sms // 2]
 
 
 def test_decode_attention_reads_strided_cache_views():
@@ -901,7 +909,8 @@ def test_decode_attention_merges_many_splits(mode, heads, kv_heads, length, kv_l
     from modeling_diff.kernels import combined_decode_attention
 
     monkeypatch.setattr(triton_decode, "PARTIAL_BLOCK_N", 16)
-    monkeypatch.setattr(triton_decode, "PROGRAMS_PER_SM", 1 << 20)  # a chunk per BLOCK_N keys
+    for name in ("PROGRAMS_PER_SM", "PROGRAMS_PER_SM_FEW_TOKENS"):  # a chunk per BLOCK_N keys
+        monkeypatch.setattr(triton_decode, name, 1 << 20)
     torch.manual_seed(6)
     batch = 3
     visible = causally_visible(length, kv_length, masked).expand(batch, length, kv_length).clone()

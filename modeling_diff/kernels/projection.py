@@ -270,7 +270,7 @@ def split_linear(x: torch.Tensor, linear: nn.Linear, residual: torch.Tensor | No
 
 # (rows a program, K step, warps, most pipeline stages) of `gated_projection`: steps of at most SPLIT_MAX_TOKENS tokens
 # and more (`benchmarks/decode_variants.py --gated` times others in the step)
-GATED_FEW_TOKENS = (32, 128, 4, 4)
+GATED_FEW_TOKENS = (32, 256, 4, 3)
 GATED_MORE_TOKENS = (64, 128, 4, 4)
 
 

@@ -38,8 +38,12 @@ PARTIAL_NUM_STAGES = 3  # Triton's default
 # Steps of at most PDL_MAX_TOKENS tokens: 4 stages took 0.02 ms off V1's and V2's batch-1 steps on the H200 (DEX's
 # changed by less than its spread); at batch 32 they made V1's 0.27 ms slower (benchmarks/decode_variants.py --partial).
 PARTIAL_NUM_STAGES_FEW_TOKENS = 4
-# The number of chunks (splits) aims at about this many programs per multiprocessor.
+# The number of chunks (splits) aims at about this many programs per multiprocessor. In steps of at most
+# PDL_MAX_TOKENS tokens 3: on the H200 a batch-1 step at a 2K context took DEX from 0.897 to 0.848 ms and V2 from
+# 0.944 to 0.934 (V1's 4 kv heads keep their chunks: at most one per 64-key tile); at batch 32, 3 made V1's step
+# 1.81 -> 1.99 ms (benchmarks/decode_variants.py --partial).
 PROGRAMS_PER_SM = 2
+PROGRAMS_PER_SM_FEW_TOKENS = 3
 
 
 # The cache length (and with it the causal offset, the mask's strides, the chunk length and the number of chunks)
@@ -213,6 +217,11 @@ def partial_stages(tokens: int) -> int:
     return PARTIAL_NUM_STAGES_FEW_TOKENS if tokens <= PDL_MAX_TOKENS else PARTIAL_NUM_STAGES
 
 
+def programs_per_sm(tokens: int) -> int:
+    """The programs per multiprocessor the chunks aim at in a step of `tokens` tokens (see PROGRAMS_PER_SM)."""
+    return PROGRAMS_PER_SM_FEW_TOKENS if tokens <= PDL_MAX_TOKENS else PROGRAMS_PER_SM
+
+
 def _partial_softmaxes(query, key, value, mask, scale: float, launcher):
     """Launch the split-KV kernel; -> (workspace of the partial softmaxes, splits, parts, rows per program).
     query (B, Hq, L, DQ) any strides; with key (B, H_KV, S, 2 DQ) its heads are read PAIRED (V1).
@@ -227,7 +236,7 @@ def _partial_softmaxes(query, key, value, mask, scale: float, launcher):
     # Enough chunks of equal length (a multiple of the tile) for about PROGRAMS_PER_SM programs per multiprocessor.
     # Not a power of two: a cache just past one (a StaticCache of 2048 + the new tokens) would get a full chunk
     # and a nearly empty one, half the programs, and half the memory traffic in flight (measured on the H200).
-    target = max(1, cdiv(PROGRAMS_PER_SM * _sm_count(query.device), batch * kv_heads))
+    target = max(1, cdiv(programs_per_sm(batch * length) * _sm_count(query.device), batch * kv_heads))
     chunk = cdiv(cdiv(kv_length, target), block_n) * block_n
     splits = cdiv(kv_length, chunk)
     parts = batch * kv_heads * splits * block_rows
