@@ -189,8 +189,8 @@ class _DiffAttentionBase(nn.Module, metaclass=abc.ABCMeta):
     def project_and_rotate(self, implementation, hidden_states, position_embeddings, *linears):
         """(q, k, v, *side) = each of `linears` (q_proj, k_proj, v_proj, side layers) of hidden_states (B, L, .),
         (B, L, N_i) each, with RoPE on every d-wide head of q and k. In a decoding step of at most 16 tokens the
-        products split along their input and one pass that sums them and rotates q and k (`kernels/projection.py`,
-        two launches); else the products in one launch (decoding steps) or each layer's forward, then RoPE."""
+        products split along their input, summed and q and k rotated in the same launch (`kernels/projection.py`);
+        else the products in one launch (decoding steps) or each layer's forward, then RoPE."""
         cos, sin = position_embeddings  # (B or 1, L, d)
         fused = uses_fast_kernels(implementation)
         if fused and rotated_projections_apply(hidden_states, linears, cos, sin, self.head_dim):

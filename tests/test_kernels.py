@@ -540,6 +540,27 @@ def test_split_linear_matches_the_formula_and_adds_the_residual(tokens):
     assert not projection.split_linear_applies(x, layer)  # gradients recorded
 
 
+def test_tickets_are_one_zeroed_counter_per_owner_and_device(monkeypatch):
+    """The kernels' tickets (`_triton.tickets_of`): zeros on first use, the same tensor on every later call (a
+    captured graph keeps its address), refused when a launch asks more than the first allocation, dropped with
+    their owner; a first use inside a CUDA graph capture is refused (its zeros would be captured, not run)."""
+    import gc
+
+    owner = torch.zeros(3)
+    counters = _triton.tickets_of(owner, 8, torch.device("cpu"))
+    assert counters.dtype == torch.int32 and counters.shape == (8,) and not counters.any()
+    assert _triton.tickets_of(owner, 4, torch.device("cpu")) is counters
+    with pytest.raises(ValueError, match="tickets: 9 asked of a counter of 8"):
+        _triton.tickets_of(owner, 9, torch.device("cpu"))
+    key = id(owner)
+    del owner, counters
+    gc.collect()
+    assert key not in _triton._TICKETS
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="inside a CUDA graph capture"):
+        _triton.tickets_of(torch.zeros(1), 1, torch.device("cuda", 0))
+
+
 @pytest.mark.parametrize("width", [2048, 8192, 48, 96])
 def test_split_config_divides_the_width(width):
     """Every part of K a whole number of steps (the kernel's loop has no mask), at most 8 parts."""

@@ -13,10 +13,12 @@ not gate, up and the product. The reference is the layers' own forward (F.linear
     split_linear(x (..., K), linear, residual=None) -> linear(x) (+ residual), (..., N)
 
 A weight alone has too few row blocks for the GPU (o_proj's and down_proj's 2048 rows are 32 programs of 64 rows
-for 132 multiprocessors), so its products are split along K into float32 partials, which a second launch sums (and
-adds the decoder's residual to: `residual + down_proj(x)` in one pass), in steps of at most 16 tokens. cuBLAS takes
-o_proj at 1 token in 5.2 us and down_proj in 11.3 (12.5 with the residual add); the split products with their sum,
-3.5 and 8.8 us (benchmarks/pdl_bench.py on the H200, with PDL).
+for 132 multiprocessors), so its products are split along K into float32 partials, in steps of at most 16 tokens.
+The last program of each row block to finish (a ticket each: `_triton.tickets_of`) sums the block's parts in the same
+launch, and adds the decoder's residual (`residual + down_proj(x)`) or applies RoPE (q and k). cuBLAS takes o_proj
+at 1 token in 5.2 us and down_proj in 11.3 (12.5 with the residual add); the split products with a second launch for
+their sum took 3.5 and 8.8 us (benchmarks/pdl_bench.py on the H200, with PDL), and the sum in the products' launch
+took a batch-1 step of the ~1.1B models 0.01-0.015 ms further (benchmarks/RESULTS.md).
 
 The kernels take x where `few_rows_apply`: no gradient, on CUDA of compute capability 8.0+ (or the interpreter)
 outside torch.compile, at most MAX_ROWS tokens of a 16-bit dtype; and they read plain bias-free Linear layers of
