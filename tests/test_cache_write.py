@@ -56,6 +56,32 @@ def test_the_write_equals_transformers_update(batch, heads, length, dk, dv, tran
     assert fast.get_seq_length() == 5 + 2 * length
 
 
+def test_a_write_cut_short_leaves_the_length_and_no_ticket(monkeypatch):
+    """A write that stops part-way (a program took its ticket, then an interrupt) leaves the layer's length as it
+    was and the ticket at 0; the next step's write equals StaticLayer.update's."""
+
+    class TicketTaken:  # the launch: a program's ticket (its 6th argument), then the interrupt
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                args[5].add_(1)
+                raise KeyboardInterrupt
+            return launch
+
+    reference, fast = prefilled_caches()
+    layer = fast.layers[0]
+    key, value = step(length=2)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cache_write, "_static_cache_write", TicketTaken())
+        with pytest.raises(KeyboardInterrupt):
+            update_cache(fast, 0, key, value)
+    assert layer.cumulative_length.item() == 5 and _triton._TICKETS[id(layer)][key.device].item() == 0
+    expected = reference.update(key, value, 0)
+    got = update_cache(fast, 0, key, value)
+    torch.testing.assert_close(got[0], expected[0], rtol=0, atol=0)
+    torch.testing.assert_close(got[1], expected[1], rtol=0, atol=0)
+    assert layer.cumulative_length.item() == 7
+
+
 def test_positions_beyond_the_cache_are_not_written():
     """A step that runs past max_cache_len writes the positions that exist and nothing beyond them (the layer's
     tensors are views of larger ones here, whose rest must stay zero), and advances the length as transformers

@@ -540,6 +540,28 @@ def test_split_linear_matches_the_formula_and_adds_the_residual(tokens):
     assert not projection.split_linear_applies(x, layer)  # gradients recorded
 
 
+def test_a_split_launch_cut_short_leaves_no_ticket_taken(monkeypatch):
+    """A split launch that stops part-way (every row block's first part ran and took its ticket, then an
+    interrupt) puts the tickets back to 0, so that the next launch's sums come from its last programs and are
+    x W^T."""
+    from conftest import CutShortKernel
+
+    from modeling_diff.kernels import projection
+
+    torch.manual_seed(7)
+    width, rows = 2048, 2048 if GPU else 48  # 4 parts of 512
+    layer, x = linear_layer(width, rows), rand(2, 1, width)
+    counters = projection.row_block_tickets([layer.weight], projection.SMALLEST_BLOCK_N)  # the weight's own
+    with torch.no_grad():
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(projection, "_projections",
+                          CutShortKernel(projection._projections, lambda grid: (grid[0], 1)))
+            with pytest.raises(KeyboardInterrupt):
+                projection.split_linear(x, layer)
+        assert projection.split_config(width)[2] > 1 and not counters.any()
+        assert rel_err(projection.split_linear(x, layer), x.float() @ layer.weight.float().T) < TOL
+
+
 def test_tickets_are_one_zeroed_counter_per_owner_and_device(monkeypatch):
     """The kernels' tickets (`_triton.tickets_of`): zeros on first use, the same tensor on every later call (a
     captured graph keeps its address), refused when a launch asks more than the first allocation, dropped with

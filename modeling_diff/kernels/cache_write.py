@@ -68,12 +68,16 @@ def write_static_cache(layer: StaticLayer, key: torch.Tensor, value: torch.Tenso
     ticket = tickets_of(layer, 1, key.device)  # the layer's own (`_triton.tickets_of`), 0 between launches
     block_h = min(next_power_of_2(heads), max(1, BLOCK_ELEMENTS // max(dk, value.shape[-1])))
     pdl = dependent_launch(key, batch * length)
-    _static_cache_write[(batch * length, cdiv(heads, block_h))](
-        key, value, keys, values, layer.cumulative_length, ticket,
-        key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2),
-        keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
-        length, heads, keys.shape[2], DK=dk, DV=value.shape[-1], BLOCK_H=block_h, PDL=pdl, launch_pdl=pdl,
-    )
+    try:
+        _static_cache_write[(batch * length, cdiv(heads, block_h))](
+            key, value, keys, values, layer.cumulative_length, ticket,
+            key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2),
+            keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
+            length, heads, keys.shape[2], DK=dk, DV=value.shape[-1], BLOCK_H=block_h, PDL=pdl, launch_pdl=pdl,
+        )
+    except BaseException:  # a launch cut short (the interpreter's programs run one by one) leaves no ticket taken
+        ticket.zero_()
+        raise
     return keys, values
 
 

@@ -109,13 +109,18 @@ def launch_projections(rows, weights, y, block_n: int, step: int, stages: int, w
     cos, sin, length, head_dim = rope if rope is not None else (y, y, 1, 0)
     strides = (cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1)) if rope is not None else (0, 0)
     pdl = dependent_launch(rows, m)
-    _projections[(sum(cdiv(n, block_n) for n in widths), split)](
-        rows, *weights, *weights[:1] * pad, y, m, *widths, *(0,) * pad,
-        y if out is None else out, y if residual is None else residual, cos, sin, y if tickets is None else tickets,
-        length, *strides, K=k, SPLIT=split, SUMMED=out is not None, ADD=residual is not None, HALF=head_dim // 2,
-        BLOCK_M=max(16, next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=step, PDL=pdl, num_stages=stages,
-        num_warps=warps, launch_pdl=pdl,
-    )
+    try:
+        _projections[(sum(cdiv(n, block_n) for n in widths), split)](
+            rows, *weights, *weights[:1] * pad, y, m, *widths, *(0,) * pad,
+            y if out is None else out, y if residual is None else residual, cos, sin,
+            y if tickets is None else tickets, length, *strides, K=k, SPLIT=split, SUMMED=out is not None,
+            ADD=residual is not None, HALF=head_dim // 2, BLOCK_M=max(16, next_power_of_2(m)), BLOCK_N=block_n,
+            BLOCK_K=step, PDL=pdl, num_stages=stages, num_warps=warps, launch_pdl=pdl,
+        )
+    except BaseException:  # a launch cut short (the interpreter's programs run one by one) leaves no ticket taken
+        if tickets is not None:
+            tickets.zero_()
+        raise
 
 
 def launch_gated_projection(rows, w_gate, w_up, y, block_n: int, step: int, stages: int, warps: int = 4) -> None:
