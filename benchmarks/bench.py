@@ -319,6 +319,33 @@ def bench_dynamic_lockstep(names, seq: int, args, batch: int = 32) -> list[dict]
     return rows
 
 
+@contextlib.contextmanager
+def graph_phases_timed():
+    """-> a dict that gets the wall ms of the whole-step graph path's prompt (`GreedyStepGraph.prefill`: the
+    eager prefill and the first choice) and steps (`run`: the replays, and the capture where it happens), each
+    synchronized before and after, for the generate() calls inside the block: the rest of a call is the host's
+    work around them (generate's arguments and config, the graph's key, the output)."""
+    from modeling_diff.generation import GreedyStepGraph
+
+    timed, saved = {}, (GreedyStepGraph.prefill, GreedyStepGraph.run)
+
+    def timing(field, method):
+        def wrapper(self, *args, **kwargs):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            result = method(self, *args, **kwargs)
+            torch.cuda.synchronize()
+            timed[field] = timed.get(field, 0.0) + (time.perf_counter() - start) * 1e3
+            return result
+        return wrapper
+
+    GreedyStepGraph.prefill, GreedyStepGraph.run = timing("prefill_ms", saved[0]), timing("steps_ms", saved[1])
+    try:
+        yield timed
+    finally:
+        GreedyStepGraph.prefill, GreedyStepGraph.run = saved
+
+
 @torch.no_grad()
 def bench_generate_lockstep(names, paths, args) -> list[dict]:
     """The `generate b* dynamic|static` rows: what a user calling `model.generate()` gets, tok/s = batch x
@@ -329,7 +356,9 @@ def bench_generate_lockstep(names, paths, args) -> list[dict]:
     The host's speed drifts, so the models run in lockstep: all are loaded in this process, one untimed call per
     (model, path) first (in `paths` order, so each model compiles its static step once per batch size, batch 32
     after batch 1, as for a user generating at both), then `generate_rounds` timed rounds of one call per (model,
-    path), the models' order rotated every round. A row is the median over the rounds, `rounds` their speeds."""
+    path), the models' order rotated every round. A row is the median over the rounds, `rounds` their speeds; the
+    static rows of modeling_diff's models also `phases_ms`, one more call split into its prompt, its steps and the
+    rest (`graph_phases_timed`)."""
     models = {}
     for name in names:
         with kernels_patched(name):
@@ -362,6 +391,13 @@ def bench_generate_lockstep(names, paths, args) -> list[dict]:
             for name in rotated(names, round_):
                 if (name, phase) not in errors:
                     speeds[name, phase].append(generate(name, phase, batch))
+    phases = {}  # (name, phase) -> where one more static call of ours spent its wall time
+    for phase, batch in paths:
+        for name in names:
+            if phase.endswith("static") and name not in LLAMAS and (name, phase) not in errors:
+                with graph_phases_timed() as phases[name, phase]:
+                    tokens_per_s = generate(name, phase, batch)
+                phases[name, phase]["call_ms"] = batch * args.generate_new_tokens / tokens_per_s * 1e3
     rows = []
     for phase, batch in paths:
         for name in names:
@@ -370,6 +406,8 @@ def bench_generate_lockstep(names, paths, args) -> list[dict]:
                 row["error"] = errors[name, phase]
             else:
                 row.update(tok_s=statistics.median(speeds[name, phase]), rounds=speeds[name, phase])
+            if (name, phase) in phases:
+                row["phases_ms"] = phases[name, phase]
             rows.append(row)
             tqdm.write(json.dumps(row))
     return rows
