@@ -8,6 +8,13 @@ step, the CPU time spent issuing it, and the GPU busy time (torch.profiler); wit
 the profiler's tables (top operators by CPU and by GPU time). With --host, also the Python functions that take the
 host's time (cProfile over the timed steps' count again, its own overhead included: compare models, not ms).
 
+With --static, the graph-replayed StaticCache step of bench.py's decode rows instead, kernel by kernel: each
+kernel's own time, and its exposed time (`exposed_times`: the part of it after every kernel started before it had
+ended). Under programmatic dependent launch the kernels overlap, so their own times add up to more than the step;
+the exposed times and the GPU's idle time add up to it, and say which kernels the step waits on:
+
+    python benchmarks/profile_decode.py --static --seq 2048 --batch 1 --models v1 v2 dex --out $OUT/static
+
 Two cautions from the H200 machine: the host's speed drifts (the same steps measured up to 1.5x apart within
 minutes; for tok/s, bench.py's lockstep rounds are the measure), and the first model profiled in a process
 that calls cuDNN attention (transformers' models) pays ~1.5 ms of CPU per attention call, a later one does not.
@@ -94,18 +101,40 @@ def profile_static_graph(name: str, seq: int, batch: int, steps: int, out: str |
         torch.cuda.synchronize()
     kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     kernels.sort(key=lambda e: -e.self_device_time_total)
-    rows = [(e.key, e.count / steps, e.self_device_time_total / steps) for e in kernels]
-    busy = sum(us for _, _, us in rows)
-    row = dict(model=name, step_ms=step_ms, kernel_ms=busy / 1e3, kernels=sum(c for _, c, _ in rows), table=rows)
+    launches = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                if e.device_type == torch.autograd.DeviceType.CUDA]
+    exposed, idle = exposed_times(launches)
+    rows = [(e.key, e.count / steps, e.self_device_time_total / steps, exposed.get(e.key, 0.0) / steps)
+            for e in kernels]
+    busy = sum(us for _, _, us, _ in rows)
+    row = dict(model=name, step_ms=step_ms, kernel_ms=busy / 1e3, kernels=sum(c for _, c, _, _ in rows),
+               idle_ms=idle / steps / 1e3, table=rows)
     if out:
         with open(os.path.join(out, f"static_{name}_b{batch}.md"), "w") as f:
-            f.write(f"{name}, batch {batch}, context {seq}: step {step_ms * 1e3:.1f} us replayed, kernels {busy:.1f} us\n")
-            f.write("| kernel | calls a step | us a step |\n|---|---|---|\n")
-            f.writelines(f"| {key[:90]} | {count:g} | {us:.1f} |\n" for key, count, us in rows)
+            f.write(f"{name}, batch {batch}, context {seq}: step {step_ms * 1e3:.1f} us replayed, kernels {busy:.1f} us, "
+                    f"GPU idle {idle / steps:.1f} us a step\n")
+            f.write("| kernel | calls a step | us a step | exposed us a step |\n|---|---|---|---|\n")
+            f.writelines(f"| {key[:90]} | {count:g} | {us:.1f} | {shown:.1f} |\n" for key, count, us, shown in rows)
     del graph, model, cache
     gc.collect()
     torch.cuda.empty_cache()
     return row
+
+
+def exposed_times(launches) -> tuple[dict, float]:
+    """Where a stream of overlapping kernels spends its time: launches (name, start, end) -> ({name: the time during
+    which that kernel ran and no kernel started before it was still running, summed}, the time no kernel ran
+    between the first start and the last end). With programmatic dependent launch a kernel starts while the one
+    before it finishes, so the kernels' own times add up to more than the step; the exposed times and the idle
+    time add up to it exactly: what each kernel costs on the step's critical path."""
+    exposed, idle, covered = {}, 0.0, None  # covered: the end of everything started so far
+    for name, start, end in sorted(launches, key=lambda launch: launch[1]):
+        if covered is None:
+            covered = start
+        idle += max(0.0, start - covered)
+        exposed[name] = exposed.get(name, 0.0) + max(0.0, end - max(start, covered))
+        covered = max(covered, end)
+    return exposed, idle
 
 
 def host_profile(step, steps: int, rows: int = 40) -> str:
@@ -134,17 +163,18 @@ def main(argv=None):
     parser.add_argument("--out", help="folder for the profiler tables, one file per model")
     parser.add_argument("--host", action="store_true", help="also cProfile the steps (the --out files get its tables)")
     parser.add_argument("--static", action="store_true",
-                        help="the graph-replayed StaticCache step instead: its kernels one by one")
+                        help="the graph-replayed StaticCache step instead: its kernels one by one, own and exposed time")
     args = profiling_args(parser, argv, ("seq", "batch", "steps"), "profile_decode.py")
     warm_up_gpu()
     if args.static:
         print(f"\nbatch {args.batch}, context {args.seq}, graph-replayed StaticCache steps")
-        print("| model | step ms | kernel ms | kernels a step | gaps us a kernel |\n|---|---|---|---|---|")
+        print("| model | step ms | kernel ms | kernels a step | gaps us a kernel | GPU idle ms |\n|---|---|---|---|---|---|")
         for name in args.models:
             with kernels_patched(name):
                 r = profile_static_graph(name, args.seq, args.batch, args.steps, args.out)
             gap = (r["step_ms"] - r["kernel_ms"]) * 1e3 / r["kernels"]
-            print(f"| {name} | {r['step_ms']:.3f} | {r['kernel_ms']:.3f} | {r['kernels']:.0f} | {gap:.2f} |")
+            print(f"| {name} | {r['step_ms']:.3f} | {r['kernel_ms']:.3f} | {r['kernels']:.0f} | {gap:.2f} | "
+                  f"{r['idle_ms']:.3f} |")
         return
     rows = []
     for name in tqdm(args.models, desc="models"):

@@ -176,24 +176,3 @@ def test_cuda_graph_replays_give_the_eager_loop_tokens(mode):
     generation.release_graph(model)
     assert generation._GRAPHS.get(model) is None
 
-
-def test_the_benchmarks_phase_timing_splits_a_call_and_restores_the_methods(monkeypatch):
-    """benchmarks/bench.py's `graph_phases_timed` (the generate rows' `phases_ms`): a whole-step graph call's prompt
-    and steps get their wall times, the tokens stay those of the plain call, and the methods it wrapped are the
-    class's own again afterwards."""
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-    import bench
-
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)  # CPU: the eager steps (capture=False)
-    model = tiny_model("dex", attn_implementation="sdpa")
-    ids = torch.randint(3, 97, (2, 6), generator=torch.Generator().manual_seed(4))
-    methods = (generation.GreedyStepGraph.prefill, generation.GreedyStepGraph.run)
-    expected = graphed_greedy_generate(model, ids, None, dict(max_new_tokens=5, **STATIC), capture=False)
-    with bench.graph_phases_timed() as phases:
-        got = graphed_greedy_generate(model, ids, None, dict(max_new_tokens=5, **STATIC), capture=False)
-    assert torch.equal(got, expected)
-    assert set(phases) == {"prefill_ms", "steps_ms"} and min(phases.values()) > 0
-    assert (generation.GreedyStepGraph.prefill, generation.GreedyStepGraph.run) == methods

@@ -1,0 +1,49 @@
+"""Helpers of the benchmark scripts that decide what their tables say, on CPU: the phases of a whole-step graph
+generate() call (bench.py) and the exposed time of overlapping kernels (profile_decode.py)."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from modeling_diff import generation
+from modeling_diff.generation import graphed_greedy_generate
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+import bench  # noqa: E402
+import profile_decode  # noqa: E402
+
+STATIC = dict(cache_implementation="static", do_sample=False)
+
+
+def test_the_benchmarks_phase_timing_splits_a_call_and_restores_the_methods(monkeypatch):
+    """benchmarks/bench.py's `graph_phases_timed` (the generate rows' `phases_ms`): a whole-step graph call's prompt
+    and steps get their wall times, the tokens stay those of the plain call, and the methods it wrapped are the
+    class's own again afterwards."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)  # CPU: the eager steps (capture=False)
+    model = tiny_model("dex", attn_implementation="sdpa")
+    ids = torch.randint(3, 97, (2, 6), generator=torch.Generator().manual_seed(4))
+    methods = (generation.GreedyStepGraph.prefill, generation.GreedyStepGraph.run)
+    expected = graphed_greedy_generate(model, ids, None, dict(max_new_tokens=5, **STATIC), capture=False)
+    with bench.graph_phases_timed() as phases:
+        got = graphed_greedy_generate(model, ids, None, dict(max_new_tokens=5, **STATIC), capture=False)
+    assert torch.equal(got, expected)
+    assert set(phases) == {"prefill_ms", "steps_ms"} and min(phases.values()) > 0
+    assert (generation.GreedyStepGraph.prefill, generation.GreedyStepGraph.run) == methods
+
+
+@pytest.mark.parametrize("launches, exposed, idle", [
+    ([("a", 0, 10), ("b", 12, 20)], {"a": 10, "b": 8}, 2),  # one after the other, 2 idle between them
+    ([("a", 0, 10), ("b", 4, 15)], {"a": 10, "b": 5}, 0),  # b starts early (PDL) and finishes 5 after a
+    ([("a", 0, 10), ("b", 2, 6), ("c", 8, 12)], {"a": 10, "b": 0, "c": 2}, 0),  # b hidden entirely under a
+    ([("b", 5, 9), ("a", 0, 3), ("a", 10, 11)], {"a": 4, "b": 4}, 3),  # out of order; a name's times add up
+])
+def test_exposed_times_add_up_to_the_span_of_the_kernels(launches, exposed, idle):
+    """Each kernel's time on the critical path: after everything that started before it ended; with the idle time
+    they make up the span from the first start to the last end."""
+    got, got_idle = profile_decode.exposed_times(launches)
+    assert got == exposed and got_idle == idle
+    span = max(end for _, _, end in launches) - min(start for _, start, _ in launches)
+    assert sum(got.values()) + got_idle == span
