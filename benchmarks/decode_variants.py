@@ -6,7 +6,8 @@ process:
   residual add, as before it);
 - `cache_write`: the StaticCache write in one launch (`kernels/cache_write.py`; off: transformers' `Cache.update`);
 - `rotated`: q, k, v split along their input, summed and rotated in one pass (`kernels/projection.rotated_projections`;
-  off: one launch for the products, then the RoPE kernel).
+  off: one launch for the products, then the RoPE kernel);
+- `rotary`: the step's cos and sin in one launch (`kernels/rope.rope_cos_sin`; off: transformers' rotary embedding).
 
     python benchmarks/decode_variants.py [--seq 2048] [--batch 1 32] [--models v1 v2 dex] [--out $OUT/variants.json]
     python benchmarks/decode_variants.py --variants default --partial 128,4,3,2 64,4,3,4   # the decode kernel's launch
@@ -50,6 +51,7 @@ FEATURES = {
     "split": [(attention, "split_linear_applies", _no_split), (modeling, "split_linear_applies", _no_split)],
     "cache_write": [(attention, "update_cache", _cache_update)],
     "rotated": [(attention, "rotated_projections_apply", _no_split)],
+    "rotary": [(modeling, "rope_cos_sin_applies", _no_split)],
 }
 VARIANTS = ["default", *FEATURES]
 

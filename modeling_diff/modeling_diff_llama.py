@@ -1,9 +1,8 @@
 """DiffLlama models: transformers' Llama with differential attention (V1, V2 or DEX, by `config.diff_mode`).
 
 Structure mirrors transformers' `models/llama/modeling_llama.py`: embeddings -> decoder layers (pre-norm
-attention + SwiGLU MLP) -> norm -> lm_head. The rotary embedding is transformers' own Llama module; RMSNorm and the
-MLP are LlamaRMSNorm and LlamaMLP with Triton kernels on the fast paths; the attention differs (see
-`diff_attention.py`).
+attention + SwiGLU MLP) -> norm -> lm_head. The rotary embedding, RMSNorm and the MLP are LlamaRotaryEmbedding,
+LlamaRMSNorm and LlamaMLP with Triton kernels on the fast paths; the attention differs (see `diff_attention.py`).
 
 transformers renamed the cache argument `past_key_values` to `cache` after 5.17; both names are accepted,
 and outputs carry the cache under the name the installed transformers expects.
@@ -38,8 +37,8 @@ from .generation import graphed_greedy_generate
 from .diff_attention import ATTENTION_CLASSES, DexAttention, DexLambda, DifferentialLambda, DiffAttentionV1, DiffAttentionV2
 from .kernels import (
     add_rms_norm, add_rms_norm_applies, gated_projection, gated_projection_applies, resolve, rms_norm,
-    rms_norm_kernel_applies, runs_own_forward, silu_mul, silu_mul_applies, split_linear, split_linear_applies,
-    swiglu_mlp, swiglu_mlp_applies, uses_fast_kernels,
+    rms_norm_kernel_applies, rope_cos_sin, rope_cos_sin_applies, runs_own_forward, silu_mul, silu_mul_applies,
+    split_linear, split_linear_applies, swiglu_mlp, swiglu_mlp_applies, uses_fast_kernels,
 )
 
 # "cache" (transformers > 5.17) or "past_key_values" (5.17): the keyword of masks and model outputs.
@@ -94,6 +93,21 @@ def add_and_norm(norm: nn.Module, residual: torch.Tensor, update: torch.Tensor, 
         return add_rms_norm(residual, update, norm.weight, norm.variance_epsilon)
     hidden_states = residual + update
     return hidden_states, norm(hidden_states)
+
+
+class DiffLlamaRotaryEmbedding(LlamaRotaryEmbedding):
+    """transformers' LlamaRotaryEmbedding (same frequencies, same arithmetic); in a decoding step on the project's
+    fast implementations, cos and sin in one Triton launch (`kernels/rope.py`) where its forward issues about
+    eight kernels. RoPE types that update their frequencies in the forward (dynamic, longrope) keep its forward."""
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if (
+            rope_cos_sin_applies(x, position_ids, self.inv_freq)
+            and "dynamic" not in self.rope_type and self.rope_type != "longrope"
+            and uses_fast_kernels(resolve(self.config._attn_implementation, x))
+        ):
+            return rope_cos_sin(position_ids, self.inv_freq, self.attention_scaling, x.dtype)
+        return super().forward(x, position_ids)
 
 
 class DiffLlamaMLP(LlamaMLP):
@@ -284,7 +298,7 @@ class DiffLlamaModel(DiffLlamaPreTrainedModel):
             [DiffLlamaDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
         )
         self.norm = DiffLlamaRMSNorm(config)
-        self.rotary_emb = LlamaRotaryEmbedding(config=config)  # RoPE over head_dim d
+        self.rotary_emb = DiffLlamaRotaryEmbedding(config=config)  # RoPE over head_dim d
         self.gradient_checkpointing = False
         self.post_init()
 

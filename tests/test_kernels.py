@@ -170,6 +170,44 @@ def test_rope_kernel_promotes_like_the_formula():
     assert torch.equal(grad, torch.ones_like(grad))
 
 
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "default"},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 64},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},  # attention scaling != 1
+    {"rope_type": "dynamic", "factor": 2.0},  # frequencies updated in the forward: transformers' own
+])
+def test_decoding_rope_cos_sin_equal_transformers_rotary_embedding(rope, monkeypatch):
+    """A decoding step's cos and sin in one launch: transformers' LlamaRotaryEmbedding forward (the reference) for
+    positions shared by the batch or per row, far ones too, in the step's dtype, with gradients recorded too (cos
+    and sin are constants); more positions than a step's and RoPE types that update their frequencies take
+    transformers' forward."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from modeling_diff.kernels import rope as rope_module
+    from modeling_diff.modeling_diff_llama import DiffLlamaRotaryEmbedding
+
+    launches = []
+    monkeypatch.setattr(rope_module, "_rope_cos_sin", CountedKernel(rope_module._rope_cos_sin, launches))
+    config = tiny_config("dex", rope_parameters={"rope_theta": 10000.0, **rope}, max_position_embeddings=128)
+    config._attn_implementation = "sdpa" if GPU else "diff_triton"  # a fast implementation (on CUDA, sdpa)
+    module = DiffLlamaRotaryEmbedding(config).to(DEVICE)
+    with torch.no_grad():
+        for positions in ([[7]], [[0], [3], [90], [127]], [[5, 6, 7], [60, 61, 62]], [[0] * 64]):
+            positions = torch.tensor(positions, device=DEVICE)
+            x = rand(*positions.shape, config.hidden_size)
+            got, want = module(x, positions), LlamaRotaryEmbedding.forward(module, x, positions)
+            for g, w in zip(got, want):
+                assert g.shape == w.shape and g.dtype == w.dtype == x.dtype
+                torch.testing.assert_close(g, w)  # the dtype's tolerance: cos and sin within an ulp
+        taken = 0 if rope["rope_type"] == "dynamic" else 4
+        assert len(launches) == taken
+        module(rand(1, 65, config.hidden_size), torch.arange(65, device=DEVICE)[None])  # more than a step's
+        assert len(launches) == taken
+    module(rand(1, 1, config.hidden_size).requires_grad_(), torch.zeros(1, 1, dtype=torch.long, device=DEVICE))
+    assert len(launches) == taken + (rope["rope_type"] != "dynamic")  # cos and sin are constants: no node needed
+
+
 @pytest.mark.parametrize("width", [2048, 576] if GPU else [32, 24])  # a power of two, and SmolLM2's 576
 def test_rms_norm_kernel_forward_and_gradients_match_the_formula(width):
     """w * x / sqrt(mean(x^2) + eps) over the last dim (LlamaRMSNorm), rows not a multiple of the kernel's."""
@@ -1098,7 +1136,8 @@ def test_decoding_steps_on_the_kernel_equal_eager(mode, cache_class, monkeypatch
     """Prefill, then decoding steps through the split-KV kernel with the differential term in it, the
     projections' kernels (q, k, v and V2's lambda_proj split along their input, summed and rotated in the same
     launch, the MLP's gate and up in one, o_proj and down_proj split along their input and summed, down_proj's with the
-    residual add), the residual add with the norm after it in one pass, and a StaticCache's write in one launch,
+    residual add), the residual add with the norm after it in one pass, a StaticCache's write in one launch, the
+    step's cos and sin in one,
     with left padding, dynamic and static caches. The keys and values that reach the cache are contiguous: a DynamicCache concatenates them with its cache, and torch.cat's fast CUDA
     kernel takes only contiguous inputs (a column view of the projections' output took the slow one)."""
     import modeling_diff.diff_attention as attention
@@ -1113,6 +1152,10 @@ def test_decoding_steps_on_the_kernel_equal_eager(mode, cache_class, monkeypatch
     monkeypatch.setattr(projection, "_projections", CountedKernel(projection._projections, projections))
     monkeypatch.setattr(projection, "_gated_projection", CountedKernel(projection._gated_projection, gated))
     import modeling_diff.kernels.cache_write as cache_write
+    import modeling_diff.kernels.rope as rope
+
+    angles = []
+    monkeypatch.setattr(rope, "_rope_cos_sin", CountedKernel(rope._rope_cos_sin, angles))
 
     layouts, update, writes = [], attention.update_cache, []
     monkeypatch.setattr(attention, "update_cache", lambda cache, i, k, v: layouts.append(
@@ -1125,6 +1168,7 @@ def test_decoding_steps_on_the_kernel_equal_eager(mode, cache_class, monkeypatch
     assert rel_err(logits[1], logits[0]) < TOL
     assert len(kernel_calls) == steps.shape[1] * eager.config.num_hidden_layers  # every decoding step
     assert len(gated) == len(kernel_calls)  # the prefill's 80 tokens take cuBLAS
+    assert len(angles) == 1 + steps.shape[1]  # cos and sin in one launch: each step's, and the prefill's 40 positions
     # one launch each: q, k, v (and lambda_proj) split along their input, summed and rotated; o_proj split and
     # summed; down_proj split and summed with the residual add
     assert len(projections) == 3 * len(kernel_calls)

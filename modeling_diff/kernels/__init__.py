@@ -4,7 +4,8 @@
   fused into one Triton pass forward and backward (`triton_combine.py`).
 - `flash_diff.py`: both softmax maps of a differential head and the combine in one flash-attention kernel
   (`triton_flash_diff.py`), forward and backward, for V1 and V2 prefill and training.
-- `rope.py`: the rotary embedding of queries and keys in one Triton launch for both (`triton_rope.py`).
+- `rope.py`: the rotary embedding of queries and keys in one Triton launch for both, and a decoding step's cos and
+  sin in one (`triton_rope.py`).
 - `rmsnorm.py`: the decoder's RMSNorm in one Triton pass forward and one backward (`triton_rmsnorm.py`), and
   without gradients the residual add before it in the same pass.
 - `swiglu.py`: the decoder's SwiGLU MLP in training, its activation computed again in the backward instead of
@@ -39,7 +40,7 @@ from .projection import (
     split_linear, split_linear_applies,
 )
 from .rmsnorm import add_rms_norm, add_rms_norm_applies, rms_norm, rms_norm_kernel_applies
-from .rope import apply_rope
+from .rope import apply_rope, rope_cos_sin, rope_cos_sin_applies
 from .swiglu import silu_mul, silu_mul_applies, swiglu_mlp, swiglu_mlp_applies
 
 register()
@@ -48,8 +49,8 @@ __all__ = [
     "DIFF_TRITON", "FUSED_DIFF", "DexCombine", "V1Combine", "V2Combine", "add_rms_norm", "add_rms_norm_applies",
     "apply_rope", "combined_decode_applies", "combined_decode_attention", "diff_triton_attention_forward",
     "flash_diff_applies", "flash_diff_attention", "gated_projection", "gated_projection_applies", "has_extra_options",
-    "is_plain_linear", "linear_maps", "resolve", "rms_norm", "rms_norm_kernel_applies", "rotated_projections",
-    "rotated_projections_apply", "silu_mul", "silu_mul_applies",
+    "is_plain_linear", "linear_maps", "resolve", "rms_norm", "rms_norm_kernel_applies", "rope_cos_sin",
+    "rope_cos_sin_applies", "rotated_projections", "rotated_projections_apply", "silu_mul", "silu_mul_applies",
     "runs_own_forward", "split_linear", "split_linear_applies", "swiglu_mlp", "swiglu_mlp_applies", "triton_available",
     "update_cache", "uses_fast_kernels", "v1_combine", "v2_combine", "v2_combine_projected",
 ]

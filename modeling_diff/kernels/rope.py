@@ -2,6 +2,8 @@
 
     apply_rope(query, key, cos, sin, fused) -> (query, key) rotated; query (B, L, Hq, d), key (B, L, Hk, d),
     cos and sin (B or 1, L, d) as transformers' rotary embedding gives them.
+    rope_cos_sin(position_ids (B, L), inv_freq (d / 2,), scaling, dtype) -> cos, sin (B, L, d): transformers'
+    rotary embedding's forward (`LlamaRotaryEmbedding`, the reference) in one launch, for decoding steps.
 
 The reference is transformers' `apply_rotary_pos_emb` (`x * cos + rotate_half(x) * sin`, RoFormer arXiv
 2104.09864, in Llama's half-split layout): about six elementwise kernels per tensor, each a pass over it, forward
@@ -20,7 +22,9 @@ from ._triton import (
 )
 
 if TRITON_AVAILABLE:
-    from .triton_rope import _rope
+    from .triton_rope import _rope, _rope_cos_sin
+
+MAX_POSITIONS = 64  # tokens of a step that `rope_cos_sin` takes (decoding steps, as the other step kernels)
 
 
 def rope_kernel_applies(query, key, cos, sin) -> bool:
@@ -74,3 +78,35 @@ def apply_rope(query, key, cos, sin, fused: bool):
         # decoding: no autograd node to build
         return _rotate(query, key, cos, sin, transpose=False, dtype=dtype, pdl=dependent_launch(query, query.shape[0] * query.shape[1]))
     return apply_rotary_pos_emb(query, key, cos, sin, unsqueeze_dim=2)
+
+
+def rope_cos_sin_applies(x: torch.Tensor, position_ids: torch.Tensor, inv_freq: torch.Tensor) -> bool:
+    """Whether `rope_cos_sin` takes a step: at most MAX_POSITIONS integer positions where the kernels run (eager, on
+    CUDA or the interpreter), float32 frequencies on that device, a power-of-two count of them."""
+    return (
+        eager_kernels_run_on(x)
+        and position_ids.numel() <= MAX_POSITIONS and position_ids.dim() == 2
+        and not position_ids.is_floating_point() and not position_ids.is_complex()
+        and inv_freq.dtype == torch.float32 and inv_freq.dim() == 1 and is_power_of_2(inv_freq.shape[0])
+        and position_ids.device == inv_freq.device == x.device
+    )
+
+
+def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, scaling: float,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (B, L, d) of the positions (B, L), d = 2 x inv_freq's length, in `dtype` (check
+    `rope_cos_sin_applies` first): cos(p f) and sin(p f) times `scaling` for each frequency f, both halves alike."""
+    half = inv_freq.shape[0]
+    positions = position_ids.reshape(-1).contiguous()
+    cos = torch.empty(*position_ids.shape, 2 * half, dtype=dtype, device=position_ids.device)
+    sin = torch.empty_like(cos)
+    tokens = positions.shape[0]
+    if tokens:
+        block_t = max(1, min(next_power_of_2(tokens), 4096 // half))  # about 4K angles per program
+        pdl = dependent_launch(positions, tokens)
+        _rope_cos_sin[(cdiv(tokens, block_t),)](
+            positions, inv_freq, cos, sin, float(scaling), tokens, HALF=half, BLOCK_T=block_t, PDL=pdl,
+            launch_pdl=pdl,
+        )
+    return cos, sin
+

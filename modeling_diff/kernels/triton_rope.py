@@ -6,6 +6,9 @@ and sin and rotates the two halves:
 
     forward    o1 = x1 c1 - x2 s1,   o2 = x2 c2 + x1 s2        (x * cos + rotate_half(x) * sin)
     transpose  o1 = x1 c1 + x2 s2,   o2 = x2 c2 - x1 s1        (the gradient: g * cos + rotate_half^T(g * sin))
+
+And the cos and sin of a decoding step's positions in one launch (`_rope_cos_sin`), where transformers' rotary
+embedding issues about eight kernels.
 """
 
 # In a try block because transformers' remote-code loader requires every *unguarded* import of a Hub export's
@@ -71,3 +74,23 @@ def _rope(
     else:
         heads = (block - query_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
         _rotate_heads(K, OutK, Cos, Sin, b, l, heads, HK, skb, skl, skh, sokb, sokl, sokh, scb, scl, HALF, TRANSPOSE)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _rope_cos_sin(Pos, InvFreq, Cos, Sin, scaling, T, HALF: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr):
+    # Cos, Sin (T, 2 HALF) of the T positions Pos (int) and the HALF frequencies InvFreq (float32), as transformers'
+    # rotary embedding computes them: float32 position x frequency, each half the same angles, cos and sin times
+    # `scaling`, rounded once to the output's dtype.
+    let_dependents_start(PDL)
+    wait_for_inputs(PDL)  # the positions may be the kernel before's
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, HALF)
+    ok = t[:, None] < T
+    angle = tl.load(Pos + t, mask=t < T, other=0).to(tl.float32)[:, None] * tl.load(InvFreq + cols)[None, :]
+    cos = (tl.cos(angle) * scaling).to(Cos.dtype.element_ty)
+    sin = (tl.sin(angle) * scaling).to(Sin.dtype.element_ty)
+    at = t[:, None] * (2 * HALF) + cols[None, :]
+    tl.store(Cos + at, cos, mask=ok)
+    tl.store(Cos + at + HALF, cos, mask=ok)
+    tl.store(Sin + at, sin, mask=ok)
+    tl.store(Sin + at + HALF, sin, mask=ok)
