@@ -100,7 +100,7 @@ def launch_projections(rows, weights, y, block_n: int, step: int, stages: int, w
     widths) contiguous elements: the products (M, N_i) one after another, each row-major; with `split` > 1 the
     float32 partial products over `split` equal parts of K, y (split, M x sum of widths). `step` divides K (or its
     parts). The block sizes are the caller's (`benchmarks/projection_bench.py --sweep` tries others).
-    With `out` (y's layout, the output dtype) and `tickets` (int32 zeros, a row block's each: `_triton.tickets`),
+    With `out` (y's layout, the output dtype) and `tickets` (int32 zeros, a row block's each: `_triton.tickets_of`),
     the same launch writes the partials' sum into out, + `residual` (M, N) where given, with RoPE on the first two
     weights' heads where `rope` = (cos, sin, L, head_dim) (block_n a multiple of head_dim)."""
     m, k = rows.shape

@@ -85,8 +85,8 @@ def _projections(X, W0, W1, W2, W3, Y, M, N0, N1, N2, N3, Out, Res, Cos, Sin, Ti
     # concatenates v (and k) with its cache, and torch.cat's fast kernel needs contiguous inputs. K (the input width)
     # is a constant of the compiled kernel: two per model (hidden and MLP widths). SPLIT > 1: program (j, s)
     # computes the float32 partial product over K's part s into Y's part s, (SPLIT, M x (N0 + ... + N3)) in all;
-    # where SUMMED, the last of a row block's SPLIT programs to finish (a ticket each: `_sum_parts`) writes Out, the
-    # sum (+ Res where ADD, with RoPE on the first two weights' heads where HALF > 0), in the same launch.
+    # where SUMMED, the last of a row block's SPLIT programs to finish (a ticket each: `_finish_row_block`) writes
+    # Out, the sum (+ Res where ADD, with RoPE on the first two weights' heads where HALF > 0), in the same launch.
     pid = tl.program_id(0)
     part = tl.program_id(1)
     end0 = tl.cdiv(N0, BLOCK_N)
@@ -107,13 +107,13 @@ def _projections(X, W0, W1, W2, W3, Y, M, N0, N1, N2, N3, Out, Res, Cos, Sin, Ti
     if SUMMED:
         tl.debug_barrier()  # every thread's partial stored before the ticket's release (CUTLASS's split-K semaphore)
         if tl.atomic_add(Tickets + pid, 1, sem="acq_rel") == SPLIT - 1:
-            _sum_parts(Y, Out, Res, Cos, Sin, M, L, row0, N, nt, col0, pid < end1, scb, scl, SPLIT, ADD, HALF,
+            _finish_row_block(Y, Out, Res, Cos, Sin, M, L, row0, N, nt, col0, pid < end1, scb, scl, SPLIT, ADD, HALF,
                        BLOCK_M, BLOCK_N)
             tl.store(Tickets + pid, 0)
 
 
 @triton.jit
-def _parts_sum(P, at, ok, stride, SPLIT: tl.constexpr, dtype):
+def _summed_partials(P, at, ok, stride, SPLIT: tl.constexpr, dtype):
     # sum of the SPLIT float32 partials at offsets `at` (part s at P + s stride), rounded to dtype, as float32. Past
     # L1 (.cg): the partials are other programs' stores of this launch
     y = tl.load(P + at, mask=ok, other=0.0, cache_modifier=".cg")
@@ -123,7 +123,7 @@ def _parts_sum(P, at, ok, stride, SPLIT: tl.constexpr, dtype):
 
 
 @triton.jit
-def _sum_parts(P, Out, Res, Cos, Sin, M, L, row0, N, nt, col0, rotate, scb, scl, SPLIT: tl.constexpr,
+def _finish_row_block(P, Out, Res, Cos, Sin, M, L, row0, N, nt, col0, rotate, scb, scl, SPLIT: tl.constexpr,
                ADD: tl.constexpr, HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # Out[:M, row0:row0 + BLOCK_N] of the weight block at M col0 = the sum of its SPLIT partials rounded to Out's
     # dtype (F.linear's output); + Res (M, N) rounded again where ADD (residual + F.linear(...)); where HALF > 0 and
@@ -135,14 +135,15 @@ def _sum_parts(P, Out, Res, Cos, Sin, M, L, row0, N, nt, col0, rotate, scb, scl,
     ok = (rows[:, None] < M) & (cols[None, :] < N)
     at = M * col0 + rows[:, None] * N + cols[None, :]
     dtype = Out.dtype.element_ty
-    y = _parts_sum(P, at, ok, M * nt, SPLIT, dtype)
+    y = _summed_partials(P, at, ok, M * nt, SPLIT, dtype)
     if ADD:
         y = (y + tl.load(Res + at, mask=ok, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
     if HALF > 0:
         j = cols % (2 * HALF)  # the column within its head
         partner = tl.where(j < HALF, cols + HALF, cols - HALF)  # rotate_half's other column
         spun = ok & rotate
-        y_partner = _parts_sum(P, M * col0 + rows[:, None] * N + partner[None, :], spun, M * nt, SPLIT, dtype)
+        at_partner = M * col0 + rows[:, None] * N + partner[None, :]
+        y_partner = _summed_partials(P, at_partner, spun, M * nt, SPLIT, dtype)
         cs = (rows // L)[:, None] * scb + (rows % L)[:, None] * scl + j[None, :]
         cos = tl.load(Cos + cs, mask=spun, other=1.0).to(tl.float32)
         sin = tl.load(Sin + cs, mask=spun, other=0.0).to(tl.float32)
