@@ -48,18 +48,3 @@ def tiny_model(mode: str, seed: int = 0, attn_implementation: str = "eager", **o
             for layer in model.model.layers:
                 layer.self_attn.dex_proj.weight.normal_(0.0, 0.3)
     return model
-
-
-class CutShortKernel:
-    """A Triton kernel whose launch stops part-way, as an exception or an interrupt stops the interpreter between
-    programs: the programs of `subgrid(grid)` run, then KeyboardInterrupt."""
-
-    def __init__(self, kernel, subgrid):
-        self.kernel, self.subgrid = kernel, subgrid
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.kernel[self.subgrid(grid)](*args, **kwargs)
-            raise KeyboardInterrupt
-        return launch
-

@@ -175,4 +175,3 @@ def test_cuda_graph_replays_give_the_eager_loop_tokens(mode):
                                                                                eos_token_id=eos, **STATIC), expected)
     generation.release_graph(model)
     assert generation._GRAPHS.get(model) is None
-

@@ -429,6 +429,20 @@ class CountedKernel:
         return self.kernel[grid]
 
 
+class CutShortKernel:
+    """A Triton kernel whose launch stops part-way, as an exception or an interrupt stops the interpreter between
+    programs: the programs of `subgrid(grid)` run, then KeyboardInterrupt."""
+
+    def __init__(self, kernel, subgrid):
+        self.kernel, self.subgrid = kernel, subgrid
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.kernel[self.subgrid(grid)](*args, **kwargs)
+            raise KeyboardInterrupt
+        return launch
+
+
 def linear_layer(width_in, width_out, bias=False):
     layer = torch.nn.Linear(width_in, width_out, bias=bias, device=DEVICE, dtype=DTYPE)
     torch.nn.init.normal_(layer.weight, std=width_in**-0.5)
@@ -564,6 +578,8 @@ def test_split_linear_matches_the_formula_and_adds_the_residual(tokens):
             assert len(launches) == (tokens > 0)
         if tokens:  # every row block's ticket is back to 0 for the next launch
             assert not _triton._TICKETS[id(layer.weight)][layer.weight.device].any()
+            with pytest.raises(ValueError, match="`out` and `tickets` go together"):  # a sum without its tickets
+                projection.launch_projections(x.view(tokens, width), [layer.weight], y, 32, 64, 2, out=y)
         if tokens > 1:
             poisoned = x.clone()
             poisoned[0] = float("nan")
@@ -582,8 +598,6 @@ def test_a_split_launch_cut_short_leaves_no_ticket_taken(monkeypatch):
     """A split launch that stops part-way (every row block's first part ran and took its ticket, then an
     interrupt) puts the tickets back to 0, so that the next launch's sums come from its last programs and are
     x W^T."""
-    from conftest import CutShortKernel
-
     from modeling_diff.kernels import projection
 
     torch.manual_seed(7)

@@ -103,6 +103,8 @@ def launch_projections(rows, weights, y, block_n: int, step: int, stages: int, w
     With `out` (y's layout, the output dtype) and `tickets` (int32 zeros, a row block's each: `_triton.tickets_of`),
     the same launch writes the partials' sum into out, + `residual` (M, N) where given, with RoPE on the first two
     weights' heads where `rope` = (cos, sin, L, head_dim) (block_n a multiple of head_dim)."""
+    if (out is None) != (tickets is None):
+        raise ValueError("launch_projections: `out` and `tickets` go together (the sum needs a ticket a row block)")
     m, k = rows.shape
     widths = [w.shape[0] for w in weights]
     pad = MAX_WEIGHTS - len(weights)

@@ -109,4 +109,3 @@ def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, scaling: fl
             launch_pdl=pdl,
         )
     return cos, sin
-
