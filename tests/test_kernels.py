@@ -192,15 +192,20 @@ def test_decoding_rope_cos_sin_equal_transformers_rotary_embedding(rope, monkeyp
     config = tiny_config("dex", rope_parameters={"rope_theta": 10000.0, **rope}, max_position_embeddings=128)
     config._attn_implementation = "sdpa" if GPU else "diff_triton"  # a fast implementation (on CUDA, sdpa)
     module = DiffLlamaRotaryEmbedding(config).to(DEVICE)
+    # a model moved to bf16 (`model.to(torch.bfloat16)`) holds its frequencies in bf16: the kernel reads them as
+    # transformers' forward does, upcast to float32
+    converted = DiffLlamaRotaryEmbedding(config).to(DEVICE, torch.bfloat16)
+    assert converted.inv_freq.dtype == torch.bfloat16
     with torch.no_grad():
         for positions in ([[7]], [[0], [3], [90], [127]], [[5, 6, 7], [60, 61, 62]], [[0] * 64]):
             positions = torch.tensor(positions, device=DEVICE)
             x = rand(*positions.shape, config.hidden_size)
-            got, want = module(x, positions), LlamaRotaryEmbedding.forward(module, x, positions)
-            for g, w in zip(got, want):
-                assert g.shape == w.shape and g.dtype == w.dtype == x.dtype
-                torch.testing.assert_close(g, w)  # the dtype's tolerance: cos and sin within an ulp
-        taken = 0 if rope["rope_type"] == "dynamic" else 4
+            for rotary in (module, converted):
+                got, want = rotary(x, positions), LlamaRotaryEmbedding.forward(rotary, x, positions)
+                for g, w in zip(got, want):
+                    assert g.shape == w.shape and g.dtype == w.dtype == x.dtype
+                    torch.testing.assert_close(g, w)  # the dtype's tolerance: cos and sin within an ulp
+        taken = 0 if rope["rope_type"] == "dynamic" else 8
         assert len(launches) == taken
         module(rand(1, 65, config.hidden_size), torch.arange(65, device=DEVICE)[None])  # more than a step's
         assert len(launches) == taken

@@ -87,7 +87,7 @@ def rope_cos_sin_applies(x: torch.Tensor, position_ids: torch.Tensor, inv_freq: 
         eager_kernels_run_on(x)
         and position_ids.numel() <= MAX_POSITIONS and position_ids.dim() == 2
         and not position_ids.is_floating_point() and not position_ids.is_complex()
-        and inv_freq.dtype == torch.float32 and inv_freq.dim() == 1 and is_power_of_2(inv_freq.shape[0])
+        and inv_freq.is_floating_point() and inv_freq.dim() == 1 and is_power_of_2(inv_freq.shape[0])
         and position_ids.device == inv_freq.device == x.device
     )
 
