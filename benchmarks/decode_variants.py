@@ -4,8 +4,7 @@ process:
 - `pdl`: programmatic dependent launch (`kernels/_triton.PDL_ENABLED`);
 - `split`: o_proj / down_proj split along their input (`kernels/projection.split_linear`; off: cuBLAS and the
   residual add, as before it);
-- `cache_write`: the StaticCache write in the decode kernel's launch (`kernels/cache_write.py`; off: transformers'
-  `Cache.update`);
+- `cache_write`: the StaticCache write in one launch (`kernels/cache_write.py`; off: transformers' `Cache.update`);
 - `rotated`: q, k, v split along their input, summed and rotated in one pass (`kernels/projection.rotated_projections`;
   off: one launch for the products, then the RoPE kernel);
 - `rotary`: the step's cos and sin in one launch (`kernels/rope.rope_cos_sin`; off: transformers' rotary embedding).
@@ -42,8 +41,8 @@ def _no_split(*args):  # a dispatch predicate that declines
     return False
 
 
-def _cache_update(cache, layer_idx, key, value):  # update_cache without the kernel's write
-    return *cache.update(key, value, layer_idx), None
+def _cache_update(cache, layer_idx, key, value):
+    return cache.update(key, value, layer_idx)
 
 
 # feature -> the (object, attribute, value) that turn it off

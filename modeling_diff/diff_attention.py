@@ -243,11 +243,10 @@ class _DiffAttentionBase(nn.Module, metaclass=abc.ABCMeta):
         given); None, the cache untouched, where it does not apply. Inputs as `project` gives them."""
         if not self.decode_applies(implementation, query, key, value, attention_mask, kwargs):
             return None
-        write = None
-        if cache is not None:  # a StaticCache layer's write goes into the decode kernel's launch
-            key, value, write = update_cache(cache, self.layer_idx, key, value)
+        if cache is not None:
+            key, value = update_cache(cache, self.layer_idx, key, value)  # one launch into a StaticCache
         return combined_decode_attention(
-            self.decode_query(query), key, value, attention_mask, self.scaling, self.decode_combine(side), out, write
+            self.decode_query(query), key, value, attention_mask, self.scaling, self.decode_combine(side), out
         )
 
     def combined_decode_applies(self, implementation, query, key, value, attention_mask, kwargs) -> bool:

@@ -14,8 +14,8 @@
   the MLP's gate and up with silu(gate) * up in one, o_proj and down_proj split along their input, and q, k, v
   split with their sum and RoPE in one pass (`triton_projection.py`).
 - `triton_launch.py`: programmatic dependent launch (Hopper) in the decoding step's kernels.
-- `cache_write.py`: a decoding step's keys and values into a StaticCache layer, its length advanced, inside the
-  decode kernel's launch (`triton_decode.py`), where transformers' update issues five kernels.
+- `cache_write.py`: a decoding step's keys and values into a StaticCache layer, its length advanced, in one
+  launch (`triton_cache_write.py`), where transformers' update issues five.
 - `decode.py`: split-KV attention for decoding steps, one read of the KV cache per step, with each mode's
   differential term in its reduce (`triton_decode.py`).
 - `attention.py`: the attention implementations `"diff_triton"` (chosen automatically for `sdpa` on CUDA) and

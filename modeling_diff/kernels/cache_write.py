@@ -1,15 +1,14 @@
-"""The cache update of a decoding step: into a StaticCache layer inside the decode kernel's launch
-(`triton_decode._decode_partial`), through `Cache.update` everywhere else.
+"""The cache update of a decoding step: into a StaticCache layer in one launch (`triton_cache_write.py`), through
+`Cache.update` everywhere else.
 
-    update_cache(cache, layer_idx, key (B, H_kv, L, Dk), value (B, H_kv, L, Dv)) -> (keys, values, write)
+    update_cache(cache, layer_idx, key (B, H_kv, L, Dk), value (B, H_kv, L, Dv)) -> (keys, values) of the layer
 
 transformers' `StaticLayer.update` (the reference) issues five kernels a layer and step: an `arange` and an add
 for the positions, the in-place add to the layer's length, and one `index_copy_` each for the keys and the values.
 In a batch-1 step of the ~1.1B models they took ~7.6 us a layer, where the bytes take well under one (the
-graph-replayed step's profile, benchmarks/RESULTS.md). Here the decode kernel does all of it in its own launch: it
-reads the layer's length on the device (no synchronisation: it runs inside CUDA graphs), attends to each new token's
-key and value where the cache has its position and stores them there, and advances the length. So `update_cache`
-hands such a step's write to the kernel (`CacheWrite`) and returns the layer's tensors as they will be.
+graph-replayed step's profile, benchmarks/RESULTS.md). The kernel does all of it in one launch: it reads the
+layer's length on the device (no synchronisation: it runs inside CUDA graphs), stores each new token's key and
+value at its position, and advances the length.
 
 It applies to a decoding step without gradients on the kernels' devices, to a cache whose `update` is transformers'
 own and not offloading, and to a layer that is exactly an initialized `StaticLayer` (not a sliding window, a
@@ -18,23 +17,19 @@ beyond the cache's length are not written: the kernel does not raise on the devi
 `generate()` sizes the cache for every step, and transformers' own update fails there.
 """
 
-from typing import NamedTuple
-
 import torch
 from transformers.cache_utils import Cache, StaticLayer
 
-from ._triton import eager_kernels_run_on, is_power_of_2, needs_grad, tickets_of
+from ._triton import (
+    TRITON_AVAILABLE, cdiv, dependent_launch, eager_kernels_run_on, is_power_of_2, needs_grad, next_power_of_2,
+    tickets_of,
+)
 
-MAX_TOKENS = 64  # new tokens (batch x length) of a step, as the decode kernel takes
+if TRITON_AVAILABLE:
+    from .triton_cache_write import _static_cache_write
 
-
-class CacheWrite(NamedTuple):
-    """A step's keys and values for the decode kernel to store into a StaticCache layer (`update_cache`)."""
-
-    key: torch.Tensor  # (B, H_kv, L, Dk), the step's
-    value: torch.Tensor  # (B, H_kv, L, Dv)
-    length: torch.Tensor  # the layer's `cumulative_length` (int64, one element): the first position, advanced by L
-    ticket: torch.Tensor  # the layer's own (`_triton.tickets_of`), 0 between launches
+MAX_TOKENS = 64  # new tokens (batch x length) of a step the kernel takes, as the decode kernel
+BLOCK_ELEMENTS = 4096  # about this many elements of keys and values per program
 
 
 def _static_layer(cache: Cache, layer_idx: int) -> StaticLayer | None:
@@ -65,12 +60,30 @@ def static_cache_write_applies(layer: StaticLayer | None, key: torch.Tensor, val
     )
 
 
+def write_static_cache(layer: StaticLayer, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """StaticLayer.update in one launch (check `static_cache_write_applies` first): key and value (B, H_kv, L, D)
+    stored at the layer's positions t .. t + L - 1, its length advanced by L -> (keys, values), the layer's tensors."""
+    batch, heads, length, dk = key.shape
+    keys, values = layer.keys, layer.values
+    ticket = tickets_of(layer, 1, key.device)  # the layer's own (`_triton.tickets_of`), 0 between launches
+    block_h = min(next_power_of_2(heads), max(1, BLOCK_ELEMENTS // max(dk, value.shape[-1])))
+    pdl = dependent_launch(key, batch * length)
+    try:
+        _static_cache_write[(batch * length, cdiv(heads, block_h))](
+            key, value, keys, values, layer.cumulative_length, ticket,
+            key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2),
+            keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
+            length, heads, keys.shape[2], DK=dk, DV=value.shape[-1], BLOCK_H=block_h, PDL=pdl, launch_pdl=pdl,
+        )
+    except BaseException:  # a launch cut short (the interpreter's programs run one by one) leaves no ticket taken
+        ticket.zero_()
+        raise
+    return keys, values
+
+
 def update_cache(cache: Cache, layer_idx: int, key: torch.Tensor, value: torch.Tensor):
-    """For a decoding step through the decode kernel (`decode.combined_decode_attention`), which must follow:
-    (the layer's keys, its values, the CacheWrite for the kernel) where the kernel writes into a StaticCache layer
-    (see the module docstring), else cache.update(key, value, layer_idx) and None."""
+    """cache.update(key, value, layer_idx), through the kernel where it applies (see the module docstring)."""
     layer = _static_layer(cache, layer_idx)
     if static_cache_write_applies(layer, key, value):
-        ticket = tickets_of(layer, 1, key.device)
-        return layer.keys, layer.values, CacheWrite(key, value, layer.cumulative_length, ticket)
-    return *cache.update(key, value, layer_idx), None
+        return write_static_cache(layer, key, value)
+    return cache.update(key, value, layer_idx)

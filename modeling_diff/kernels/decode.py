@@ -91,7 +91,7 @@ def combined_decode_applies(query, key, value, mask, dropout: float) -> bool:
     )
 
 
-def combined_decode_attention(query, key, value, mask, scale: float, combine, out=None, write=None) -> torch.Tensor:
+def combined_decode_attention(query, key, value, mask, scale: float, combine, out=None) -> torch.Tensor:
     """A decoding step of a differential layer in two launches: the maps of every query head, merged, and the
     mode's differential term (`combine`: V1Combine, V2Combine or DexCombine), whose coefficients (lambda, the
     noise weight) the kernel computes itself.
@@ -99,9 +99,6 @@ def combined_decode_attention(query, key, value, mask, scale: float, combine, ou
     query (B, Hq, L, DQ): V1 and V2 hold the maps of differential head i in query heads 2i and 2i+1 (V1's DQ wide,
     read against K1 and K2 of its 2 DQ wide key); key and value (B, H_KV, S, .); mask as `decode_attention`.
     Returns the heads' outputs (B, L, h, DV), h = Hq / 2 (V1, V2) or Hq (DEX): in `out` where given (contiguous, of
-    that shape and query's dtype: the decoding graphs' input buffer), else in a new tensor. `write`
-    (`cache_write.CacheWrite`, from `update_cache`): key and value are a StaticCache layer's, and the step's keys
-    and values go into them in the same launch."""
-    # (a StaticCache layer's tensors, which `write` fills, have unit last strides: never copied here)
+    that shape and query's dtype: the decoding graphs' input buffer), else in a new tensor."""
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
-    return combined_decode_kernels(query, key, value, mask, float(scale), combine, out, write)
+    return combined_decode_kernels(query, key, value, mask, float(scale), combine, out)

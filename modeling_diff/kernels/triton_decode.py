@@ -46,58 +46,22 @@ PROGRAMS_PER_SM = 2
 PROGRAMS_PER_SM_FEW_TOKENS = 3
 
 
-@triton.jit
-def _cache_tile(K, V, b, kvh, n, n_ok, dk, dv, skb, skh, sks, svb, svh, svs):
-    # the cached keys (DK, BLOCK_N), transposed for q k, and values (BLOCK_N, DV) at positions n
-    k = tl.load(K + b * skb + kvh * skh + n[None, :] * sks + dk[:, None], mask=n_ok[None, :], other=0.0)
-    v = tl.load(V + b * svb + kvh * svh + n[:, None] * svs + dv[None, :], mask=n_ok[:, None], other=0.0)
-    return k, v
-
-
-@triton.jit
-def _attend_tile(q, k, v, n, keep, t, row_ok, Mask, b, smb, sml, sms, offset, qk_scale, m_i, l_i, acc,
-                 HAS_MASK: tl.constexpr):
-    # the online softmax (base 2) of the rows' scores against the keys k (DK, N) at positions n, of which those
-    # where `keep` count, and their values v (N, DV) accumulated
-    s = tl.dot(q, k) * qk_scale  # (BLOCK_R, N), fp32
-    if HAS_MASK:
-        allowed = tl.load(
-            Mask + b * smb + t[:, None] * sml + n[None, :] * sms, mask=row_ok[:, None] & keep[None, :], other=0
-        ) != 0
-    else:  # causal (kernels/masks.py)
-        allowed = n[None, :] <= (offset + t)[:, None]
-    allowed = allowed & keep[None, :]
-    s = tl.where(allowed, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc
-
-
 # The cache length (and with it the causal offset, the mask's strides, the chunk length and the number of chunks)
 # grows every step: not specialized on (Triton would compile a variant whenever one crosses a multiple of 16), so
 # one compiled kernel serves a whole generation.
 @triton.jit(do_not_specialize=["smb", "sml", "S", "offset", "chunk", "splits", "parts"])
 def _decode_partial(
-    Q, K, V, Mask, Part, NewK, NewV, Length, Ticket,
-    sqb, sqh, sql, skb, skh, sks, svb, svh, svs, smb, sml, sms, snkb, snkh, snkl, snvb, snvh, snvl,
+    Q, K, V, Mask, Part,
+    sqb, sqh, sql, skb, skh, sks, svb, svh, svs, smb, sml, sms,
     H_KV, S, L, offset, chunk, splits, parts,
     SCALE: tl.constexpr,  # a compile-time constant: a runtime float would reach Inductor's launch as fp64
     G: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     DQ: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, PAIRED: tl.constexpr,
     CHUNK_STATIC: tl.constexpr,  # `chunk` under the interpreter, whose loop bounds must be compile-time; else 0
-    WRITE: tl.constexpr, BLOCK_L: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    # WRITE: K and V are a StaticCache layer's (B, H_KV, S, D), and the step's keys and values NewK, NewV (B, H_KV, L,
-    # D; L <= BLOCK_L) belong at positions Length .. Length + L - 1. The cache's rows there are skipped; the program
-    # whose chunk holds a position reads the step's key and value instead, attends to them and stores them into the
-    # cache (StaticLayer.update's write), and the program with the last ticket advances Length by L once every
-    # program has read it. Under PDL a program then reads its first tile before it waits: the rows it uses were
-    # written by earlier steps' kernels, over a hundred launches back, each waiting on the one before
-    # (`triton_launch.py`).
     let_dependents_start(PDL)
+    wait_for_inputs(PDL)  # the cache's new entries are the kernel before's
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     b = pid_bh // H_KV
@@ -108,12 +72,6 @@ def _decode_partial(
     row_ok = r < G * L
     dk = tl.arange(0, DK)
     dv = tl.arange(0, DV)
-    start = split * chunk  # chunk: a multiple of BLOCK_N
-    PREFETCH: tl.constexpr = WRITE and PDL
-    if PREFETCH:
-        n = start + tl.arange(0, BLOCK_N)
-        k, v = _cache_tile(K, V, b, kvh, n, n < S, dk, dv, skb, skh, sks, svb, svh, svs)
-    wait_for_inputs(PDL)  # the query, the step's keys and values, the mask are the kernels' before
     # PAIRED (V1, DK = 2 DQ): query head 2i + m holds Q_m (DQ wide) of differential head i and is read into
     # columns m DQ.. of a zero row, so its dot with the cached K1|K2 is Q_m . K_m. Otherwise DK = DQ.
     column = dk[None, :] - ((kvh * G + g) % 2 * DQ)[:, None] if PAIRED else dk[None, :]
@@ -122,42 +80,37 @@ def _decode_partial(
         mask=row_ok[:, None] & (column >= 0) & (column < DQ), other=0.0,
     )
     qk_scale = SCALE * 1.4426950408889634  # softmax in base 2
-    first = tl.load(Length).to(tl.int32) if WRITE else S  # the tokens the layer holds before this step; no rows skipped
 
     # A finite "minus infinity": a chunk whose keys are all masked stays NaN-free.
     m_i = tl.full((BLOCK_R,), -1.0e30, tl.float32)
     l_i = tl.zeros((BLOCK_R,), tl.float32)
     acc = tl.zeros((BLOCK_R, DV), tl.float32)
-    if WRITE:  # the step's keys and values at the positions this chunk holds
-        j = tl.arange(0, BLOCK_L)
-        n_new = first + j
-        mine = (j < L) & (n_new >= start) & (n_new < start + chunk) & (n_new < S)
-        k_new = tl.load(NewK + b * snkb + kvh * snkh + j[None, :] * snkl + dk[:, None], mask=mine[None, :], other=0.0)
-        v_new = tl.load(NewV + b * snvb + kvh * snvh + j[:, None] * snvl + dv[None, :], mask=mine[:, None], other=0.0)
-        tl.store(K + b * skb + kvh * skh + n_new[None, :] * sks + dk[:, None], k_new, mask=mine[None, :])
-        tl.store(V + b * svb + kvh * svh + n_new[:, None] * svs + dv[None, :], v_new, mask=mine[:, None])
-        m_i, l_i, acc = _attend_tile(q, k_new, v_new, n_new, mine, t, row_ok, Mask, b, smb, sml, sms, offset, qk_scale,
-                                     m_i, l_i, acc, HAS_MASK)
-
-    if PREFETCH:  # the first tile, read before the wait
-        keep = (n < S) & ((n < first) | (n >= first + L))
-        m_i, l_i, acc = _attend_tile(q, k, v, n, keep, t, row_ok, Mask, b, smb, sml, sms, offset, qk_scale,
-                                     m_i, l_i, acc, HAS_MASK)
-    for n0 in range(BLOCK_N if PREFETCH else 0, CHUNK_STATIC if CHUNK_STATIC > 0 else chunk, BLOCK_N):
+    start = split * chunk  # chunk: a multiple of BLOCK_N
+    for n0 in range(0, CHUNK_STATIC if CHUNK_STATIC > 0 else chunk, BLOCK_N):
         n = start + n0 + tl.arange(0, BLOCK_N)
-        k, v = _cache_tile(K, V, b, kvh, n, n < S, dk, dv, skb, skh, sks, svb, svh, svs)
-        keep = (n < S) & ((n < first) | (n >= first + L)) if WRITE else n < S
-        m_i, l_i, acc = _attend_tile(q, k, v, n, keep, t, row_ok, Mask, b, smb, sml, sms, offset, qk_scale,
-                                     m_i, l_i, acc, HAS_MASK)
+        n_ok = n < S
+        k = tl.load(K + b * skb + kvh * skh + n[None, :] * sks + dk[:, None], mask=n_ok[None, :], other=0.0)
+        s = tl.dot(q, k) * qk_scale  # (BLOCK_R, BLOCK_N), fp32
+        if HAS_MASK:
+            allowed = tl.load(
+                Mask + b * smb + t[:, None] * sml + n[None, :] * sms, mask=row_ok[:, None] & n_ok[None, :], other=0
+            ) != 0
+        else:  # causal (kernels/masks.py)
+            allowed = n[None, :] <= (offset + t)[:, None]
+        allowed = allowed & n_ok[None, :]
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        v = tl.load(V + b * svb + kvh * svh + n[:, None] * svs + dv[None, :], mask=n_ok[:, None], other=0.0)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
     part = pid_bh * splits + split
     tl.store(Part + (part * BLOCK_R + r)[:, None] * DV + dv[None, :], acc)
     tl.store(Part + parts * DV + part * BLOCK_R + r, m_i)
     tl.store(Part + parts * (DV + 1) + part * BLOCK_R + r, l_i)
-    if WRITE:  # every program has read the length before its ticket (acquire-release): the last one advances it
-        tl.debug_barrier()
-        if tl.atomic_add(Ticket, 1, sem="acq_rel") == tl.num_programs(0) * tl.num_programs(1) - 1:
-            tl.store(Length, first + L)
-            tl.store(Ticket, 0)
 
 
 @triton.jit
@@ -269,12 +222,11 @@ def programs_per_sm(tokens: int) -> int:
     return PROGRAMS_PER_SM_FEW_TOKENS if tokens <= PDL_MAX_TOKENS else PROGRAMS_PER_SM
 
 
-def _partial_softmaxes(query, key, value, mask, scale: float, launcher, write=None):
+def _partial_softmaxes(query, key, value, mask, scale: float, launcher):
     """Launch the split-KV kernel; -> (workspace of the partial softmaxes, splits, parts, rows per program).
-    query (B, Hq, L, DQ) any strides; with key (B, H_KV, S, 2 DQ) its heads are read PAIRED (V1). `write`
-    (`cache_write.CacheWrite`): key and value are its StaticCache layer's, and the launch writes the step's keys and
-    values into them. Host arithmetic in plain ints: a decoding step is bound by its host work, and triton.cdiv & co.
-    are constexpr functions that cost microseconds per call from Python."""
+    query (B, Hq, L, DQ) any strides; with key (B, H_KV, S, 2 DQ) its heads are read PAIRED (V1).
+    Host arithmetic in plain ints: a decoding step is bound by its host work, and triton.cdiv & co. are
+    constexpr functions that cost microseconds per call from Python."""
     batch, q_heads, length, q_dim = query.shape
     _, kv_heads, kv_length, k_dim = key.shape
     v_dim = value.shape[-1]
@@ -291,24 +243,14 @@ def _partial_softmaxes(query, key, value, mask, scale: float, launcher, write=No
     work = torch.empty(parts * (v_dim + 2), dtype=torch.float32, device=query.device)  # outputs, maxima, sums
     mask_arg, mask_strides = kernel_mask(mask, query)
     pdl = launcher is _plain and dependent_launch(query, batch * length)  # not through torch.compile's launch (the custom op)
-    # the step's keys and values, the layer's length and its ticket; where nothing is written, pointers not read
-    new_key, new_value, length_arg, ticket = (write.key, write.value, write.length, write.ticket) if write else (
-        key, value, work, work)
-    try:
-        launcher(_decode_partial)[(batch * kv_heads, splits)](
-            query, key, value, mask_arg, work, new_key, new_value, length_arg, ticket,
-            *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *mask_strides,
-            *new_key.stride()[:3], *new_value.stride()[:3],
-            kv_heads, kv_length, length, causal_offset(length, kv_length, mask is not None), chunk, splits, parts,
-            SCALE=scale, G=groups, HAS_MASK=mask is not None, BLOCK_R=block_rows, BLOCK_N=block_n,
-            DQ=q_dim, DK=k_dim, DV=v_dim, PAIRED=k_dim == 2 * q_dim, CHUNK_STATIC=chunk if TRITON_INTERPRETING else 0,
-            WRITE=write is not None, BLOCK_L=max(16, next_power_of_2(length)), PDL=pdl, num_warps=PARTIAL_NUM_WARPS, num_stages=partial_stages(batch * length),
-            **({"launch_pdl": True} if pdl else {}),
-        )
-    except BaseException:  # a launch cut short (the interpreter's programs run one by one) leaves no ticket taken
-        if write is not None:
-            ticket.zero_()
-        raise
+    launcher(_decode_partial)[(batch * kv_heads, splits)](
+        query, key, value, mask_arg, work, *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *mask_strides,
+        kv_heads, kv_length, length, causal_offset(length, kv_length, mask is not None), chunk, splits, parts,
+        SCALE=scale, G=groups, HAS_MASK=mask is not None, BLOCK_R=block_rows, BLOCK_N=block_n,
+        DQ=q_dim, DK=k_dim, DV=v_dim, PAIRED=k_dim == 2 * q_dim, CHUNK_STATIC=chunk if TRITON_INTERPRETING else 0,
+        PDL=pdl, num_warps=PARTIAL_NUM_WARPS, num_stages=partial_stages(batch * length),
+        **({"launch_pdl": True} if pdl else {}),
+    )
     return work, splits, parts, block_rows
 
 
@@ -327,16 +269,15 @@ def decode_attention_kernels(query, key, value, mask, scale: float, launcher=_pl
     return out
 
 
-def combined_decode_kernels(query, key, value, mask, scale: float, combine, out=None, write=None) -> torch.Tensor:
+def combined_decode_kernels(query, key, value, mask, scale: float, combine, out=None) -> torch.Tensor:
     """The two launches of a decoding step with the differential term in the reduce (eager only); see
-    `decode.combined_decode_attention`, which defines `combine` (V1Combine, V2Combine or DexCombine), `out` and
-    `write`."""
+    `decode.combined_decode_attention`, which defines `combine` (V1Combine, V2Combine or DexCombine) and `out`."""
     batch, q_heads, length, _ = query.shape
     kv_heads, v_dim = key.shape[1], value.shape[-1]
     mode = type(combine).MODE  # 0 V1, 1 V2, 2 DEX: the reduce kernel's MODE
     heads = q_heads if mode == 2 else q_heads // 2  # V1, V2: a head per pair of query heads
     groups = q_heads // kv_heads
-    work, splits, parts, block_rows = _partial_softmaxes(query, key, value, mask, scale, _plain, write)
+    work, splits, parts, block_rows = _partial_softmaxes(query, key, value, mask, scale, _plain)
     if out is None:
         out = torch.empty(batch, length, heads, v_dim, dtype=query.dtype, device=query.device)
     unused = out  # a pointer the mode does not read
