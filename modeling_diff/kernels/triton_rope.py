@@ -78,15 +78,17 @@ def _rope(
 
 @triton.jit(do_not_specialize=["T"])
 def _rope_cos_sin(Pos, InvFreq, Cos, Sin, scaling, T, HALF: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr):
-    # Cos, Sin (T, 2 HALF) of the T positions Pos (int) and the HALF frequencies InvFreq (float32, or a model's dtype
-    # after `model.to(dtype)`), as transformers' rotary embedding computes them: float32 position x frequency, each half the same angles, cos and sin times
-    # `scaling`, rounded once to the output's dtype.
+    # Cos, Sin (T, 2 HALF) of the T positions Pos (int) and the HALF frequencies InvFreq (float32, or the model's
+    # dtype after `model.to(dtype)`), as transformers' rotary embedding computes them: float32 position x frequency
+    # (the frequencies upcast), each half the same angles, cos and sin times `scaling`, rounded once to the output's
+    # dtype.
     let_dependents_start(PDL)
     wait_for_inputs(PDL)  # the positions may be the kernel before's
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, HALF)
     ok = t[:, None] < T
-    angle = tl.load(Pos + t, mask=t < T, other=0).to(tl.float32)[:, None] * tl.load(InvFreq + cols).to(tl.float32)[None, :]
+    frequencies = tl.load(InvFreq + cols).to(tl.float32)
+    angle = tl.load(Pos + t, mask=t < T, other=0).to(tl.float32)[:, None] * frequencies[None, :]
     cos = (tl.cos(angle) * scaling).to(Cos.dtype.element_ty)
     sin = (tl.sin(angle) * scaling).to(Sin.dtype.element_ty)
     at = t[:, None] * (2 * HALF) + cols[None, :]
