@@ -14,6 +14,9 @@ process:
 
 `--partial BLOCK_N,WARPS,STAGES,PROGRAMS_PER_SM ...` adds a variant per launch configuration of the split-KV decode
 kernel (`kernels/triton_decode.py`; its default is 64,4,3,2, with 4 stages in steps of at most 16 tokens).
+`--constants MODULE.NAME=VALUE[+MODULE.NAME=VALUE...] ...` adds one per set of the kernels' launch rules, MODULE one of
+`_triton`, `projection`, `triton_decode` (e.g. `projection.SPLIT_MAX_TOKENS=32+_triton.PDL_MAX_TOKENS=32`: the split
+products and PDL at batch 32; a module that imported a constant keeps its own copy, so set it there too).
 `--gated BLOCK_N,BLOCK_K,WARPS,STAGES ...` adds one per launch configuration of the MLP's gate and up
 (`kernels/projection.py`'s GATED_FEW_TOKENS / GATED_MORE_TOKENS, both set); `--split BLOCK_N,STEP,PARTS ...` one per
 launch configuration of the products split along K (SPLIT_LAUNCH: q, k, v, o_proj and down_proj).
@@ -23,6 +26,7 @@ model, batch and variant; the variants alternate within each model and batch, `-
 """
 
 import argparse
+import ast
 import contextlib
 import json
 
@@ -99,6 +103,33 @@ def split_variant(config: str) -> str:
     return name
 
 
+CONSTANT_MODULES = {"_triton": _triton, "projection": projection, "triton_decode": triton_decode}
+
+
+def constants_variant(config: str) -> str:
+    """A `--constants` set (MODULE.NAME=VALUE joined by '+', VALUE a Python literal of the constant's type) as a
+    variant registered in FEATURES under 'constants=...'."""
+    changes = []
+    for item in config.split("+"):
+        target, _, text = item.partition("=")
+        module_name, _, constant = target.partition(".")
+        module = CONSTANT_MODULES.get(module_name)
+        if module is None or not constant.isupper() or not hasattr(module, constant):
+            raise SystemExit(f"--constants: {target!r} is not MODULE.NAME of an upper-case constant, MODULE one of "
+                             f"{', '.join(CONSTANT_MODULES)}")
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            raise SystemExit(f"--constants: {target}'s value {text!r} is not a Python literal") from None
+        current = getattr(module, constant)
+        if type(value) is not type(current):
+            raise SystemExit(f"--constants: {target} takes a value of type {type(current).__name__}, got {text!r}")
+        changes.append((module, constant, value))
+    name = f"constants={config}"
+    FEATURES[name] = changes
+    return name
+
+
 def label(variant: str) -> str:
     return variant if variant == "default" or "=" in variant else f"{variant} off"
 
@@ -126,11 +157,13 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
     parser.add_argument("--partial", nargs="*", default=[], metavar="BLOCK_N,WARPS,STAGES,PROGRAMS_PER_SM")
+    parser.add_argument("--constants", nargs="*", default=[], metavar="MODULE.NAME=VALUE[+...]")
     parser.add_argument("--gated", nargs="*", default=[], metavar="BLOCK_N,BLOCK_K,WARPS,STAGES")
     parser.add_argument("--split", nargs="*", default=[], metavar="BLOCK_N,STEP,PARTS")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     args.variants += [partial_variant(config) for config in args.partial]
+    args.variants += [constants_variant(config) for config in args.constants]
     args.variants += [gated_variant(config) for config in args.gated]
     args.variants += [split_variant(config) for config in args.split]
     warm_up_gpu()

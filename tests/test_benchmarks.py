@@ -1,5 +1,6 @@
 """Helpers of the benchmark scripts that decide what their tables say, on CPU: the phases of a whole-step graph
-generate() call (bench.py) and the exposed time of overlapping kernels (profile_decode.py)."""
+generate() call (bench.py), the exposed time of overlapping kernels (profile_decode.py) and the launch rules a
+variant of decode_variants.py sets."""
 
 import os
 import sys
@@ -13,6 +14,7 @@ from modeling_diff.generation import graphed_greedy_generate
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import bench  # noqa: E402
+import decode_variants  # noqa: E402
 import profile_decode  # noqa: E402
 
 STATIC = dict(cache_implementation="static", do_sample=False)
@@ -47,3 +49,24 @@ def test_exposed_times_add_up_to_the_span_of_the_kernels(launches, exposed, idle
     assert got == exposed and got_idle == idle
     span = max(end for _, _, end in launches) - min(start for _, start, _ in launches)
     assert sum(got.values()) + got_idle == span
+
+
+def test_a_constants_variant_sets_the_launch_rules_and_puts_them_back():
+    """`--constants`: each MODULE.NAME=VALUE is set while the variant runs and restored after; a name that is not a
+    kernels module's upper-case constant, a value that is not a literal or not of the constant's type, is refused
+    with the field named."""
+    from modeling_diff.kernels import _triton, projection
+
+    before = (projection.SPLIT_MAX_TOKENS, _triton.PDL_MAX_TOKENS, projection.GATED_FEW_TOKENS)
+    variant = decode_variants.constants_variant(
+        "projection.SPLIT_MAX_TOKENS=32+_triton.PDL_MAX_TOKENS=32+projection.GATED_FEW_TOKENS=(64,128,4,4)")
+    with decode_variants.switched(variant):
+        assert (projection.SPLIT_MAX_TOKENS, _triton.PDL_MAX_TOKENS) == (32, 32)
+        assert projection.GATED_FEW_TOKENS == (64, 128, 4, 4)
+    assert (projection.SPLIT_MAX_TOKENS, _triton.PDL_MAX_TOKENS, projection.GATED_FEW_TOKENS) == before
+    for bad, field in (("torch.SPLIT_MAX_TOKENS=32", "torch.SPLIT_MAX_TOKENS"),
+                       ("projection.split_linear=1", "projection.split_linear"),
+                       ("projection.SPLIT_MAX_TOKENS=thirty", "thirty"),
+                       ("projection.SPLIT_MAX_TOKENS=32.0", "of type int")):
+        with pytest.raises(SystemExit, match=field):
+            decode_variants.constants_variant(bad)
