@@ -16,7 +16,7 @@ process:
 kernel (`kernels/triton_decode.py`; its default is 64,4,3,2, with 4 stages in steps of at most 16 tokens).
 `--constants MODULE.NAME=VALUE[+MODULE.NAME=VALUE...] ...` adds one per set of the kernels' launch rules, MODULE one of
 `_triton`, `projection`, `triton_decode` (e.g. `projection.SPLIT_MAX_TOKENS=32+_triton.PDL_MAX_TOKENS=32`: the split
-products and PDL at batch 32; a module that imported a constant keeps its own copy, so set it there too).
+products and PDL, with the decode kernel's few-token launch, at batch 32).
 `--gated BLOCK_N,BLOCK_K,WARPS,STAGES ...` adds one per launch configuration of the MLP's gate and up
 (`kernels/projection.py`'s GATED_FEW_TOKENS / GATED_MORE_TOKENS, both set); `--split BLOCK_N,STEP,PARTS ...` one per
 launch configuration of the products split along K (SPLIT_LAUNCH: q, k, v, o_proj and down_proj).

@@ -16,7 +16,8 @@ import functools
 import torch
 from torch.library import triton_op, wrap_triton
 
-from ._triton import PDL_MAX_TOKENS, TRITON_INTERPRETING, cdiv, dependent_launch, next_power_of_2
+from . import _triton  # PDL_MAX_TOKENS read where used: one value for every kernel, set in one place
+from ._triton import TRITON_INTERPRETING, cdiv, dependent_launch, next_power_of_2
 from .masks import causal_offset, kernel_mask
 from .triton_combine import anneal_fraction, dex_lambda, differential_lambda, v1_combine_rows
 
@@ -214,12 +215,12 @@ def _plain(kernel):
 
 def partial_stages(tokens: int) -> int:
     """The split-KV kernel's pipeline stages for a step of `tokens` tokens (see PARTIAL_NUM_STAGES_FEW_TOKENS)."""
-    return PARTIAL_NUM_STAGES_FEW_TOKENS if tokens <= PDL_MAX_TOKENS else PARTIAL_NUM_STAGES
+    return PARTIAL_NUM_STAGES_FEW_TOKENS if tokens <= _triton.PDL_MAX_TOKENS else PARTIAL_NUM_STAGES
 
 
 def programs_per_sm(tokens: int) -> int:
     """The programs per multiprocessor the chunks aim at in a step of `tokens` tokens (see PROGRAMS_PER_SM)."""
-    return PROGRAMS_PER_SM_FEW_TOKENS if tokens <= PDL_MAX_TOKENS else PROGRAMS_PER_SM
+    return PROGRAMS_PER_SM_FEW_TOKENS if tokens <= _triton.PDL_MAX_TOKENS else PROGRAMS_PER_SM
 
 
 def _partial_softmaxes(query, key, value, mask, scale: float, launcher):
