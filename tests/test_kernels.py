@@ -763,18 +763,27 @@ def test_decode_kernel_launch_in_steps_of_at_most_16_tokens():
 
     launches = []
 
-    def record(query, key, value):  # the launch's splits and num_stages (`_split_kv_launch`)
-        grid, _, constants, _, _ = triton_decode._split_kv_launch(query, key, value, None, 0.25, False)
-        launches.append((grid[1], constants["num_stages"]))
+    class Recorded:  # a launcher (`_partial_softmaxes`' argument) that records the launch's splits and num_stages
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append((grid[1], kwargs["num_stages"]))
+                return self.kernel[grid](*args, **kwargs)
+            return launch
 
     sms = triton_decode._sm_count(torch.device(DEVICE))
-    for batch, length in ((1, 1), (16, 1), (4, 4), (17, 1), (8, 4)):
-        record(rand(batch, 4, length, 16), rand(batch, 2, 24, 16), rand(batch, 2, 24, 16))
-    assert [stages for _, stages in launches] == [4, 4, 4, 3, 3]
-    launches.clear()
-    kv_length = 64 * 6 * sms  # chunks of whole 64-key tiles for 2 kv heads at 2 and 3 programs per SM
-    for length in (16, 17):
-        record(rand(1, 4, length, 16), rand(1, 2, kv_length, 16), rand(1, 2, kv_length, 16))
+    with torch.no_grad():
+        for batch, length in ((1, 1), (16, 1), (4, 4), (17, 1), (8, 4)):
+            query, key, value = rand(batch, 4, length, 16), rand(batch, 2, 24, 16), rand(batch, 2, 24, 16)
+            triton_decode._partial_softmaxes(query, key, value, None, 0.25, Recorded)
+        assert [stages for _, stages in launches] == [4, 4, 4, 3, 3]
+        launches.clear()
+        kv_length = 64 * 6 * sms  # chunks of whole 64-key tiles for 2 kv heads at 2 and 3 programs per SM
+        for length in (16, 17):
+            query, key, value = rand(1, 4, length, 16), rand(1, 2, kv_length, 16), rand(1, 2, kv_length, 16)
+            triton_decode._partial_softmaxes(query, key, value, None, 0.25, Recorded)
     assert [splits for splits, _ in launches] == [3 * sms // 2, 2 * sms // 2]
 
 
@@ -1024,42 +1033,6 @@ def test_decode_attention_merges_many_splits(mode, heads, kv_heads, length, kv_l
     assert rel_err(out, ref) < TOL
     if masked:
         assert out[2].abs().max() == 0
-
-
-@pytest.mark.parametrize("mode", ["v1", "v2", "dex"])
-@torch.no_grad()
-def test_combined_decode_tickets_are_back_to_zero_after_every_launch_and_a_cut_short_one(mode, monkeypatch):
-    """The last chunk of each (batch, kv head) group merges it (a ticket per group, `_triton.tickets_of` of the
-    layer's tensor): after each launch every ticket is 0 again, also after a launch cut short once a program took
-    its ticket, and the next step equals the formula. More groups than the tickets: the step is declined."""
-    import modeling_diff.kernels.decode as decode
-    import modeling_diff.kernels.triton_decode as triton_decode
-    from modeling_diff.kernels import _triton, combined_decode_applies, combined_decode_attention
-
-    torch.manual_seed(7)
-    visible = causally_visible(1, 150, False).expand(3, 1, 150).clone()
-    q, k, v, combine, ref = combined_decode_step(mode, 4, 2, 1, 150, 16, visible, 40)
-    for _ in range(2):
-        assert rel_err(combined_decode_attention(q, k, v, None, 0.3, combine), ref) < TOL
-        tickets = _triton._TICKETS[id(combine.layer_tensor)][q.device]
-        assert tickets.numel() == decode.MAX_GROUPS and tickets.abs().sum() == 0
-
-    class TicketTaken:  # the launch: the first group's ticket taken (the int32 argument), then the interrupt
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                next(a for a in args if isinstance(a, torch.Tensor) and a.dtype == torch.int32)[0].add_(1)
-                raise KeyboardInterrupt
-            return launch
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(triton_decode, "_decode_combined", TicketTaken())
-        with pytest.raises(KeyboardInterrupt):
-            combined_decode_attention(q, k, v, None, 0.3, combine)
-    assert tickets.abs().sum() == 0
-    assert rel_err(combined_decode_attention(q, k, v, None, 0.3, combine), ref) < TOL
-    assert combined_decode_applies(q, k, v, None, 0.0)
-    monkeypatch.setattr(decode, "MAX_GROUPS", 5)  # 3 x 2 groups
-    assert not combined_decode_applies(q, k, v, None, 0.0)
 
 
 # ---- the model on the fast paths --------------------------------------------------------------------------

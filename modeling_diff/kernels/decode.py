@@ -6,27 +6,22 @@ the bytes of the cache. The kernel reads every cache entry once per step for all
 group (SDPA under torch.compile instead expands K and V to one copy per query head), and splits the
 sequence over the multiprocessors so that batch 1 fills the GPU too.
 
-The differential modes' decoding steps (`combined_decode_attention`) take the same chunks in one launch: the last
-chunk of each (batch, kv head) group to finish (a ticket per group) merges the group's chunks and applies the mode's
-differential term: V1's lambda (computed in the kernel from its four vectors) and subln, V2's noise weight, DEX's
-operator. A step of a differential layer's attention is then one launch, where the host would otherwise issue a
-dozen small ones. The reference is the modules' plain path.
+The differential modes' decoding steps (`combined_decode_attention`) take the same kernel with the mode's
+differential term in its reduce: V1's lambda (computed in the kernel from its four vectors) and subln, V2's noise
+weight, DEX's operator. A step of a differential layer then costs two launches, like a Llama's attention call,
+where the host would otherwise issue a dozen small ones. The reference is the modules' plain path.
 """
 
 from typing import NamedTuple
 
 import torch
 
-from ._triton import (
-    TRITON_AVAILABLE, TRITON_INTERPRETING, eager_kernels_run_on, is_power_of_2, needs_grad, tickets_of,
-)
+from ._triton import TRITON_AVAILABLE, TRITON_INTERPRETING, eager_kernels_run_on, is_power_of_2, needs_grad
 
 if TRITON_AVAILABLE:
     from .triton_decode import combined_decode_kernels, decode_attention_kernels, decode_attention_op
 
 MAX_GROUP_ROWS = 64  # query heads per kv head x query tokens that one program holds
-# (batch, kv head) groups of a combined step: a ticket each, allocated once per layer (`_triton.tickets_of`)
-MAX_GROUPS = 1 << 14
 
 
 def decode_kernel_applies(query, key, value, mask, dropout: float) -> bool:
@@ -64,10 +59,6 @@ class V1Combine(NamedTuple):
     eps: float
     norm_scale: float
 
-    @property
-    def layer_tensor(self) -> torch.Tensor:  # the layer's own: it holds the layer's tickets
-        return self.norm_weight
-
 
 class V2Combine(NamedTuple):
     """V2: O1 - sigmoid(z) min(1, t/T) O2; z = lambda_proj(x) (B, L, h), t the anneal_step buffer, T = anneal_steps."""
@@ -76,10 +67,6 @@ class V2Combine(NamedTuple):
     noise_logits: torch.Tensor
     anneal_step: torch.Tensor
     anneal_steps: int
-
-    @property
-    def layer_tensor(self) -> torch.Tensor:
-        return self.anneal_step
 
 
 class DexCombine(NamedTuple):
@@ -93,10 +80,6 @@ class DexCombine(NamedTuple):
     anneal_steps: int
     lambda_init: float
 
-    @property
-    def layer_tensor(self) -> torch.Tensor:
-        return self.anneal_step
-
 
 def combined_decode_applies(query, key, value, mask, dropout: float) -> bool:
     """Whether a decoding step can take `combined_decode_attention`: eager (on CUDA, or the interpreter) and
@@ -104,13 +87,12 @@ def combined_decode_applies(query, key, value, mask, dropout: float) -> bool:
     return (
         eager_kernels_run_on(query)
         and key.shape[-1] in (query.shape[-1], 2 * query.shape[-1])
-        and query.shape[0] * key.shape[1] <= MAX_GROUPS
         and decode_kernel_applies(query, key, value, mask, dropout)
     )
 
 
 def combined_decode_attention(query, key, value, mask, scale: float, combine, out=None) -> torch.Tensor:
-    """A decoding step of a differential layer in one launch: the maps of every query head, merged, and the
+    """A decoding step of a differential layer in two launches: the maps of every query head, merged, and the
     mode's differential term (`combine`: V1Combine, V2Combine or DexCombine), whose coefficients (lambda, the
     noise weight) the kernel computes itself.
 
@@ -119,5 +101,4 @@ def combined_decode_attention(query, key, value, mask, scale: float, combine, ou
     Returns the heads' outputs (B, L, h, DV), h = Hq / 2 (V1, V2) or Hq (DEX): in `out` where given (contiguous, of
     that shape and query's dtype: the decoding graphs' input buffer), else in a new tensor."""
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
-    tickets = tickets_of(combine.layer_tensor, MAX_GROUPS, query.device)  # 0 between launches
-    return combined_decode_kernels(query, key, value, mask, float(scale), combine, tickets, out)
+    return combined_decode_kernels(query, key, value, mask, float(scale), combine, out)

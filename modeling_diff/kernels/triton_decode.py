@@ -2,12 +2,11 @@
 
 A program owns one (batch, kv head) and one chunk of the cached sequence. Its rows are every query of the
 kv head's GQA group (G query heads x L tokens), so the K and V tiles it loads serve the whole group; the
-chunks run in parallel (flash-decoding). For plain attention a reduce kernel merges their partial softmaxes, a
-program per query row reading all of the row's chunks in one load: a decoding step waits on its latency, not on
-its few bytes. For the differential modes there is no second launch (`_decode_combined`): the last chunk of each
-group to finish, counted by a ticket, merges the group's chunks and applies the mode's differential term (V1's and
-V2's combine of each head pair, DEX's operator). V1's queries are read as they come (`PAIRED`: Q1 against K1, Q2
-against K2 of the 2d-wide cached key).
+chunks run in parallel (flash-decoding) and a reduce kernel merges their partial softmaxes. The reduce runs a
+program per query row (per head pair for V1 and V2) and reads all of the row's chunks in one load: a decoding
+step waits on its latency, not on its few bytes. For the differential modes the reduce also applies the mode's
+differential term (`_decode_reduce_combined`: V1's and V2's combine of each head pair, DEX's operator), and V1's
+queries are read as they come (`PAIRED`: Q1 against K1, Q2 against K2 of the 2d-wide cached key).
 
 Imported only when triton is installed (see `kernels/decode.py` for the reference and the dispatch).
 """
@@ -33,7 +32,7 @@ except ImportError as error:
 from .triton_launch import let_dependents_start, wait_for_inputs
 
 
-# The split-KV kernel's launch parameters, in one place for tuning on the GPU; `_split_kv_launch` passes them.
+# The split-KV kernel's launch parameters, in one place for tuning on the GPU; `_partial_softmaxes` passes them.
 PARTIAL_BLOCK_N = 64  # keys per tile; a power of two >= 16 (tl.dot's smallest), and the shortest chunk
 PARTIAL_NUM_WARPS = 4
 PARTIAL_NUM_STAGES = 3  # Triton's default
@@ -48,15 +47,26 @@ PROGRAMS_PER_SM = 2
 PROGRAMS_PER_SM_FEW_TOKENS = 3
 
 
-@triton.jit
-def _attend_chunk(
-    Q, K, V, Mask, b, kvh, split,
-    sqb, sqh, sql, skb, skh, sks, svb, svh, svs, smb, sml, sms, S, L, offset, chunk,
-    SCALE: tl.constexpr, G: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    DQ: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, PAIRED: tl.constexpr, CHUNK_STATIC: tl.constexpr,
+# The cache length (and with it the causal offset, the mask's strides, the chunk length and the number of chunks)
+# grows every step: not specialized on (Triton would compile a variant whenever one crosses a multiple of 16), so
+# one compiled kernel serves a whole generation.
+@triton.jit(do_not_specialize=["smb", "sml", "S", "offset", "chunk", "splits", "parts"])
+def _decode_partial(
+    Q, K, V, Mask, Part,
+    sqb, sqh, sql, skb, skh, sks, svb, svh, svs, smb, sml, sms,
+    H_KV, S, L, offset, chunk, splits, parts,
+    SCALE: tl.constexpr,  # a compile-time constant: a runtime float would reach Inductor's launch as fp64
+    G: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    DQ: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, PAIRED: tl.constexpr,
+    CHUNK_STATIC: tl.constexpr,  # `chunk` under the interpreter, whose loop bounds must be compile-time; else 0
+    PDL: tl.constexpr,
 ):
-    """The partial softmax of one chunk of the cached sequence for every query row of one (batch, kv head) group
-    -> (acc (BLOCK_R, DV), m_i, l_i (BLOCK_R,)), fp32: the unnormalized output, the rows' maxima (base 2), sums."""
+    let_dependents_start(PDL)
+    wait_for_inputs(PDL)  # the cache's new entries are the kernel before's
+    pid_bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid_bh // H_KV
+    kvh = pid_bh % H_KV
     r = tl.arange(0, BLOCK_R)
     g = r // L  # query head within the group
     t = r % L  # query token
@@ -97,176 +107,97 @@ def _attend_chunk(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    return acc, m_i, l_i
 
-
-@triton.jit
-def _store_partial(Part, parts, part, acc, m_i, l_i, BLOCK_R: tl.constexpr, DV: tl.constexpr):
-    """Chunk `part`'s partial softmax into the workspace: its BLOCK_R output rows (DV each) among the `parts`
-    rows of outputs, then its maxima among the maxima, its sums among the sums."""
-    r = tl.arange(0, BLOCK_R)
-    dv = tl.arange(0, DV)
+    part = pid_bh * splits + split
     tl.store(Part + (part * BLOCK_R + r)[:, None] * DV + dv[None, :], acc)
     tl.store(Part + parts * DV + part * BLOCK_R + r, m_i)
     tl.store(Part + parts * (DV + 1) + part * BLOCK_R + r, l_i)
 
 
-# The cache length (and with it the causal offset, the mask's strides, the chunk length and the number of chunks)
-# grows every step: not specialized on (Triton would compile a variant whenever one crosses a multiple of 16), so
-# one compiled kernel serves a whole generation.
-@triton.jit(do_not_specialize=["smb", "sml", "S", "offset", "chunk", "splits", "parts"])
-def _decode_partial(
-    Q, K, V, Mask, Part,
-    sqb, sqh, sql, skb, skh, sks, svb, svh, svs, smb, sml, sms,
-    H_KV, S, L, offset, chunk, splits, parts,
-    SCALE: tl.constexpr,  # a compile-time constant: a runtime float would reach Inductor's launch as fp64
-    G: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    DQ: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, PAIRED: tl.constexpr,
-    CHUNK_STATIC: tl.constexpr,  # `chunk` under the interpreter, whose loop bounds must be compile-time; else 0
-    PDL: tl.constexpr,
-):
-    let_dependents_start(PDL)
-    wait_for_inputs(PDL)  # the cache's new entries are the kernel before's
-    pid_bh = tl.program_id(0)
-    split = tl.program_id(1)
-    acc, m_i, l_i = _attend_chunk(
-        Q, K, V, Mask, pid_bh // H_KV, pid_bh % H_KV, split,
-        sqb, sqh, sql, skb, skh, sks, svb, svh, svs, smb, sml, sms, S, L, offset, chunk,
-        SCALE, G, HAS_MASK, BLOCK_R, BLOCK_N, DQ, DK, DV, PAIRED, CHUNK_STATIC,
-    )
-    _store_partial(Part, parts, pid_bh * splits + split, acc, m_i, l_i, BLOCK_R, DV)
-
-
 @triton.jit
-def _merged_rows(Part, parts, first_part, rows, rows_ok, splits, BLOCK_R: tl.constexpr, DV: tl.constexpr,
-                 MAX_SPLITS: tl.constexpr, SPLIT_STEP: tl.constexpr):
-    """The attention outputs (ROWS, DV) fp32 of a group's query rows `rows` (ROWS,): the chunks' partial softmaxes
-    merged. Part holds the `parts` rows of partial outputs (DV each), then their maxima, then their sums; the
-    group's `splits` chunks are the parts first_part.. . Every chunk's maximum and sum are read in one
-    (MAX_SPLITS, ROWS) load, the outputs SPLIT_STEP chunks a load (a loop over single chunks would wait on one
-    memory round trip each), and merged with reductions over the chunk axis. Loads bypass L1 (.cg): under a
-    ticket (`_decode_combined`) other programs wrote the parts during this launch."""
+def _merge_splits(Part, parts, first_part, row, splits,
+                  BLOCK_R: tl.constexpr, DV: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    """The attention output (DV,) fp32 of one query row: the chunks' partial softmaxes merged. Part holds the
+    `parts` rows of partial outputs (DV each), then their maxima, then their sums; the row's `splits` chunks are
+    the parts first_part.. . Every chunk's max, sum and output are read in one (MAX_SPLITS, DV) load (a loop over
+    the chunks would wait on one memory round trip per chunk) and merged with reductions over the chunk axis."""
     split = tl.arange(0, MAX_SPLITS)  # MAX_SPLITS: splits rounded up to a power of two
-    live = (split < splits)[:, None] & rows_ok[None, :]
-    index = (first_part + split)[:, None] * BLOCK_R + rows[None, :]  # (MAX_SPLITS, ROWS)
-    # A dead chunk reads as the partial kernel's empty chunk: the finite "minus infinity", sum 0, output 0.
-    m_s = tl.load(Part + parts * DV + index, mask=live, other=-1.0e30, cache_modifier=".cg")
-    l_s = tl.load(Part + parts * (DV + 1) + index, mask=live, other=0.0, cache_modifier=".cg")
-    m = tl.max(m_s, axis=0)  # (ROWS,)
-    l_sum = tl.sum(l_s * tl.exp2(m_s - m[None, :]), axis=0)  # softmax in base 2, as the partial kernel's
+    live = split < splits
+    index = (first_part + split) * BLOCK_R + row  # (MAX_SPLITS,)
     dv = tl.arange(0, DV)
-    acc = tl.zeros((rows.shape[0], DV), tl.float32)
-    for s0 in range(0, MAX_SPLITS, SPLIT_STEP):  # compile-time bounds (the interpreter's); dead steps load nothing
-        step = s0 + tl.arange(0, SPLIT_STEP)
-        ok = (step < splits)[:, None] & rows_ok[None, :]
-        part = (first_part + step)[:, None] * BLOCK_R + rows[None, :]  # (SPLIT_STEP, ROWS)
-        beta = tl.exp2(tl.load(Part + parts * DV + part, mask=ok, other=-1.0e30, cache_modifier=".cg") - m[None, :])
-        o = tl.load(Part + part[:, :, None] * DV + dv[None, None, :], mask=ok[:, :, None], other=0.0,
-                    cache_modifier=".cg")
-        acc += tl.sum(o * beta[:, :, None], axis=0)
-    return acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]  # a query with no visible key gets 0
+    # A dead chunk reads as the partial kernel's empty chunk: the finite "minus infinity", sum 0, output 0.
+    m_s = tl.load(Part + parts * DV + index, mask=live, other=-1.0e30)
+    l_s = tl.load(Part + parts * (DV + 1) + index, mask=live, other=0.0)
+    o_s = tl.load(Part + index[:, None] * DV + dv[None, :], mask=live[:, None], other=0.0)
+    beta = tl.exp2(m_s - tl.max(m_s, axis=0))  # softmax in base 2, as the partial kernel's
+    l_sum = tl.sum(l_s * beta, axis=0)
+    acc = tl.sum(o_s * beta[:, None], axis=0)
+    return acc / tl.where(l_sum > 0, l_sum, 1.0)  # a query with no visible key gets 0
 
 
-# The plain reduce runs one program per query row of each (batch, kv head): a decoding step has few rows, and each
-# program's latency, not its work, is what the step waits on.
+# The reduces run one program per query row (per head pair for V1, V2) of each (batch, kv head): a decoding
+# step has few rows, and each program's latency, not its work, is what the step waits on.
 @triton.jit(do_not_specialize=["splits", "parts"])
 def _decode_reduce(
     Part, Out, sob, sol, soh, H_KV, L, splits, parts,
     G: tl.constexpr, BLOCK_R: tl.constexpr, DV: tl.constexpr, MAX_SPLITS: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
-    row = tl.program_id(1) + tl.arange(0, 1)  # the group's row g * L + t is query head g, token t
+    row = tl.program_id(1)  # the group's row g * L + t is query head g, token t
     b = pid_bh // H_KV
     kvh = pid_bh % H_KV
-    out = _merged_rows(Part, parts, pid_bh * splits, row, row >= 0, splits, BLOCK_R, DV, MAX_SPLITS, MAX_SPLITS)
+    out = _merge_splits(Part, parts, pid_bh * splits, row, splits, BLOCK_R, DV, MAX_SPLITS)
     dv = tl.arange(0, DV)
-    head = kvh * G + row // L
-    tl.store(Out + b * sob + (row % L)[:, None] * sol + head[:, None] * soh + dv[None, :], out.to(Out.dtype.element_ty))
+    tl.store(Out + b * sob + (row % L) * sol + (kvh * G + row // L) * soh + dv, out.to(Out.dtype.element_ty))
 
 
-@triton.jit
-def _combine_group(
-    Part, parts, first_part, splits, Out, sob, sol, soh, b, kvh, L,
+@triton.jit(do_not_specialize=["splits", "parts"])
+def _decode_reduce_combined(
+    Part, Out, sob, sol, soh, H_KV, L, splits, parts,
     Logits, szb, szl, szh, NormW, eps, norm_scale, LambdaQ1, LambdaK1, LambdaQ2, LambdaK2,
     Operator, HeadMask, LambdaLearn, AnnealStep, anneal_steps, lambda_init,
-    G: tl.constexpr, BLOCK_R: tl.constexpr, DV: tl.constexpr, MAX_SPLITS: tl.constexpr, SPLIT_STEP: tl.constexpr,
-    BLOCK_P: tl.constexpr, MODE: tl.constexpr, ANNEALED: tl.constexpr, D_LAMBDA: tl.constexpr,
+    G: tl.constexpr, BLOCK_R: tl.constexpr, DV: tl.constexpr, MAX_SPLITS: tl.constexpr,
+    MODE: tl.constexpr, ANNEALED: tl.constexpr, D_LAMBDA: tl.constexpr, PDL: tl.constexpr,
 ):
-    """The merge of one (batch, kv head) group's chunks, then each mode's differential term on the merged head
-    outputs (`decode.py`), stored in Out (B, L, h, DV):
+    """The merge, then each mode's differential term on the merged head outputs (`decode.py`):
     MODE 0 (V1) pairs of query heads (2i, 2i+1) -> norm_scale * subln(O1 - lambda O2), lambda from its vectors;
     MODE 1 (V2) pairs -> O1 - sigmoid(z) min(1, t/T) O2, z = Logits (B, L, h);
-    MODE 2 (DEX) each head -> O - lambda(t) mask_h O W^T, W = Operator (DV, DV)."""
+    MODE 2 (DEX) each head -> O - lambda(t) mask_h O W^T, W = Operator (DV, DV).
+    A program per query row (DEX) or per pair (V1, V2: subln needs both maps of the pair)."""
+    let_dependents_start(PDL)
+    wait_for_inputs(PDL)
+    pid_bh = tl.program_id(0)
+    b = pid_bh // H_KV
+    kvh = pid_bh % H_KV
+    first_part = pid_bh * splits
     dv = tl.arange(0, DV)
     if MODE == 2:
-        row = tl.arange(0, BLOCK_R)  # the group's row g * L + t is query head g, token t
-        ok = row < G * L
+        row = tl.program_id(1)  # the group's row g * L + t is query head g, token t
         t = row % L
         head = kvh * G + row // L
-        o = _merged_rows(Part, parts, first_part, row, ok, splits, BLOCK_R, DV, MAX_SPLITS, SPLIT_STEP)
+        o = _merge_splits(Part, parts, first_part, row, splits, BLOCK_R, DV, MAX_SPLITS)
         lam = dex_lambda(LambdaLearn, anneal_fraction(AnnealStep, anneal_steps, ANNEALED), lambda_init)
-        lam_h = lam * tl.load(HeadMask + head, mask=ok, other=0.0).to(tl.float32)
-        w_t = tl.load(Operator + dv[None, :] * DV + dv[:, None]).to(tl.float32)  # W^T (DV, DV): [k, j] = W[j, k]
-        # fp32 accuracy from three tf32 products ("ieee" spills at the partial kernel's registers)
-        out = o - lam_h[:, None] * tl.dot(o, w_t, input_precision="tf32x3")
+        lam_h = lam * tl.load(HeadMask + head).to(tl.float32)
+        w = tl.load(Operator + dv[:, None] * DV + dv[None, :]).to(tl.float32)  # (DV, DV): W[j, k]
+        out = o - lam_h * tl.sum(w * o[None, :], axis=1)  # (O W^T)_j = sum_k W[j, k] O_k
     else:
-        pair = tl.arange(0, BLOCK_P)  # (pair i, token t); the pair's rows are 2i * L + t and (2i + 1) * L + t
-        ok = pair < G // 2 * L
+        pair = tl.program_id(1)  # (pair i, token t); the pair's rows are 2i * L + t and (2i + 1) * L + t
         i = pair // L
         t = pair % L
         first = 2 * i * L + t
-        o1 = _merged_rows(Part, parts, first_part, first, ok, splits, BLOCK_R, DV, MAX_SPLITS, SPLIT_STEP)
-        o2 = _merged_rows(Part, parts, first_part, first + L, ok, splits, BLOCK_R, DV, MAX_SPLITS, SPLIT_STEP)
+        o1 = _merge_splits(Part, parts, first_part, first, splits, BLOCK_R, DV, MAX_SPLITS)
+        o2 = _merge_splits(Part, parts, first_part, first + L, splits, BLOCK_R, DV, MAX_SPLITS)
         head = kvh * (G // 2) + i
         if MODE == 0:
             lam = differential_lambda(LambdaQ1, LambdaK1, LambdaQ2, LambdaK2, lambda_init, D_LAMBDA)
-            out, _ = v1_combine_rows(o1, o2, lam, tl.load(NormW + dv).to(tl.float32), eps, norm_scale, DV)
+            y, _ = v1_combine_rows(o1[None, :], o2[None, :], lam, tl.load(NormW + dv).to(tl.float32), eps,
+                                   norm_scale, DV)
+            out = tl.reshape(y, (DV,))
         else:
-            z = tl.load(Logits + b * szb + t * szl + head * szh, mask=ok, other=0.0).to(tl.float32)
+            z = tl.load(Logits + b * szb + t * szl + head * szh).to(tl.float32)
             fraction = tl.minimum(anneal_fraction(AnnealStep, anneal_steps, ANNEALED), 1.0)
-            out = o1 - (tl.sigmoid(z) * fraction)[:, None] * o2
-    tl.store(Out + b * sob + t[:, None] * sol + head[:, None] * soh + dv[None, :], out.to(Out.dtype.element_ty),
-             mask=ok[:, None])
-
-
-@triton.jit(do_not_specialize=["smb", "sml", "S", "offset", "chunk", "splits", "parts"])
-def _decode_combined(
-    Q, K, V, Mask, Part,
-    sqb, sqh, sql, skb, skh, sks, svb, svh, svs, smb, sml, sms,
-    H_KV, S, L, offset, chunk, splits, parts,
-    Tickets, Out, sob, sol, soh, Logits, szb, szl, szh, NormW, eps, norm_scale, LambdaQ1, LambdaK1, LambdaQ2, LambdaK2,
-    Operator, HeadMask, LambdaLearn, AnnealStep, anneal_steps, lambda_init,
-    SCALE: tl.constexpr, G: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    DQ: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, PAIRED: tl.constexpr, CHUNK_STATIC: tl.constexpr,
-    PDL: tl.constexpr, MAX_SPLITS: tl.constexpr, SPLIT_STEP: tl.constexpr, BLOCK_P: tl.constexpr,
-    MODE: tl.constexpr, ANNEALED: tl.constexpr, D_LAMBDA: tl.constexpr,
-):
-    """A differential layer's decoding step in one launch: `_decode_partial`'s chunks, and the last chunk of each
-    (batch, kv head) group to finish merges the group's chunks and applies the mode's term (`_combine_group`)."""
-    let_dependents_start(PDL)
-    wait_for_inputs(PDL)  # the cache's new entries are the kernel before's
-    pid_bh = tl.program_id(0)
-    split = tl.program_id(1)
-    b = pid_bh // H_KV
-    kvh = pid_bh % H_KV
-    acc, m_i, l_i = _attend_chunk(
-        Q, K, V, Mask, b, kvh, split,
-        sqb, sqh, sql, skb, skh, sks, svb, svh, svs, smb, sml, sms, S, L, offset, chunk,
-        SCALE, G, HAS_MASK, BLOCK_R, BLOCK_N, DQ, DK, DV, PAIRED, CHUNK_STATIC,
-    )
-    first_part = pid_bh * splits
-    _store_partial(Part, parts, first_part + split, acc, m_i, l_i, BLOCK_R, DV)
-    # Every thread's stores come before the program's ticket (the barrier), and the ticket is acquire-release: the
-    # program that takes the group's last one sees every chunk's part, and puts the ticket back to 0.
-    tl.debug_barrier()
-    if tl.atomic_add(Tickets + pid_bh, 1) == splits - 1:
-        tl.store(Tickets + pid_bh, 0)
-        _combine_group(
-            Part, parts, first_part, splits, Out, sob, sol, soh, b, kvh, L,
-            Logits, szb, szl, szh, NormW, eps, norm_scale, LambdaQ1, LambdaK1, LambdaQ2, LambdaK2,
-            Operator, HeadMask, LambdaLearn, AnnealStep, anneal_steps, lambda_init,
-            G, BLOCK_R, DV, MAX_SPLITS, SPLIT_STEP, BLOCK_P, MODE, ANNEALED, D_LAMBDA,
-        )
+            out = o1 - tl.sigmoid(z) * fraction * o2
+    tl.store(Out + b * sob + t * sol + head * soh + dv, out.to(Out.dtype.element_ty))
 
 
 @functools.cache
@@ -292,11 +223,9 @@ def programs_per_sm(tokens: int) -> int:
     return PROGRAMS_PER_SM_FEW_TOKENS if tokens <= _triton.PDL_MAX_TOKENS else PROGRAMS_PER_SM
 
 
-def _split_kv_launch(query, key, value, mask, scale: float, pdl: bool):
-    """The split-KV kernels' shared launch -> (grid, the leading arguments, the shared compile-time ones, splits,
-    rows per program). query (B, Hq, L, DQ) any strides; with key (B, H_KV, S, 2 DQ) its heads are read PAIRED
-    (V1). The workspace of the partial softmaxes (the arguments' fifth) holds `parts` rows of partial outputs, then
-    their maxima, then their sums.
+def _partial_softmaxes(query, key, value, mask, scale: float, launcher):
+    """Launch the split-KV kernel; -> (workspace of the partial softmaxes, splits, parts, rows per program).
+    query (B, Hq, L, DQ) any strides; with key (B, H_KV, S, 2 DQ) its heads are read PAIRED (V1).
     Host arithmetic in plain ints: a decoding step is bound by its host work, and triton.cdiv & co. are
     constexpr functions that cost microseconds per call from Python."""
     batch, q_heads, length, q_dim = query.shape
@@ -314,54 +243,42 @@ def _split_kv_launch(query, key, value, mask, scale: float, pdl: bool):
     parts = batch * kv_heads * splits * block_rows
     work = torch.empty(parts * (v_dim + 2), dtype=torch.float32, device=query.device)  # outputs, maxima, sums
     mask_arg, mask_strides = kernel_mask(mask, query)
-    args = (
-        query, key, value, mask_arg, work, *query.stride()[:3], *key.stride()[:3], *value.stride()[:3],
-        *mask_strides, kv_heads, kv_length, length, causal_offset(length, kv_length, mask is not None), chunk, splits,
-        parts,
-    )
-    constants = dict(
+    pdl = launcher is _plain and dependent_launch(query, batch * length)  # not through torch.compile's launch (the custom op)
+    launcher(_decode_partial)[(batch * kv_heads, splits)](
+        query, key, value, mask_arg, work, *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *mask_strides,
+        kv_heads, kv_length, length, causal_offset(length, kv_length, mask is not None), chunk, splits, parts,
         SCALE=scale, G=groups, HAS_MASK=mask is not None, BLOCK_R=block_rows, BLOCK_N=block_n,
         DQ=q_dim, DK=k_dim, DV=v_dim, PAIRED=k_dim == 2 * q_dim, CHUNK_STATIC=chunk if TRITON_INTERPRETING else 0,
         PDL=pdl, num_warps=PARTIAL_NUM_WARPS, num_stages=partial_stages(batch * length),
         **({"launch_pdl": True} if pdl else {}),
     )
-    return (batch * kv_heads, splits), args, constants, splits, block_rows
+    return work, splits, parts, block_rows
 
 
 def decode_attention_kernels(query, key, value, mask, scale: float, launcher=_plain) -> torch.Tensor:
-    """The two launches: the chunks' partial softmaxes, then a reduce that merges them. Called directly in eager
-    mode: the custom op's dispatch costs more than the kernels in a CPU-bound decoding step. `launcher` wraps
-    each kernel (for the op: graph capture)."""
+    """The two launches. Called directly in eager mode: the custom op's dispatch costs more than the kernels
+    in a CPU-bound decoding step. `launcher` wraps each kernel (for the op: graph capture)."""
     batch, q_heads, length, _ = query.shape
     kv_heads, v_dim = key.shape[1], value.shape[-1]
-    pdl = launcher is _plain and dependent_launch(query, batch * length)  # not through torch.compile's launch (the custom op)
-    grid, args, constants, splits, block_rows = _split_kv_launch(query, key, value, mask, scale, pdl)
-    launcher(_decode_partial)[grid](*args, **constants)
+    work, splits, parts, block_rows = _partial_softmaxes(query, key, value, mask, scale, launcher)
     out = torch.empty(batch, length, q_heads, v_dim, dtype=query.dtype, device=query.device)
     groups = q_heads // kv_heads
     launcher(_decode_reduce)[(batch * kv_heads, groups * length)](  # a program per query row
-        args[4], out, *out.stride()[:3], kv_heads, length, splits, args[-1], G=groups, BLOCK_R=block_rows,
+        work, out, *out.stride()[:3], kv_heads, length, splits, parts, G=groups, BLOCK_R=block_rows,
         DV=v_dim, MAX_SPLITS=next_power_of_2(splits),
     )
     return out
 
 
-MERGE_ELEMENTS = 4096  # partial outputs a load of the merge reads (`_merged_rows`' SPLIT_STEP chunks of its rows)
-
-
-def combined_decode_kernels(query, key, value, mask, scale: float, combine, tickets, out=None) -> torch.Tensor:
-    """A decoding step with the differential term in one launch (eager only): the chunks' partial softmaxes, and
-    the last chunk of each (batch, kv head) group merges them and applies the term. See
-    `decode.combined_decode_attention`, which defines `combine` (V1Combine, V2Combine or DexCombine), `tickets`
-    (int32 zeros, one a group at least) and `out`."""
+def combined_decode_kernels(query, key, value, mask, scale: float, combine, out=None) -> torch.Tensor:
+    """The two launches of a decoding step with the differential term in the reduce (eager only); see
+    `decode.combined_decode_attention`, which defines `combine` (V1Combine, V2Combine or DexCombine) and `out`."""
     batch, q_heads, length, _ = query.shape
     kv_heads, v_dim = key.shape[1], value.shape[-1]
-    mode = type(combine).MODE  # 0 V1, 1 V2, 2 DEX: the kernel's MODE
+    mode = type(combine).MODE  # 0 V1, 1 V2, 2 DEX: the reduce kernel's MODE
     heads = q_heads if mode == 2 else q_heads // 2  # V1, V2: a head per pair of query heads
     groups = q_heads // kv_heads
-    grid, args, constants, splits, block_rows = _split_kv_launch(
-        query, key, value, mask, scale, dependent_launch(query, batch * length)
-    )
+    work, splits, parts, block_rows = _partial_softmaxes(query, key, value, mask, scale, _plain)
     if out is None:
         out = torch.empty(batch, length, heads, v_dim, dtype=query.dtype, device=query.device)
     unused = out  # a pointer the mode does not read
@@ -377,17 +294,14 @@ def combined_decode_kernels(query, key, value, mask, scale: float, combine, tick
         else:
             dex = (combine.operator.contiguous(), combine.head_mask, combine.lambda_learn)
             lambda_init = combine.lambda_init
-    max_splits = next_power_of_2(splits)
-    merged_rows = block_rows if mode == 2 else next_power_of_2(groups // 2 * length)  # DEX: rows; V1, V2: pairs
-    try:
-        _decode_combined[grid](
-            *args, tickets, out, *out.stride()[:3], *logits, *norm, *vectors, *dex, *anneal, lambda_init, **constants,
-            MAX_SPLITS=max_splits, SPLIT_STEP=min(max_splits, max(1, MERGE_ELEMENTS // (merged_rows * v_dim))),
-            BLOCK_P=merged_rows, MODE=mode, ANNEALED=mode != 0 and combine.anneal_steps > 0, D_LAMBDA=d_lambda,
-        )
-    except BaseException:  # a launch cut short (the interpreter's programs run one by one) leaves no ticket taken
-        tickets.zero_()
-        raise
+    # A program per query row (DEX) or pair of rows (V1, V2): the group's (heads / kv heads) x L outputs.
+    pdl = dependent_launch(query, batch * length)
+    _decode_reduce_combined[(batch * kv_heads, heads // kv_heads * length)](
+        work, out, *out.stride()[:3], kv_heads, length, splits, parts,
+        *logits, *norm, *vectors, *dex, *anneal, lambda_init,
+        G=groups, BLOCK_R=block_rows, DV=v_dim, MAX_SPLITS=next_power_of_2(splits),
+        MODE=mode, ANNEALED=mode != 0 and combine.anneal_steps > 0, D_LAMBDA=d_lambda, PDL=pdl, launch_pdl=pdl,
+    )
     return out
 
 
