@@ -13,7 +13,8 @@ process:
     python benchmarks/decode_variants.py --variants default --partial 128,4,3,2 64,4,3,4   # the decode kernel's launch
 
 `--partial BLOCK_N,WARPS,STAGES,PROGRAMS_PER_SM ...` adds a variant per launch configuration of the split-KV decode
-kernel (`kernels/triton_decode.py`; its default is 64,4,3,2, with 4 stages in steps of at most 16 tokens).
+kernel (`kernels/triton_decode.py`; its default is 64,4,3,2, with 4 stages and 3 programs a multiprocessor in steps of
+at most 16 tokens, and 128 keys a tile there for V1's 2d-wide values).
 `--constants MODULE.NAME=VALUE[+MODULE.NAME=VALUE...] ...` adds one per set of the kernels' launch rules, MODULE one of
 `_triton`, `projection`, `triton_decode` (e.g. `projection.SPLIT_MAX_TOKENS=32+_triton.PDL_MAX_TOKENS=32`: the split
 products and PDL, with the decode kernel's few-token launch, at batch 32).
@@ -62,7 +63,7 @@ VARIANTS = ["default", *FEATURES]
 
 # --partial's fields -> the constants each sets (STAGES: at every token count)
 PARTIAL_CONSTANTS = (
-    ("PARTIAL_BLOCK_N",), ("PARTIAL_NUM_WARPS",), ("PARTIAL_NUM_STAGES", "PARTIAL_NUM_STAGES_FEW_TOKENS"),
+    ("PARTIAL_BLOCK_N", "PARTIAL_BLOCK_N_WIDE_FEW_TOKENS"), ("PARTIAL_NUM_WARPS",), ("PARTIAL_NUM_STAGES", "PARTIAL_NUM_STAGES_FEW_TOKENS"),
     ("PROGRAMS_PER_SM", "PROGRAMS_PER_SM_FEW_TOKENS"),
 )
 

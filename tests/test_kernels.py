@@ -787,6 +787,30 @@ def test_decode_kernel_launch_in_steps_of_at_most_16_tokens():
     assert [splits for splits, _ in launches] == [3 * sms // 2, 2 * sms // 2]
 
 
+@pytest.mark.parametrize("device_shared_memory", [232448, 166912, 101376])  # H200 / H100, A100, most other GPUs
+def test_decode_kernel_tiles_fit_the_devices_shared_memory(device_shared_memory, monkeypatch):
+    """Keys a tile and stages of the split-KV kernel: 128 keys for V1's 2d-wide values in steps of at most 16 tokens,
+    64 above and for narrower values; fewer keys, then fewer stages, where stages - 1 tiles of K and V (what Triton
+    3.6 keeps) would not fit in 90% of the device's shared memory."""
+    from modeling_diff.kernels import triton_decode
+
+    monkeypatch.setattr(triton_decode, "shared_memory", lambda device: device_shared_memory)
+    device = torch.device(DEVICE)
+    # (tokens, K width, V width) -> (keys, stages) at the H200's / the A100's / a 99 KiB device's shared memory
+    expected = {
+        (1, 128, 128): [(128, 4), (64, 4), (64, 3)],  # V1 (2d = 128): 3 tiles of 128 keys are 192 KiB
+        (16, 128, 128): [(128, 4), (64, 4), (64, 3)],
+        (17, 128, 128): [(64, 3), (64, 3), (64, 3)],
+        (1, 64, 64): [(64, 4), (64, 4), (64, 4)],  # V2, DEX
+        (32, 64, 64): [(64, 3), (64, 3), (64, 3)],
+    }
+    column = [232448, 166912, 101376].index(device_shared_memory)
+    for (tokens, k_dim, v_dim), wanted in expected.items():
+        block_n, stages = triton_decode.partial_tiles(tokens, k_dim, v_dim, 2, device)
+        assert (block_n, stages) == wanted[column]
+        assert (stages - 1) * block_n * (k_dim + v_dim) * 2 <= 0.9 * device_shared_memory
+
+
 def test_decode_attention_reads_strided_cache_views():
     """V1 hands the kernel views of the cache (key = K1|K2 slices are not copied)."""
     torch.manual_seed(3)
@@ -926,7 +950,7 @@ COMBINED_DECODE_CASES = (
     [("v1", 16, 4, 1, 2048, 64), ("v2", 32, 8, 1, 4096, 64), ("dex", 32, 8, 1, 4096, 64), ("v1", 16, 4, 2, 1000, 64)]
     if GPU
     else [("v1", 4, 2, 1, 37, 16), ("v2", 4, 2, 1, 300, 16), ("dex", 4, 2, 1, 150, 16), ("v1", 2, 2, 3, 70, 16),
-          ("v2", 3, 1, 2, 50, 32), ("dex", 6, 1, 2, 40, 32)]
+          ("v2", 3, 1, 2, 50, 32), ("dex", 6, 1, 2, 40, 32), ("v1", 2, 2, 1, 300, 64)]  # the last: 128-key tiles
 )
 
 
@@ -968,10 +992,19 @@ def combined_decode_step(mode, heads, kv_heads, length, kv_length, dqk, visible,
 @pytest.mark.parametrize("mode,heads,kv_heads,length,kv_length,dqk", COMBINED_DECODE_CASES)
 @pytest.mark.parametrize("masked", [False, True])
 @torch.no_grad()
-def test_combined_decode_attention_matches_the_formula(mode, heads, kv_heads, length, kv_length, dqk, masked):
+def test_combined_decode_attention_matches_the_formula(mode, heads, kv_heads, length, kv_length, dqk, masked,
+                                                     monkeypatch):
     """The decode kernel with each mode's differential term in its reduce, the coefficients computed in the kernel
-    (V1's lambda from its vectors, V2's noise weight from the logits, DEX's lambda(t)) against the definitions."""
-    from modeling_diff.kernels import combined_decode_attention
+    (V1's lambda from its vectors, V2's noise weight from the logits, DEX's lambda(t)) against the definitions.
+    V1 at 2d = 128 and one token takes 128-key tiles (on the CPU too: its float32 tiles fit here)."""
+    from modeling_diff.kernels import combined_decode_attention, triton_decode
+
+    if not GPU:
+        monkeypatch.setattr(triton_decode, "shared_memory", lambda device: 1 << 20)
+    dv = 2 * dqk if mode == "v1" else dqk
+    block_n, _ = triton_decode.partial_tiles(3 * length, dv if mode == "v1" else dqk, dv, DTYPE.itemsize,
+                                             torch.device(DEVICE))
+    assert block_n == (128 if length == 1 and dv >= 128 else 64)
 
     torch.manual_seed(5)
     batch = 3

@@ -75,6 +75,18 @@ def tickets_of(owner, count: int, device: torch.device) -> torch.Tensor:
     return counters
 
 
+INTERPRETER_SHARED_MEMORY = 227 * 1024  # the H200's, where the interpreter runs the kernels (CI)
+
+
+@functools.cache
+def shared_memory(device: torch.device) -> int:
+    """Bytes of shared memory one program may use on `device`: the kernels' pipelines must fit (227 KiB on an H200,
+    163 KiB on an A100, 99 KiB on most other GPUs)."""
+    if device.type != "cuda":
+        return INTERPRETER_SHARED_MEMORY
+    return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 99 * 1024)
+
+
 def needs_grad(*tensors) -> bool:
     """Whether autograd records a call on these tensors (None entries are skipped)."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)

@@ -33,7 +33,8 @@ from torch import nn
 
 from ._modules import is_plain_linear
 from ._triton import (
-    TRITON_AVAILABLE, TRITON_INTERPRETING, cdiv, dependent_launch, eager_kernels_run_on, next_power_of_2, tickets_of,
+    TRITON_AVAILABLE, TRITON_INTERPRETING, cdiv, dependent_launch, eager_kernels_run_on, next_power_of_2,
+    shared_memory, tickets_of,
 )
 
 if TRITON_AVAILABLE:
@@ -42,16 +43,6 @@ if TRITON_AVAILABLE:
 MAX_ROWS = 64  # tokens of a step the kernels take (x padded to a power of two >= 16 rows on the tensor cores)
 MAX_WEIGHTS = 4  # weights of one `_projections` launch
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
-INTERPRETER_SHARED_MEMORY = 227 * 1024  # the H200's, where the interpreter runs the kernels (CI)
-
-
-@functools.cache
-def shared_memory(device: torch.device) -> int:
-    """Bytes of shared memory one program may use on `device`: the pipeline's buffers must fit (227 KiB on an H200,
-    163 KiB on an A100, 99 KiB on most other GPUs)."""
-    if device.type != "cuda":
-        return INTERPRETER_SHARED_MEMORY
-    return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 99 * 1024)
 
 
 @functools.cache

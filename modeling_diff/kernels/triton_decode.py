@@ -17,7 +17,7 @@ import torch
 from torch.library import triton_op, wrap_triton
 
 from . import _triton  # PDL_MAX_TOKENS read where used: one value for every kernel, set in one place
-from ._triton import TRITON_INTERPRETING, cdiv, dependent_launch, next_power_of_2
+from ._triton import TRITON_INTERPRETING, cdiv, dependent_launch, next_power_of_2, shared_memory
 from .masks import causal_offset, kernel_mask
 from .triton_combine import anneal_fraction, dex_lambda, differential_lambda, v1_combine_rows
 
@@ -34,6 +34,11 @@ from .triton_launch import let_dependents_start, wait_for_inputs
 
 # The split-KV kernel's launch parameters, in one place for tuning on the GPU; `_partial_softmaxes` passes them.
 PARTIAL_BLOCK_N = 64  # keys per tile; a power of two >= 16 (tl.dot's smallest), and the shortest chunk
+# Keys per tile in steps of at most PDL_MAX_TOKENS tokens whose values are at least WIDE_VALUES wide (V1's 2d): on the
+# H200 128 took V1's batch-1 step at a 2K context from 0.885 to 0.856 ms (half the chunks, each 2d wide, for the
+# reduce to merge), where V2's (64-wide values) went from 0.929 to 0.973 ms (benchmarks/decode_variants.py --partial).
+PARTIAL_BLOCK_N_WIDE_FEW_TOKENS = 128
+WIDE_VALUES = 128
 PARTIAL_NUM_WARPS = 4
 PARTIAL_NUM_STAGES = 3  # Triton's default
 # Steps of at most PDL_MAX_TOKENS tokens: 4 stages took 0.02 ms off V1's and V2's batch-1 steps on the H200 (DEX's
@@ -213,9 +218,19 @@ def _plain(kernel):
     return kernel
 
 
-def partial_stages(tokens: int) -> int:
-    """The split-KV kernel's pipeline stages for a step of `tokens` tokens (see PARTIAL_NUM_STAGES_FEW_TOKENS)."""
-    return PARTIAL_NUM_STAGES_FEW_TOKENS if tokens <= _triton.PDL_MAX_TOKENS else PARTIAL_NUM_STAGES
+def partial_tiles(tokens: int, k_dim: int, v_dim: int, element_size: int, device: torch.device) -> tuple[int, int]:
+    """(keys per tile, pipeline stages) of the split-KV kernel in a step of `tokens` tokens: the constants above,
+    with fewer keys (down to PARTIAL_BLOCK_N) and then fewer stages where the K and V tiles would not fit in 90% of
+    the device's shared memory (Triton 3.6 keeps stages - 1 of them; the rest is its own scratch)."""
+    few = tokens <= _triton.PDL_MAX_TOKENS
+    block_n = PARTIAL_BLOCK_N_WIDE_FEW_TOKENS if few and v_dim >= WIDE_VALUES else PARTIAL_BLOCK_N
+    stages = PARTIAL_NUM_STAGES_FEW_TOKENS if few else PARTIAL_NUM_STAGES
+    room = int(0.9 * shared_memory(device))
+    while block_n > PARTIAL_BLOCK_N and (stages - 1) * block_n * (k_dim + v_dim) * element_size > room:
+        block_n //= 2
+    while stages > 2 and (stages - 1) * block_n * (k_dim + v_dim) * element_size > room:
+        stages -= 1
+    return block_n, stages
 
 
 def programs_per_sm(tokens: int) -> int:
@@ -233,7 +248,7 @@ def _partial_softmaxes(query, key, value, mask, scale: float, launcher):
     v_dim = value.shape[-1]
     groups = q_heads // kv_heads
     block_rows = max(16, next_power_of_2(groups * length))
-    block_n = PARTIAL_BLOCK_N
+    block_n, stages = partial_tiles(batch * length, k_dim, v_dim, key.element_size(), query.device)
     # Enough chunks of equal length (a multiple of the tile) for about PROGRAMS_PER_SM programs per multiprocessor.
     # Not a power of two: a cache just past one (a StaticCache of 2048 + the new tokens) would get a full chunk
     # and a nearly empty one, half the programs, and half the memory traffic in flight (measured on the H200).
@@ -249,7 +264,7 @@ def _partial_softmaxes(query, key, value, mask, scale: float, launcher):
         kv_heads, kv_length, length, causal_offset(length, kv_length, mask is not None), chunk, splits, parts,
         SCALE=scale, G=groups, HAS_MASK=mask is not None, BLOCK_R=block_rows, BLOCK_N=block_n,
         DQ=q_dim, DK=k_dim, DV=v_dim, PAIRED=k_dim == 2 * q_dim, CHUNK_STATIC=chunk if TRITON_INTERPRETING else 0,
-        PDL=pdl, num_warps=PARTIAL_NUM_WARPS, num_stages=partial_stages(batch * length),
+        PDL=pdl, num_warps=PARTIAL_NUM_WARPS, num_stages=stages,
         **({"launch_pdl": True} if pdl else {}),
     )
     return work, splits, parts, block_rows
