@@ -996,7 +996,7 @@ def test_combined_decode_attention_matches_the_formula(mode, heads, kv_heads, le
                                                      monkeypatch):
     """The decode kernel with each mode's differential term in its reduce, the coefficients computed in the kernel
     (V1's lambda from its vectors, V2's noise weight from the logits, DEX's lambda(t)) against the definitions.
-    V1 at 2d = 128 and one token takes 128-key tiles (on the CPU too: its float32 tiles fit here)."""
+    V1 at 2d = 128 in steps of at most 16 tokens takes 128-key tiles (on the CPU too: its float32 tiles fit here)."""
     from modeling_diff.kernels import combined_decode_attention, triton_decode
 
     if not GPU:
@@ -1004,7 +1004,7 @@ def test_combined_decode_attention_matches_the_formula(mode, heads, kv_heads, le
     dv = 2 * dqk if mode == "v1" else dqk
     block_n, _ = triton_decode.partial_tiles(3 * length, dv if mode == "v1" else dqk, dv, DTYPE.itemsize,
                                              torch.device(DEVICE))
-    assert block_n == (128 if length == 1 and dv >= 128 else 64)
+    assert block_n == (128 if 3 * length <= 16 and dv >= 128 else 64)  # steps of at most 16 tokens
 
     torch.manual_seed(5)
     batch = 3
