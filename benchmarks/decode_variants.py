@@ -4,7 +4,9 @@ process:
 - `pdl`: programmatic dependent launch (`kernels/_triton.PDL_ENABLED`);
 - `split`: o_proj / down_proj split along their input (`kernels/projection.split_linear`; off: cuBLAS and the
   residual add, as before it);
-- `cache_write`: the StaticCache write in one launch (`kernels/cache_write.py`; off: transformers' `Cache.update`);
+- `cache_write`: the StaticCache write in one launch, in the projections' launch where they split (`kernels/cache_write.py`;
+  off: transformers' `Cache.update`);
+- `projection_write`: the StaticCache write in the projections' launch (off: in a launch of its own);
 - `rotated`: q, k, v split along their input, summed and rotated in one pass (`kernels/projection.rotated_projections`;
   off: one launch for the products, then the RoPE kernel);
 - `rotary`: the step's cos and sin in one launch (`kernels/rope.rope_cos_sin`; off: transformers' rotary embedding).
@@ -50,11 +52,16 @@ def _cache_update(cache, layer_idx, key, value):
     return cache.update(key, value, layer_idx)
 
 
+def _no_layer(*args):  # no StaticCache layer for the projections to write into
+    return None
+
+
 # feature -> the (object, attribute, value) that turn it off
 FEATURES = {
     "pdl": [(_triton, "PDL_ENABLED", False)],
     "split": [(attention, "split_linear_applies", _no_split), (modeling, "split_linear_applies", _no_split)],
-    "cache_write": [(attention, "update_cache", _cache_update)],
+    "cache_write": [(attention, "update_cache", _cache_update), (attention, "projection_cache_layer", _no_layer)],
+    "projection_write": [(attention, "projection_cache_layer", _no_layer)],
     "rotated": [(attention, "rotated_projections_apply", _no_split)],
     "rotary": [(modeling, "rope_cos_sin_applies", _no_split)],
 }

@@ -29,8 +29,9 @@ from .configuration import DiffLlamaConfig
 from .kernels import (
     DIFF_TRITON, FUSED_DIFF, DexCombine, V1Combine, V2Combine, apply_rope, combined_decode_applies,
     combined_decode_attention, flash_diff_applies, flash_diff_attention, has_extra_options, is_plain_linear,
-    linear_maps, resolve, rotated_projections, rotated_projections_apply, split_linear, split_linear_applies,
-    update_cache, uses_fast_kernels, v1_combine, v2_combine_projected,
+    linear_maps, mark_written, projection_cache_layer, resolve, rotated_projections, rotated_projections_apply,
+    split_linear, split_linear_applies, update_cache, uses_fast_kernels, v1_combine, v2_combine_projected,
+    written_layer,
 )
 
 
@@ -186,15 +187,24 @@ class _DiffAttentionBase(nn.Module, metaclass=abc.ABCMeta):
     def dropout_p(self) -> float:
         return self.attention_dropout if self.training else 0.0
 
-    def project_and_rotate(self, implementation, hidden_states, position_embeddings, *linears):
+    def project_and_rotate(self, implementation, hidden_states, position_embeddings, *linears, cache=None):
         """(q, k, v, *side) = each of `linears` (q_proj, k_proj, v_proj, side layers) of hidden_states (B, L, .),
         (B, L, N_i) each, with RoPE on every d-wide head of q and k. In a decoding step of at most 16 tokens the
-        products split along their input, summed and q and k rotated in the same launch (`kernels/projection.py`);
-        else the products in one launch (decoding steps) or each layer's forward, then RoPE."""
+        products split along their input, summed and q and k rotated in the same launch (`kernels/projection.py`),
+        which also stores k and v into a StaticCache layer of `cache` (`kernels/cache_write.py`: `decode_heads`
+        then takes the layer as it is); else the products in one launch (decoding steps) or each layer's forward,
+        then RoPE."""
         cos, sin = position_embeddings  # (B or 1, L, d)
         fused = uses_fast_kernels(implementation)
         if fused and rotated_projections_apply(hidden_states, linears, cos, sin, self.head_dim):
-            return rotated_projections(hidden_states, linears, cos, sin, self.head_dim)
+            layer = projection_cache_layer(
+                cache, self.layer_idx, hidden_states, linears[1].out_features, linears[2].out_features
+            )
+            into = None if layer is None else (layer.keys, layer.values, layer.cumulative_length)
+            outputs = rotated_projections(hidden_states, linears, cos, sin, self.head_dim, into)
+            if layer is not None:
+                mark_written(layer, outputs[1])
+            return outputs
         query, key, value, *side = linear_maps(hidden_states, *linears, fused=fused)
         heads = (*hidden_states.shape[:-1], -1, self.head_dim)
         query, key = apply_rope(query.view(heads), key.view(heads), cos, sin, fused)
@@ -243,10 +253,15 @@ class _DiffAttentionBase(nn.Module, metaclass=abc.ABCMeta):
         given); None, the cache untouched, where it does not apply. Inputs as `project` gives them."""
         if not self.decode_applies(implementation, query, key, value, attention_mask, kwargs):
             return None
+        advance = None
         if cache is not None:
-            key, value = update_cache(cache, self.layer_idx, key, value)  # one launch into a StaticCache
+            layer = written_layer(cache, self.layer_idx, key)
+            if layer is not None:  # the projections stored key and value into it; the decode kernel advances it
+                key, value, advance = layer.keys, layer.values, layer.cumulative_length
+            else:
+                key, value = update_cache(cache, self.layer_idx, key, value)  # one launch into a StaticCache
         return combined_decode_attention(
-            self.decode_query(query), key, value, attention_mask, self.scaling, self.decode_combine(side), out
+            self.decode_query(query), key, value, attention_mask, self.scaling, self.decode_combine(side), out, advance
         )
 
     def combined_decode_applies(self, implementation, query, key, value, attention_mask, kwargs) -> bool:
@@ -298,15 +313,15 @@ class DiffAttentionV1(_DiffAttentionBase):
         parallelism wraps (its gradient hooks)."""
         return type(self.subln.weight) is nn.Parameter and "forward" not in vars(self.subln)
 
-    def project(self, implementation, hidden_states, position_embeddings):
+    def project(self, implementation, hidden_states, position_embeddings, cache=None):
         """-> pairs (B, L, h, 2, d) = (Q1, Q2) of each head, key (B, h_kv, L, 2d) = K1|K2 and value (B, h_kv, L, 2d),
         RoPE applied, and no side outputs (V1 has none). The cache holds K and V as they are: a Llama's bytes per
-        token."""
+        token. `cache`: where a decoding step's projections may store them (`project_and_rotate`)."""
         input_shape = hidden_states.shape[:-1]  # (B, L)
         d = self.head_dim
         # the same rotation for every d-wide head: Q1, Q2, K1 and K2 alike
         query_states, key_states, value_states = self.project_and_rotate(
-            implementation, hidden_states, position_embeddings, self.q_proj, self.k_proj, self.v_proj
+            implementation, hidden_states, position_embeddings, self.q_proj, self.k_proj, self.v_proj, cache=cache
         )
         query_states = query_states.view(*input_shape, -1, 2, d)  # (B, L, h, 2, d): (Q1, Q2) per head
         key_states = key_states.view(*input_shape, -1, 2 * d).transpose(1, 2)  # (B, h_kv, L, 2d): K1|K2
@@ -335,7 +350,9 @@ class DiffAttentionV1(_DiffAttentionBase):
     ):
         input_shape = hidden_states.shape[:-1]  # (B, L)
         implementation = self.implementation(hidden_states)
-        query_states, key_states, value_states, _ = self.project(implementation, hidden_states, position_embeddings)
+        query_states, key_states, value_states, _ = self.project(
+            implementation, hidden_states, position_embeddings, cache
+        )
         heads = self.decode_heads(
             implementation, query_states, key_states, value_states, (), attention_mask, cache, kwargs
         )
@@ -385,12 +402,14 @@ class _LlamaLayoutAttention(_DiffAttentionBase):
         self.v_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * d, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * d, config.hidden_size, bias=bias)
 
-    def project(self, implementation, hidden_states, position_embeddings, side=()):
+    def project(self, implementation, hidden_states, position_embeddings, cache=None, side=()):
         """-> query (B, query_heads, L, d), key and value (B, h_kv, L, d), RoPE applied, and the outputs of the
-        `side` layers of the same input (V2's lambda_proj), (B, L, .) each."""
+        `side` layers of the same input (V2's lambda_proj), (B, L, .) each. `cache`: where a decoding step's
+        projections may store key and value (`project_and_rotate`)."""
         hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
         query_states, key_states, value_states, *side_outputs = self.project_and_rotate(
-            implementation, hidden_states, position_embeddings, self.q_proj, self.k_proj, self.v_proj, *side
+            implementation, hidden_states, position_embeddings, self.q_proj, self.k_proj, self.v_proj, *side,
+            cache=cache,
         )
         query_states = query_states.view(hidden_shape).transpose(1, 2)  # (B, query_heads, L, d)
         key_states = key_states.view(hidden_shape).transpose(1, 2)  # (B, h_kv, L, d)
@@ -425,9 +444,9 @@ class DiffAttentionV2(_LlamaLayoutAttention):
         fraction = anneal_fraction(self.anneal_step, self.config.anneal_steps).clamp(max=1.0)
         return torch.sigmoid(noise_logits) * fraction.to(noise_logits.dtype)
 
-    def project(self, implementation, hidden_states, position_embeddings):
+    def project(self, implementation, hidden_states, position_embeddings, cache=None):
         """Llama's projections and RoPE, and side = (lambda_proj(x) (B, L, h),)."""
-        return super().project(implementation, hidden_states, position_embeddings, side=(self.lambda_proj,))
+        return super().project(implementation, hidden_states, position_embeddings, cache, side=(self.lambda_proj,))
 
     def decode_combine(self, side) -> V2Combine:
         return V2Combine(side[0], self.anneal_step, self.config.anneal_steps)  # the noise weight from lambda_proj(x)
@@ -437,7 +456,9 @@ class DiffAttentionV2(_LlamaLayoutAttention):
     ):
         input_shape = hidden_states.shape[:-1]
         implementation = self.implementation(hidden_states)
-        query_states, key_states, value_states, side = self.project(implementation, hidden_states, position_embeddings)
+        query_states, key_states, value_states, side = self.project(
+            implementation, hidden_states, position_embeddings, cache
+        )
         heads = self.decode_heads(
             implementation, query_states, key_states, value_states, side, attention_mask, cache, kwargs
         )
@@ -532,7 +553,9 @@ class DexAttention(_LlamaLayoutAttention):
     ):
         input_shape = hidden_states.shape[:-1]
         implementation = self.implementation(hidden_states)
-        query_states, key_states, value_states, _ = self.project(implementation, hidden_states, position_embeddings)
+        query_states, key_states, value_states, _ = self.project(
+            implementation, hidden_states, position_embeddings, cache
+        )
         heads = self.decode_heads(
             implementation, query_states, key_states, value_states, (), attention_mask, cache, kwargs
         )

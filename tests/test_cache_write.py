@@ -140,3 +140,67 @@ def test_other_caches_and_layers_take_cache_update(monkeypatch):
     calls.clear()
     update_cache(fast, 0, *wide)
     assert calls == [1]
+
+
+def projection_step(batch=2, length=1, width=64, d=8, kv_heads=2, cache_width=8):
+    """A step's x (B, L, width), q, k, v layers (k and v: kv_heads heads of cache_width, the cache's) and cos, sin."""
+    from torch import nn
+
+    layers = [nn.Linear(width, n, bias=False).to(DEVICE, DTYPE) for n in (4 * d, kv_heads * cache_width,
+                                                                         kv_heads * cache_width)]
+    x = torch.randn(batch, length, width, dtype=DTYPE, device=DEVICE)
+    cos, sin = (torch.randn(1, length, d, dtype=DTYPE, device=DEVICE) for _ in range(2))
+    return x, layers, cos, sin
+
+
+@pytest.mark.parametrize("batch, length, cache_width", [(2, 1, 8), (3, 2, 16), (1, 4, 8)])
+@torch.no_grad()
+def test_the_projections_store_k_and_v_where_transformers_update_would(batch, length, cache_width):
+    """In steps of at most 16 tokens the projections' launch stores the rotated k and v into the StaticCache layer
+    (`projection_cache_layer`; cache_width 2d: V1's K1|K2 heads): the layer's tensors then equal StaticLayer.update's
+    with the same k and v, bit for bit, its length not advanced (the decode kernel's to advance); positions past the
+    cache are not written. Several steps."""
+    from modeling_diff.kernels import projection
+    from modeling_diff.kernels.cache_write import mark_written, projection_cache_layer, written_layer
+
+    torch.manual_seed(8)
+    reference, fast = prefilled_caches(batch, 2, cache_width, cache_width, prompt=5, max_cache_len=5 + 2 * length)
+    layer = fast.layers[0]
+    for step_index in range(2):
+        x, layers, cos, sin = projection_step(batch, length, cache_width=cache_width)
+        assert projection.rotated_projections_apply(x, layers, cos, sin, 8)
+        assert projection_cache_layer(fast, 0, x, layers[1].out_features, layers[2].out_features) is layer
+        before = layer.cumulative_length.item()
+        q, k, v = projection.rotated_projections(x, layers, cos, sin, 8, (layer.keys, layer.values,
+                                                                          layer.cumulative_length))
+        assert layer.cumulative_length.item() == before
+        key = k.view(batch, length, 2, cache_width).transpose(1, 2)
+        value = v.view(batch, length, 2, cache_width).transpose(1, 2)
+        expected = reference.update(key, value, 0)
+        torch.testing.assert_close(layer.keys, expected[0], rtol=0, atol=0)
+        torch.testing.assert_close(layer.values, expected[1], rtol=0, atol=0)
+        mark_written(layer, key)
+        assert written_layer(fast, 0, key.clone()) is None  # another tensor's keys: not these
+        assert written_layer(fast, 0, key) is layer and written_layer(fast, 0, key) is None  # handed over once
+        layer.cumulative_length += length  # the decode kernel's part
+    # a third step runs past the cache (transformers' update fails there): nothing is written
+    x, layers, cos, sin = projection_step(batch, length, cache_width=cache_width)
+    keys, values = layer.keys.clone(), layer.values.clone()
+    projection.rotated_projections(x, layers, cos, sin, 8, (layer.keys, layer.values, layer.cumulative_length))
+    assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
+
+
+def test_the_projections_do_not_write_where_the_kernel_would_not():
+    """No layer for the projections where the separate write would not apply either: a DynamicCache, no cache,
+    widths other than the layer's heads, another dtype or batch, more tokens than the kernel takes."""
+    from modeling_diff.kernels.cache_write import projection_cache_layer
+
+    _, fast = prefilled_caches(batch=2, heads=2, dk=8, dv=8)
+    x, layers, _, _ = projection_step(batch=2)
+    assert projection_cache_layer(fast, 0, x, 16, 16) is fast.layers[0]
+    assert projection_cache_layer(None, 0, x, 16, 16) is None
+    assert projection_cache_layer(DynamicCache(), 0, x, 16, 16) is None
+    assert projection_cache_layer(fast, 0, x, 16, 24) is None
+    assert projection_cache_layer(fast, 0, x.double(), 16, 16) is None
+    assert projection_cache_layer(fast, 0, x[:1], 16, 16) is None
+    assert projection_cache_layer(fast, 0, x.expand(2, 33, -1), 16, 16) is None

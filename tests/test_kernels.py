@@ -1188,8 +1188,8 @@ def test_decoding_steps_on_the_kernel_equal_eager(mode, cache_class, monkeypatch
     """Prefill, then decoding steps through the split-KV kernel with the differential term in it, the
     projections' kernels (q, k, v and V2's lambda_proj split along their input, summed and rotated in the same
     launch, the MLP's gate and up in one, o_proj and down_proj split along their input and summed, down_proj's with the
-    residual add), the residual add with the norm after it in one pass, a StaticCache's write in one launch, the
-    step's cos and sin in one,
+    residual add), the residual add with the norm after it in one pass, a StaticCache's write in the projections'
+    launch (the decode kernel advancing its length), the step's cos and sin in one launch,
     with left padding, dynamic and static caches. The keys and values that reach the cache are contiguous: a DynamicCache concatenates them with its cache, and torch.cat's fast CUDA
     kernel takes only contiguous inputs (a column view of the projections' output took the slow one)."""
     import modeling_diff.diff_attention as attention
@@ -1209,7 +1209,10 @@ def test_decoding_steps_on_the_kernel_equal_eager(mode, cache_class, monkeypatch
     angles = []
     monkeypatch.setattr(rope, "_rope_cos_sin", CountedKernel(rope._rope_cos_sin, angles))
 
-    layouts, update, writes = [], attention.update_cache, []
+    layouts, update, writes, prewritten = [], attention.update_cache, [], []
+    written = attention.written_layer
+    monkeypatch.setattr(attention, "written_layer", lambda *a: (lambda layer: layer is not None and prewritten.append(
+        1) or layer)(written(*a)))
     monkeypatch.setattr(attention, "update_cache", lambda cache, i, k, v: layouts.append(
         (k.shape[-2], k.is_contiguous(), v.is_contiguous())) or update(cache, i, k, v))
     monkeypatch.setattr(cache_write, "_static_cache_write", CountedKernel(cache_write._static_cache_write, writes))
@@ -1225,10 +1228,34 @@ def test_decoding_steps_on_the_kernel_equal_eager(mode, cache_class, monkeypatch
     # summed; down_proj split and summed with the residual add
     assert len(projections) == 3 * len(kernel_calls)
     assert len(added) == (1 + steps.shape[1]) * eager.config.num_hidden_layers  # the add before the MLP's norm
-    # a StaticCache takes each step's keys and values in one launch (`kernels/cache_write.py`)
-    assert len(writes) == (len(kernel_calls) if cache_class is StaticCache else 0)
-    # a step's (batch > 1): a column view of the projections would not be contiguous (the prefill's are transposed)
-    assert ids.shape[0] > 1 and {layout for layout in layouts if layout[0] == 1} == {(1, True, True)}
+    # a StaticCache takes each step's keys and values in the projections' launch (`kernels/cache_write.py`), and the
+    # write kernel's launch (steps of more than 16 tokens) is not needed
+    assert len(writes) == 0
+    assert len(prewritten) == (len(kernel_calls) if cache_class is StaticCache else 0)
+    # a DynamicCache step's (batch > 1): a column view of the projections would not be contiguous (the prefill's are
+    # transposed); a StaticCache's steps do not reach update_cache
+    steps_layouts = {layout for layout in layouts if layout[0] == 1}
+    assert ids.shape[0] > 1 and steps_layouts == ({(1, True, True)} if cache_class is DynamicCache else set())
+
+
+@torch.no_grad()
+def test_a_step_that_declines_the_decode_kernel_after_the_projections_wrote_the_cache_equals_eager(monkeypatch):
+    """The projections store a StaticCache step's keys and values before the attention knows its path; where the
+    decode kernel then declines (V1 with a hook on subln), `Cache.update` stores them again at the same positions
+    and advances the length: the logits equal eager's."""
+    import modeling_diff.diff_attention as attention
+
+    marked = []
+    mark = attention.mark_written
+    monkeypatch.setattr(attention, "mark_written", lambda *a: marked.append(1) or mark(*a))
+    eager, fast = model_pair("v1", FAST)
+    for model in (eager, fast):
+        model.model.layers[0].self_attn.subln.register_forward_hook(lambda *args: None)
+    ids, mask = padded_batch(eager.config.vocab_size)
+    steps = torch.randint(3, eager.config.vocab_size, (ids.shape[0], 2), device=DEVICE)
+    logits = [decode(model, StaticCache, ids, mask, steps) for model in (eager, fast)]
+    assert rel_err(logits[1], logits[0]) < TOL
+    assert len(marked) == steps.shape[1] * eager.config.num_hidden_layers  # layer 0's too
 
 
 def test_decoding_steps_with_a_hook_on_the_mlp_show_it_the_mlps_own_output():

@@ -15,7 +15,8 @@
   split with their sum and RoPE in one pass (`triton_projection.py`).
 - `triton_launch.py`: programmatic dependent launch (Hopper) in the decoding step's kernels.
 - `cache_write.py`: a decoding step's keys and values into a StaticCache layer, its length advanced, in one
-  launch (`triton_cache_write.py`), where transformers' update issues five.
+  launch (`triton_cache_write.py`), where transformers' update issues five; in steps of at most 16 tokens in the
+  projections' launch instead.
 - `decode.py`: split-KV attention for decoding steps, one read of the KV cache per step, with each mode's
   differential term in its reduce (`triton_decode.py`).
 - `attention.py`: the attention implementations `"diff_triton"` (chosen automatically for `sdpa` on CUDA) and
@@ -31,7 +32,7 @@ from .attention import (
     FUSED_DIFF, NAME as DIFF_TRITON, diff_triton_attention_forward, has_extra_options, register, resolve,
     uses_fast_kernels,
 )
-from .cache_write import update_cache
+from .cache_write import mark_written, projection_cache_layer, update_cache, written_layer
 from .combine import v1_combine, v2_combine, v2_combine_projected
 from .decode import DexCombine, V1Combine, V2Combine, combined_decode_applies, combined_decode_attention
 from .flash_diff import flash_diff_applies, flash_diff_attention
@@ -49,8 +50,8 @@ __all__ = [
     "DIFF_TRITON", "FUSED_DIFF", "DexCombine", "V1Combine", "V2Combine", "add_rms_norm", "add_rms_norm_applies",
     "apply_rope", "combined_decode_applies", "combined_decode_attention", "diff_triton_attention_forward",
     "flash_diff_applies", "flash_diff_attention", "gated_projection", "gated_projection_applies", "has_extra_options",
-    "is_plain_linear", "linear_maps", "resolve", "rms_norm", "rms_norm_kernel_applies", "rope_cos_sin",
+    "is_plain_linear", "linear_maps", "mark_written", "projection_cache_layer", "resolve", "rms_norm", "rms_norm_kernel_applies", "rope_cos_sin",
     "rope_cos_sin_applies", "rotated_projections", "rotated_projections_apply", "silu_mul", "silu_mul_applies",
     "runs_own_forward", "split_linear", "split_linear_applies", "swiglu_mlp", "swiglu_mlp_applies", "triton_available",
-    "update_cache", "uses_fast_kernels", "v1_combine", "v2_combine", "v2_combine_projected",
+    "update_cache", "uses_fast_kernels", "v1_combine", "v2_combine", "v2_combine_projected", "written_layer",
 ]

@@ -15,7 +15,17 @@ own and not offloading, and to a layer that is exactly an initialized `StaticLay
 quantized or a user's layer) holding keys and values of the step's dtype, batch, heads and widths. Positions at or
 beyond the cache's length are not written: the kernel does not raise on the device (a replayed graph could not);
 `generate()` sizes the cache for every step, and transformers' own update fails there.
+
+In steps of at most 16 tokens the projections' launch stores the keys and values into the layer itself
+(`kernels/projection.rotated_projections`, where `projection_cache_layer` gives it the layer), and the decode
+kernel's reduce advances the length: no launch of its own. The projections mark the layer (`mark_written`) with
+their output, and `written_layer` hands it to the decoding step that holds that output; a step that takes another
+path calls `Cache.update`, which stores the same keys and values at the same positions again and advances the
+length.
 """
+
+import weakref
+
 
 import torch
 from transformers.cache_utils import Cache, StaticLayer
@@ -79,6 +89,45 @@ def write_static_cache(layer: StaticLayer, key: torch.Tensor, value: torch.Tenso
         ticket.zero_()
         raise
     return keys, values
+
+
+def projection_cache_layer(cache: Cache | None, layer_idx: int, x: torch.Tensor, key_width: int,
+                           value_width: int) -> StaticLayer | None:
+    """The StaticCache layer into which the projections of x (B, L, hidden) may store the step's keys and values
+    (key_width and value_width columns: whole heads of the layer's), else None; the conditions of
+    `static_cache_write_applies`, on what the projections will produce."""
+    layer = _static_layer(cache, layer_idx) if cache is not None else None
+    if layer is None or not eager_kernels_run_on(x):
+        return None
+    keys, values, length = layer.keys, layer.values, layer.cumulative_length
+    return layer if (
+        type(keys) is type(values) is torch.Tensor
+        and x.dim() == 3 and x.shape[0] * x.shape[1] <= MAX_TOKENS and x.shape[0] == keys.shape[0] == values.shape[0]
+        and x.dtype == keys.dtype == values.dtype and x.device == keys.device == values.device == length.device
+        and length.dtype == torch.int64 and length.numel() == 1
+        and key_width == keys.shape[1] * keys.shape[3] and value_width == values.shape[1] * values.shape[3]
+        and keys.stride(-1) == values.stride(-1) == 1
+    ) else None
+
+
+# layer -> the projections' output buffer whose keys and values the layer holds at its next positions
+_WRITTEN: "weakref.WeakKeyDictionary[StaticLayer, torch.Tensor]" = weakref.WeakKeyDictionary()
+
+
+def mark_written(layer: StaticLayer, key: torch.Tensor) -> None:
+    """The projections stored `key` (a view of their output buffer) and its values into `layer`, its length not
+    advanced."""
+    _WRITTEN[layer] = key._base
+
+
+def written_layer(cache: Cache, layer_idx: int, key: torch.Tensor) -> StaticLayer | None:
+    """The layer, where the projections that produced `key` stored it (and its values) there (`mark_written`): the
+    step takes the layer's tensors, and its length is the decode kernel's to advance. Else None."""
+    layer = _static_layer(cache, layer_idx)
+    if layer is None or key._base is None or _WRITTEN.get(layer) is not key._base:
+        return None
+    del _WRITTEN[layer]
+    return layer
 
 
 def update_cache(cache: Cache, layer_idx: int, key: torch.Tensor, value: torch.Tensor):

@@ -91,7 +91,8 @@ def combined_decode_applies(query, key, value, mask, dropout: float) -> bool:
     )
 
 
-def combined_decode_attention(query, key, value, mask, scale: float, combine, out=None) -> torch.Tensor:
+def combined_decode_attention(query, key, value, mask, scale: float, combine, out=None,
+                              advance=None) -> torch.Tensor:
     """A decoding step of a differential layer in two launches: the maps of every query head, merged, and the
     mode's differential term (`combine`: V1Combine, V2Combine or DexCombine), whose coefficients (lambda, the
     noise weight) the kernel computes itself.
@@ -99,6 +100,8 @@ def combined_decode_attention(query, key, value, mask, scale: float, combine, ou
     query (B, Hq, L, DQ): V1 and V2 hold the maps of differential head i in query heads 2i and 2i+1 (V1's DQ wide,
     read against K1 and K2 of its 2 DQ wide key); key and value (B, H_KV, S, .); mask as `decode_attention`.
     Returns the heads' outputs (B, L, h, DV), h = Hq / 2 (V1, V2) or Hq (DEX): in `out` where given (contiguous, of
-    that shape and query's dtype: the decoding graphs' input buffer), else in a new tensor."""
+    that shape and query's dtype: the decoding graphs' input buffer), else in a new tensor. `advance`: a StaticCache
+    layer's length (int64, 1 element) that the step's projections did not advance (`cache_write.written_layer`):
+    the kernel adds the step's L tokens to it."""
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
-    return combined_decode_kernels(query, key, value, mask, float(scale), combine, out)
+    return combined_decode_kernels(query, key, value, mask, float(scale), combine, out, advance)

@@ -86,28 +86,38 @@ def pipeline_stages(block_m: int, weight_rows: int, block_k: int, x: torch.Tenso
 
 
 def launch_projections(rows, weights, y, block_n: int, step: int, stages: int, warps: int = 4, split: int = 1, *,
-                       out=None, tickets=None, residual=None, rope=None) -> None:
+                       out=None, tickets=None, residual=None, rope=None, cache=None) -> None:
     """One `_projections` launch: rows (M, K) W_i^T for up to MAX_WEIGHTS weights (N_i, K) into y, M x (sum of
     widths) contiguous elements: the products (M, N_i) one after another, each row-major; with `split` > 1 the
     float32 partial products over `split` equal parts of K, y (split, M x sum of widths). `step` divides K (or its
     parts). The block sizes are the caller's (`benchmarks/projection_bench.py --sweep` tries others).
     With `out` (y's layout, the output dtype) and `tickets` (int32 zeros, a row block's each: `_triton.tickets_of`),
     the same launch writes the partials' sum into out, + `residual` (M, N) where given, with RoPE on the first two
-    weights' heads where `rope` = (cos, sin, L, head_dim) (block_n a multiple of head_dim)."""
+    weights' heads where `rope` = (cos, sin, L, head_dim) (block_n a multiple of head_dim), and the second and third
+    weights' sums (k, v) stored into `cache` = (keys, values, length) of a StaticCache layer at its positions
+    length + l of each token (b, l) (the length not advanced; rows of the batch's B x L tokens, L as `rope`'s)."""
     if (out is None) != (tickets is None):
         raise ValueError("launch_projections: `out` and `tickets` go together (the sum needs a ticket a row block)")
+    if cache is not None and (out is None or rope is None):
+        raise ValueError("launch_projections: `cache` takes the summed, rotated k and v (`out` and `rope`)")
     m, k = rows.shape
     widths = [w.shape[0] for w in weights]
     pad = MAX_WEIGHTS - len(weights)
     cos, sin, length, head_dim = rope if rope is not None else (y, y, 1, 0)
     strides = (cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1)) if rope is not None else (0, 0)
+    keys, values, cache_length = cache if cache is not None else (y, y, y)
+    cache_args = (
+        (keys, values, cache_length, keys.shape[2], *keys.stride()[:3], *values.stride()[:3], keys.shape[-1],
+         values.shape[-1]) if cache is not None else (y, y, y, 0, 0, 0, 0, 0, 0, 0, 1, 1)
+    )
     pdl = dependent_launch(rows, m)
     try:
         _projections[(sum(cdiv(n, block_n) for n in widths), split)](
             rows, *weights, *weights[:1] * pad, y, m, *widths, *(0,) * pad,
             y if out is None else out, y if residual is None else residual, cos, sin,
-            y if tickets is None else tickets, length, *strides, K=k, SPLIT=split, SUMMED=out is not None,
-            ADD=residual is not None, HALF=head_dim // 2, BLOCK_M=max(16, next_power_of_2(m)), BLOCK_N=block_n,
+            y if tickets is None else tickets, length, *strides, *cache_args, K=k, SPLIT=split, SUMMED=out is not None,
+            ADD=residual is not None, HALF=head_dim // 2, CACHED=cache is not None, BLOCK_M=max(16, next_power_of_2(m)),
+            BLOCK_N=block_n,
             BLOCK_K=step, PDL=pdl, num_stages=stages, num_warps=warps, launch_pdl=pdl,
         )
     except BaseException:  # a launch cut short (the interpreter's programs run one by one) leaves no ticket taken
@@ -203,13 +213,15 @@ def rotated_block(width: int, head_dim: int) -> int:
     return max(split_config(width)[0], next_power_of_2(head_dim))
 
 
-def rotated_projections(x: torch.Tensor, linears, cos: torch.Tensor, sin: torch.Tensor,
-                        head_dim: int) -> tuple[torch.Tensor, ...]:
+def rotated_projections(x: torch.Tensor, linears, cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
+                        cache=None) -> tuple[torch.Tensor, ...]:
     """(layer(x) for each of `linears`) with RoPE (`rope.py`'s formula) on every head_dim-wide head of the first two
     (q and k), in one launch: the products split along K (o_proj's measured split: `split_config`), and the last
     program of each row block sums its parts, rounds them as F.linear does and rotates q's and k's heads, where
     `linear_maps` and `apply_rope` take three launches. Check `rotated_projections_apply` first.
-    x (B, L, K); cos, sin (B or 1, L, head_dim) -> each (B, L, N_i), contiguous blocks of one buffer."""
+    x (B, L, K); cos, sin (B or 1, L, head_dim) -> each (B, L, N_i), contiguous blocks of one buffer. With `cache` =
+    (keys, values, length) of a StaticCache layer (`cache_write.projection_cache_layer`), the same launch also stores
+    k and v into it at its next positions, the length not advanced."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()  # (M, K)
     m = rows.shape[0]
     weights = [layer._parameters["weight"] for layer in linears]
@@ -221,7 +233,8 @@ def rotated_projections(x: torch.Tensor, linears, cos: torch.Tensor, sin: torch.
     if m > 0:
         stages = pipeline_stages(max(16, next_power_of_2(m)), block_n, step, x)
         launch_projections(rows, weights, parts, block_n, step, stages, split=split, out=y,
-                           tickets=row_block_tickets(weights, block_n), rope=(cos, sin, x.shape[1], head_dim))
+                           tickets=row_block_tickets(weights, block_n), rope=(cos, sin, x.shape[1], head_dim),
+                           cache=cache)
     blocks = y.split([m * n for n in widths])
     return tuple(block.view(*x.shape[:-1], n) for block, n in zip(blocks, widths))
 

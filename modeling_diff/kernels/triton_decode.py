@@ -160,18 +160,23 @@ def _decode_reduce(
 def _decode_reduce_combined(
     Part, Out, sob, sol, soh, H_KV, L, splits, parts,
     Logits, szb, szl, szh, NormW, eps, norm_scale, LambdaQ1, LambdaK1, LambdaQ2, LambdaK2,
-    Operator, HeadMask, LambdaLearn, AnnealStep, anneal_steps, lambda_init,
+    Operator, HeadMask, LambdaLearn, AnnealStep, anneal_steps, lambda_init, Length,
     G: tl.constexpr, BLOCK_R: tl.constexpr, DV: tl.constexpr, MAX_SPLITS: tl.constexpr,
-    MODE: tl.constexpr, ANNEALED: tl.constexpr, D_LAMBDA: tl.constexpr, PDL: tl.constexpr,
+    MODE: tl.constexpr, ANNEALED: tl.constexpr, D_LAMBDA: tl.constexpr, ADVANCE: tl.constexpr, PDL: tl.constexpr,
 ):
     """The merge, then each mode's differential term on the merged head outputs (`decode.py`):
     MODE 0 (V1) pairs of query heads (2i, 2i+1) -> norm_scale * subln(O1 - lambda O2), lambda from its vectors;
     MODE 1 (V2) pairs -> O1 - sigmoid(z) min(1, t/T) O2, z = Logits (B, L, h);
     MODE 2 (DEX) each head -> O - lambda(t) mask_h O W^T, W = Operator (DV, DV).
-    A program per query row (DEX) or per pair (V1, V2: subln needs both maps of the pair)."""
+    A program per query row (DEX) or per pair (V1, V2: subln needs both maps of the pair).
+    ADVANCE: the projections stored the step's keys and values into a StaticCache layer (`cache_write.py`); the
+    first program advances its length (int64) by L, after the wait: every kernel that read it has finished."""
     let_dependents_start(PDL)
     wait_for_inputs(PDL)
     pid_bh = tl.program_id(0)
+    if ADVANCE:
+        if (pid_bh == 0) & (tl.program_id(1) == 0):
+            tl.store(Length, tl.load(Length) + L)
     b = pid_bh // H_KV
     kvh = pid_bh % H_KV
     first_part = pid_bh * splits
@@ -285,9 +290,10 @@ def decode_attention_kernels(query, key, value, mask, scale: float, launcher=_pl
     return out
 
 
-def combined_decode_kernels(query, key, value, mask, scale: float, combine, out=None) -> torch.Tensor:
+def combined_decode_kernels(query, key, value, mask, scale: float, combine, out=None, advance=None) -> torch.Tensor:
     """The two launches of a decoding step with the differential term in the reduce (eager only); see
-    `decode.combined_decode_attention`, which defines `combine` (V1Combine, V2Combine or DexCombine) and `out`."""
+    `decode.combined_decode_attention`, which defines `combine` (V1Combine, V2Combine or DexCombine), `out` and
+    `advance`."""
     batch, q_heads, length, _ = query.shape
     kv_heads, v_dim = key.shape[1], value.shape[-1]
     mode = type(combine).MODE  # 0 V1, 1 V2, 2 DEX: the reduce kernel's MODE
@@ -313,9 +319,10 @@ def combined_decode_kernels(query, key, value, mask, scale: float, combine, out=
     pdl = dependent_launch(query, batch * length)
     _decode_reduce_combined[(batch * kv_heads, heads // kv_heads * length)](
         work, out, *out.stride()[:3], kv_heads, length, splits, parts,
-        *logits, *norm, *vectors, *dex, *anneal, lambda_init,
+        *logits, *norm, *vectors, *dex, *anneal, lambda_init, out if advance is None else advance,
         G=groups, BLOCK_R=block_rows, DV=v_dim, MAX_SPLITS=next_power_of_2(splits),
-        MODE=mode, ANNEALED=mode != 0 and combine.anneal_steps > 0, D_LAMBDA=d_lambda, PDL=pdl, launch_pdl=pdl,
+        MODE=mode, ANNEALED=mode != 0 and combine.anneal_steps > 0, D_LAMBDA=d_lambda, ADVANCE=advance is not None,
+        PDL=pdl, launch_pdl=pdl,
     )
     return out
 

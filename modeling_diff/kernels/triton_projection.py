@@ -15,7 +15,8 @@ weight's bytes, not by arithmetic). Under PDL a program reads its first weight t
                        where SUMMED their sum in the same launch: the last of a row block's programs to finish
                        (a ticket each, an atomic add) sums its block's parts, rounds them to the dtype (F.linear's
                        output), adds a residual where ADD (residual + F.linear(...), rounded again) and applies
-                       RoPE to q's and k's heads where HALF > 0
+                       RoPE to q's and k's heads where HALF > 0; where CACHED it also stores the second and third
+                       weights' sums (k and v) into a StaticCache layer at its next positions
     gated_projection   y = silu(x W_g^T) * (x W_u^T), each rounded to the dtype as LlamaMLP rounds them
 """
 
@@ -75,10 +76,13 @@ def _store_rows(Y, y, M, row0, N, stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.con
              mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
-@triton.jit(do_not_specialize=["M", "L"])  # the tokens of a step change with the batch: one compiled kernel for all
+# the tokens of a step change with the batch, the cache's length with the model: one compiled kernel for all
+@triton.jit(do_not_specialize=["M", "L", "max_len"])
 def _projections(X, W0, W1, W2, W3, Y, M, N0, N1, N2, N3, Out, Res, Cos, Sin, Tickets, L, scb, scl,
+                 Keys, Values, Length, max_len, skb, skh, sks, svb, svh, svs, key_width, value_width,
                  K: tl.constexpr, SPLIT: tl.constexpr, SUMMED: tl.constexpr, ADD: tl.constexpr, HALF: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                 CACHED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PDL: tl.constexpr):
     # Y (M x (N0 + N1 + N2 + N3) elements) = the blocks X W0^T (M, N0), X W1^T (M, N1), ... one after another, each
     # row-major: the first cdiv(N0, BLOCK_N) programs compute the first block, the next ones the second, ...; an
     # unused weight has N_i = 0. Contiguous blocks, not column blocks of one (M, sum) matrix: a DynamicCache
@@ -86,7 +90,9 @@ def _projections(X, W0, W1, W2, W3, Y, M, N0, N1, N2, N3, Out, Res, Cos, Sin, Ti
     # is a constant of the compiled kernel: two per model (hidden and MLP widths). SPLIT > 1: program (j, s)
     # computes the float32 partial product over K's part s into Y's part s, (SPLIT, M x (N0 + ... + N3)) in all;
     # where SUMMED, the last of a row block's SPLIT programs to finish (a ticket each: `_finish_row_block`) writes
-    # Out, the sum (+ Res where ADD, with RoPE on the first two weights' heads where HALF > 0), in the same launch.
+    # Out, the sum (+ Res where ADD, with RoPE on the first two weights' heads where HALF > 0), in the same launch;
+    # where CACHED also the second's and third's (k, v) into Keys and Values (B, H_kv, max_len, width) at the
+    # positions Length + l of token (b, l), columns c at head c // width, c % width (`_store_into_cache`).
     pid = tl.program_id(0)
     part = tl.program_id(1)
     end0 = tl.cdiv(N0, BLOCK_N)
@@ -107,8 +113,15 @@ def _projections(X, W0, W1, W2, W3, Y, M, N0, N1, N2, N3, Out, Res, Cos, Sin, Ti
     if SUMMED:
         tl.debug_barrier()  # every thread's partial stored before the ticket's release (CUTLASS's split-K semaphore)
         if tl.atomic_add(Tickets + pid, 1, sem="acq_rel") == SPLIT - 1:
-            _finish_row_block(Y, Out, Res, Cos, Sin, M, L, row0, N, nt, col0, pid < end1, scb, scl, SPLIT, ADD, HALF,
-                       BLOCK_M, BLOCK_N)
+            y = _finish_row_block(Y, Out, Res, Cos, Sin, M, L, row0, N, nt, col0, pid < end1, scb, scl, SPLIT, ADD,
+                                  HALF, BLOCK_M, BLOCK_N)
+            if CACHED:
+                if (pid >= end0) & (pid < end1):
+                    _store_into_cache(Keys, Length, y, M, L, row0, N, max_len, skb, skh, sks, key_width, BLOCK_M,
+                                      BLOCK_N)
+                elif (pid >= end1) & (pid < end2):
+                    _store_into_cache(Values, Length, y, M, L, row0, N, max_len, svb, svh, svs, value_width, BLOCK_M,
+                                      BLOCK_N)
             tl.store(Tickets + pid, 0)
 
 
@@ -148,7 +161,22 @@ def _finish_row_block(P, Out, Res, Cos, Sin, M, L, row0, N, nt, col0, rotate, sc
         cos = tl.load(Cos + cs, mask=spun, other=1.0).to(tl.float32)
         sin = tl.load(Sin + cs, mask=spun, other=0.0).to(tl.float32)
         y = tl.where(spun, rotated(y, y_partner, cos, sin, tl.where(j < HALF, -1.0, 1.0)[None, :]), y)
-    tl.store(Out + at, y.to(dtype), mask=ok)
+    y = y.to(dtype)
+    tl.store(Out + at, y, mask=ok)
+    return y
+
+
+@triton.jit
+def _store_into_cache(Cache, Length, y, M, L, row0, N, max_len, scb, sch, scs, width,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # y (BLOCK_M, BLOCK_N): tokens b L + l x columns row0.. of k's or v's output -> Cache[b, c // width, t + l,
+    # c % width] (B, H_kv, max_len, width), t the layer's length (int64, on the device; not advanced here); positions
+    # at or past max_len are not written (StaticLayer.update's index_copy_ fails there)
+    rows = tl.arange(0, BLOCK_M)
+    cols = row0 + tl.arange(0, BLOCK_N)
+    pos = tl.load(Length) + rows % L
+    at = (rows // L)[:, None] * scb + (cols // width)[None, :] * sch + pos[:, None] * scs + (cols % width)[None, :]
+    tl.store(Cache + at, y, mask=(rows[:, None] < M) & (cols[None, :] < N) & (pos < max_len)[:, None])
 
 
 @triton.jit(do_not_specialize=["M"])
