@@ -790,25 +790,53 @@ def test_decode_kernel_launch_in_steps_of_at_most_16_tokens():
 @pytest.mark.parametrize("device_shared_memory", [232448, 166912, 101376])  # H200 / H100, A100, most other GPUs
 def test_decode_kernel_tiles_fit_the_devices_shared_memory(device_shared_memory, monkeypatch):
     """Keys a tile and stages of the split-KV kernel: 128 keys for V1's 2d-wide values in steps of at most 16 tokens,
-    64 above and for narrower values; fewer keys, then fewer stages, where stages - 1 tiles of K and V (what Triton
-    3.6 keeps) would not fit in 90% of the device's shared memory."""
+    64 above and for narrower values; fewer keys, then fewer stages, where a program would take more than 90% of the
+    device's shared memory (`partial_shared_memory`: at 64 query rows a buffer for every stage)."""
     from modeling_diff.kernels import triton_decode
 
     monkeypatch.setattr(triton_decode, "shared_memory", lambda device: device_shared_memory)
     device = torch.device(DEVICE)
-    # (tokens, K width, V width) -> (keys, stages) at the H200's / the A100's / a 99 KiB device's shared memory
+    # (tokens, query rows a program, K width, V width) -> (keys, stages) at the H200's / the A100's / a 99 KiB
+    # device's shared memory
     expected = {
-        (1, 128, 128): [(128, 4), (64, 4), (64, 3)],  # V1 (2d = 128): 3 tiles of 128 keys are 192 KiB
-        (16, 128, 128): [(128, 4), (64, 4), (64, 3)],
-        (17, 128, 128): [(64, 3), (64, 3), (64, 3)],
-        (1, 64, 64): [(64, 4), (64, 4), (64, 4)],  # V2, DEX
-        (32, 64, 64): [(64, 3), (64, 3), (64, 3)],
+        (1, 16, 128, 128): [(128, 4), (64, 4), (64, 3)],  # V1 (2d = 128): 3 tiles of 128 keys are 192 KiB
+        (16, 16, 128, 128): [(128, 4), (64, 4), (64, 3)],
+        (17, 16, 128, 128): [(64, 3), (64, 3), (64, 3)],
+        (16, 64, 128, 128): [(64, 4), (64, 3), (64, 2)],  # a prefill of 8 tokens: 4 tiles at 4 stages
+        (1, 16, 64, 64): [(64, 4), (64, 4), (64, 4)],  # V2, DEX
+        (32, 16, 64, 64): [(64, 3), (64, 3), (64, 3)],
     }
     column = [232448, 166912, 101376].index(device_shared_memory)
-    for (tokens, k_dim, v_dim), wanted in expected.items():
-        block_n, stages = triton_decode.partial_tiles(tokens, k_dim, v_dim, 2, device)
+    for (tokens, rows, k_dim, v_dim), wanted in expected.items():
+        block_n, stages = triton_decode.partial_tiles(tokens, rows, k_dim, v_dim, 2, device)
         assert (block_n, stages) == wanted[column]
-        assert (stages - 1) * block_n * (k_dim + v_dim) * 2 <= 0.9 * device_shared_memory
+        taken = triton_decode.partial_shared_memory(rows, block_n, stages, k_dim, v_dim, 2)
+        assert stages == 2 or taken <= 0.9 * device_shared_memory  # 2 stages: the fewest
+
+
+def test_decode_kernel_shared_memory_bounds_what_triton_allocates_for_the_h200():
+    """`partial_shared_memory` against the split-KV kernel compiled for sm_90a on this machine (no GPU): at 16 and 64
+    query rows (at 64 Triton keeps a buffer for every stage), 64 and 128 keys, V1's and V2's widths; and the
+    configurations `partial_tiles` picks at the H200's shared memory fit in it."""
+    pytest.importorskip("triton.backends.nvidia", reason="triton's CUDA backend (and its ptxas) is not installed")
+    benchmarks = Path(__file__).resolve().parents[1] / "benchmarks"
+    script = (
+        "import kernel_registers as k\n"
+        "from modeling_diff.kernels.triton_decode import _decode_partial, partial_shared_memory\n"
+        "for rows, n, stages, dq, dk in ((16, 128, 4, 64, 128), (64, 128, 4, 64, 128), (64, 64, 4, 64, 128),\n"
+        "                                (16, 64, 4, 64, 64)):\n"
+        "    c = dict(SCALE=0.125, HAS_MASK=False, BLOCK_N=n, CHUNK_STATIC=0, PDL=True, G=8, BLOCK_R=rows, DQ=dq,\n"
+        "             DK=dk, DV=dk, PAIRED=dk == 2 * dq)\n"
+        "    shared = k.compile_sm90(_decode_partial, c, 4, stages).metadata.shared\n"
+        "    print(shared, partial_shared_memory(rows, n, stages, dk, dk, 2))\n"
+    )
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}  # compiled, not interpreted
+    run = subprocess.run([sys.executable, "-c", script], cwd=benchmarks, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    pairs = [tuple(map(int, line.split())) for line in run.stdout.split("\n") if line]
+    assert len(pairs) == 4 and all(0 < shared <= bound for shared, bound in pairs), pairs
+    assert pairs[0][0] <= 232448 and pairs[2][0] <= 232448  # V1's batch-1 step, a prefill's 64 rows: what runs
+    assert pairs[1][0] > 232448  # 128 keys at 64 rows and 4 stages: what failed on the H200, and is not picked
 
 
 def test_decode_attention_reads_strided_cache_views():
@@ -1002,7 +1030,7 @@ def test_combined_decode_attention_matches_the_formula(mode, heads, kv_heads, le
     if not GPU:
         monkeypatch.setattr(triton_decode, "shared_memory", lambda device: 1 << 20)
     dv = 2 * dqk if mode == "v1" else dqk
-    block_n, _ = triton_decode.partial_tiles(3 * length, dv if mode == "v1" else dqk, dv, DTYPE.itemsize,
+    block_n, _ = triton_decode.partial_tiles(3 * length, 16, dv if mode == "v1" else dqk, dv, DTYPE.itemsize,
                                              torch.device(DEVICE))
     assert block_n == (128 if 3 * length <= 16 and dv >= 128 else 64)  # steps of at most 16 tokens
 

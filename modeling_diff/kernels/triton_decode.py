@@ -223,17 +223,28 @@ def _plain(kernel):
     return kernel
 
 
-def partial_tiles(tokens: int, k_dim: int, v_dim: int, element_size: int, device: torch.device) -> tuple[int, int]:
-    """(keys per tile, pipeline stages) of the split-KV kernel in a step of `tokens` tokens: the constants above,
-    with fewer keys (down to PARTIAL_BLOCK_N) and then fewer stages where the K and V tiles would not fit in 90% of
-    the device's shared memory (Triton 3.6 keeps stages - 1 of them; the rest is its own scratch)."""
+def partial_shared_memory(block_rows: int, block_n: int, stages: int, k_dim: int, v_dim: int,
+                          element_size: int) -> int:
+    """Bytes of shared memory a program of the split-KV kernel takes, at most: what Triton 3.6 allocates, compiled for
+    sm_90a (`benchmarks/kernel_registers.py`'s compile): stages - 1 buffers of the K and V tiles below 64 rows, one
+    for every stage at 64 (its wgmma pipeline), and up to twice the query tile."""
+    buffers = stages if block_rows >= 64 else stages - 1
+    return buffers * block_n * (k_dim + v_dim) * element_size + 2 * block_rows * k_dim * element_size
+
+
+def partial_tiles(tokens: int, block_rows: int, k_dim: int, v_dim: int, element_size: int,
+                  device: torch.device) -> tuple[int, int]:
+    """(keys per tile, pipeline stages) of the split-KV kernel in a step of `tokens` tokens, `block_rows` query rows
+    a program: the constants above, with fewer keys (down to PARTIAL_BLOCK_N) and then fewer stages where a program
+    would take more than 90% of the device's shared memory (`partial_shared_memory`)."""
     few = tokens <= _triton.PDL_MAX_TOKENS
     block_n = PARTIAL_BLOCK_N_WIDE_FEW_TOKENS if few and v_dim >= WIDE_VALUES else PARTIAL_BLOCK_N
     stages = PARTIAL_NUM_STAGES_FEW_TOKENS if few else PARTIAL_NUM_STAGES
     room = int(0.9 * shared_memory(device))
-    while block_n > PARTIAL_BLOCK_N and (stages - 1) * block_n * (k_dim + v_dim) * element_size > room:
+    while block_n > PARTIAL_BLOCK_N and partial_shared_memory(block_rows, block_n, stages, k_dim, v_dim,
+                                                              element_size) > room:
         block_n //= 2
-    while stages > 2 and (stages - 1) * block_n * (k_dim + v_dim) * element_size > room:
+    while stages > 2 and partial_shared_memory(block_rows, block_n, stages, k_dim, v_dim, element_size) > room:
         stages -= 1
     return block_n, stages
 
@@ -253,7 +264,7 @@ def _partial_softmaxes(query, key, value, mask, scale: float, launcher):
     v_dim = value.shape[-1]
     groups = q_heads // kv_heads
     block_rows = max(16, next_power_of_2(groups * length))
-    block_n, stages = partial_tiles(batch * length, k_dim, v_dim, key.element_size(), query.device)
+    block_n, stages = partial_tiles(batch * length, block_rows, k_dim, v_dim, key.element_size(), query.device)
     # Enough chunks of equal length (a multiple of the tile) for about PROGRAMS_PER_SM programs per multiprocessor.
     # Not a power of two: a cache just past one (a StaticCache of 2048 + the new tokens) would get a full chunk
     # and a nearly empty one, half the programs, and half the memory traffic in flight (measured on the H200).

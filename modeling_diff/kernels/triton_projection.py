@@ -142,7 +142,7 @@ def _finish_row_block(P, Out, Res, Cos, Sin, M, L, row0, N, nt, col0, rotate, sc
     # dtype (F.linear's output); + Res (M, N) rounded again where ADD (residual + F.linear(...)); where HALF > 0 and
     # `rotate` (q's and k's blocks), RoPE on every 2 HALF wide head (`triton_rope.py`'s arithmetic: float32, rounded
     # once) with the token's cos and sin (B or 1, L, 2 HALF; batch stride scb, 0 = shared): the block holds whole
-    # heads, so a column's partner is a column of this block.
+    # heads, so a column's partner is a column of this block. -> the block (BLOCK_M, BLOCK_N) as stored, in Out's dtype
     rows = tl.arange(0, BLOCK_M)
     cols = row0 + tl.arange(0, BLOCK_N)
     ok = (rows[:, None] < M) & (cols[None, :] < N)
