@@ -204,3 +204,25 @@ def test_the_projections_do_not_write_where_the_kernel_would_not():
     assert projection_cache_layer(fast, 0, x.double(), 16, 16) is None
     assert projection_cache_layer(fast, 0, x[:1], 16, 16) is None
     assert projection_cache_layer(fast, 0, x.expand(2, 33, -1), 16, 16) is None
+
+
+@torch.no_grad()
+def test_a_length_out_of_range_writes_nothing_outside_the_cache():
+    """A layer whose length is negative (a corrupted cache) or past its end: neither the write kernel nor the
+    projections' launch stores anything outside the layer's tensors (views of larger ones here, whose other rows
+    must stay zero)."""
+    from modeling_diff.kernels import projection
+
+    _, fast = prefilled_caches(batch=2, heads=2, dk=8, dv=8, max_cache_len=12)
+    layer = fast.layers[0]
+    spare = [torch.zeros(*t.shape[:2], 36, t.shape[3], dtype=DTYPE, device=DEVICE) for t in (layer.keys, layer.values)]
+    for backing, t in zip(spare, (layer.keys, layer.values)):
+        backing[:, :, 12:24] = t
+    layer.keys, layer.values = (backing[:, :, 12:24] for backing in spare)
+    for length in (-6, 12):
+        layer.cumulative_length.fill_(length)
+        key, value = step(batch=2, heads=2, length=2, dk=8, dv=8)
+        update_cache(fast, 0, key, value)
+        x, layers, cos, sin = projection_step(batch=2, length=2, cache_width=8)
+        projection.rotated_projections(x, layers, cos, sin, 8, (layer.keys, layer.values, layer.cumulative_length))
+        assert all(backing[:, :, :12].abs().sum() == 0 and backing[:, :, 24:].abs().sum() == 0 for backing in spare)

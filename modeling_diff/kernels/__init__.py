@@ -50,8 +50,9 @@ __all__ = [
     "DIFF_TRITON", "FUSED_DIFF", "DexCombine", "V1Combine", "V2Combine", "add_rms_norm", "add_rms_norm_applies",
     "apply_rope", "combined_decode_applies", "combined_decode_attention", "diff_triton_attention_forward",
     "flash_diff_applies", "flash_diff_attention", "gated_projection", "gated_projection_applies", "has_extra_options",
-    "is_plain_linear", "linear_maps", "mark_written", "projection_cache_layer", "resolve", "rms_norm", "rms_norm_kernel_applies", "rope_cos_sin",
-    "rope_cos_sin_applies", "rotated_projections", "rotated_projections_apply", "silu_mul", "silu_mul_applies",
-    "runs_own_forward", "split_linear", "split_linear_applies", "swiglu_mlp", "swiglu_mlp_applies", "triton_available",
-    "update_cache", "uses_fast_kernels", "v1_combine", "v2_combine", "v2_combine_projected", "written_layer",
+    "is_plain_linear", "linear_maps", "mark_written", "projection_cache_layer", "resolve", "rms_norm",
+    "rms_norm_kernel_applies", "rope_cos_sin", "rope_cos_sin_applies", "rotated_projections",
+    "rotated_projections_apply", "silu_mul", "silu_mul_applies", "runs_own_forward", "split_linear",
+    "split_linear_applies", "swiglu_mlp", "swiglu_mlp_applies", "triton_available", "update_cache", "uses_fast_kernels",
+    "v1_combine", "v2_combine", "v2_combine_projected", "written_layer",
 ]

@@ -26,7 +26,6 @@ length.
 
 import weakref
 
-
 import torch
 from transformers.cache_utils import Cache, StaticLayer
 

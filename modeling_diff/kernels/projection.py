@@ -115,10 +115,10 @@ def launch_projections(rows, weights, y, block_n: int, step: int, stages: int, w
         _projections[(sum(cdiv(n, block_n) for n in widths), split)](
             rows, *weights, *weights[:1] * pad, y, m, *widths, *(0,) * pad,
             y if out is None else out, y if residual is None else residual, cos, sin,
-            y if tickets is None else tickets, length, *strides, *cache_args, K=k, SPLIT=split, SUMMED=out is not None,
-            ADD=residual is not None, HALF=head_dim // 2, CACHED=cache is not None, BLOCK_M=max(16, next_power_of_2(m)),
-            BLOCK_N=block_n,
-            BLOCK_K=step, PDL=pdl, num_stages=stages, num_warps=warps, launch_pdl=pdl,
+            y if tickets is None else tickets, length, *strides, *cache_args, K=k, SPLIT=split,
+            SUMMED=out is not None, ADD=residual is not None, HALF=head_dim // 2, CACHED=cache is not None,
+            BLOCK_M=max(16, next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=step, PDL=pdl, num_stages=stages,
+            num_warps=warps, launch_pdl=pdl,
         )
     except BaseException:  # a launch cut short (the interpreter's programs run one by one) leaves no ticket taken
         if tickets is not None:

@@ -3,8 +3,8 @@
 Imported only when triton is installed (see `kernels/cache_write.py` for the reference, transformers'
 `StaticLayer.update`, and the dispatch). A program owns one new token (b, l) and BLOCK_H kv heads; it reads the
 layer's length t (`cumulative_length`, on the device) and stores the token's key and value at position t + l of
-`keys` and `values` (B, H_kv, max_cache_len, D). Positions at or beyond max_cache_len are not written (transformers'
-`index_copy_` fails there). The length becomes t + L once every program has read it: each program takes a ticket
+`keys` and `values` (B, H_kv, max_cache_len, D). Positions outside [0, max_cache_len) are not written
+(transformers' `index_copy_` fails there). The length becomes t + L once every program has read it: each program takes a ticket
 (an atomic add, acquire-release), and the program with the last ticket stores t + L and puts the ticket back to 0.
 """
 
@@ -41,7 +41,7 @@ def _static_cache_write(
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     start = tl.load(Length)  # int64: the tokens the layer holds before this step
     pos = start + l
-    ok = (heads < H) & (pos < MAX_LEN)
+    ok = (heads < H) & (pos >= 0) & (pos < MAX_LEN)  # a length out of range writes nothing
     _copy_heads(K, Keys, b, l, pos, heads, ok, skb, skh, skl, sKb, sKh, sKs, DK)
     _copy_heads(V, Values, b, l, pos, heads, ok, svb, svh, svl, sVb, sVh, sVs, DV)
     # every program has read the length before its ticket (acquire-release): the last one advances it

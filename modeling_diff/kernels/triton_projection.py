@@ -171,12 +171,13 @@ def _store_into_cache(Cache, Length, y, M, L, row0, N, max_len, scb, sch, scs, w
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # y (BLOCK_M, BLOCK_N): tokens b L + l x columns row0.. of k's or v's output -> Cache[b, c // width, t + l,
     # c % width] (B, H_kv, max_len, width), t the layer's length (int64, on the device; not advanced here); positions
-    # at or past max_len are not written (StaticLayer.update's index_copy_ fails there)
+    # outside [0, max_len) are not written (StaticLayer.update's index_copy_ fails there)
     rows = tl.arange(0, BLOCK_M)
     cols = row0 + tl.arange(0, BLOCK_N)
     pos = tl.load(Length) + rows % L
     at = (rows // L)[:, None] * scb + (cols // width)[None, :] * sch + pos[:, None] * scs + (cols % width)[None, :]
-    tl.store(Cache + at, y, mask=(rows[:, None] < M) & (cols[None, :] < N) & (pos < max_len)[:, None])
+    written = (pos >= 0) & (pos < max_len)
+    tl.store(Cache + at, y, mask=(rows[:, None] < M) & (cols[None, :] < N) & written[:, None])
 
 
 @triton.jit(do_not_specialize=["M"])
