@@ -4,8 +4,8 @@ process:
 - `pdl`: programmatic dependent launch (`kernels/_triton.PDL_ENABLED`);
 - `split`: o_proj / down_proj split along their input (`kernels/projection.split_linear`; off: cuBLAS and the
   residual add, as before it);
-- `cache_write`: the StaticCache write in one launch, in the projections' launch where they split (`kernels/cache_write.py`;
-  off: transformers' `Cache.update`);
+- `cache_write`: the StaticCache write in one launch, in the projections' launch where they split
+  (`kernels/cache_write.py`; off: transformers' `Cache.update`);
 - `projection_write`: the StaticCache write in the projections' launch (off: in a launch of its own);
 - `rotated`: q, k, v split along their input, summed and rotated in one pass (`kernels/projection.rotated_projections`;
   off: one launch for the products, then the RoPE kernel);
@@ -16,7 +16,7 @@ process:
 
 `--partial BLOCK_N,WARPS,STAGES,PROGRAMS_PER_SM ...` adds a variant per launch configuration of the split-KV decode
 kernel (`kernels/triton_decode.py`; its default is 64,4,3,2, with 4 stages and 3 programs a multiprocessor in steps of
-at most 16 tokens, and 128 keys a tile there for V1's 2d-wide values).
+at most 16 tokens, and 128 keys a tile there for V1's 2d-wide values; BLOCK_N sets both widths).
 `--constants MODULE.NAME=VALUE[+MODULE.NAME=VALUE...] ...` adds one per set of the kernels' launch rules, MODULE one of
 `_triton`, `projection`, `triton_decode` (e.g. `projection.SPLIT_MAX_TOKENS=32+_triton.PDL_MAX_TOKENS=32`: the split
 products and PDL, with the decode kernel's few-token launch, at batch 32).
@@ -70,8 +70,8 @@ VARIANTS = ["default", *FEATURES]
 
 # --partial's fields -> the constants each sets (STAGES: at every token count)
 PARTIAL_CONSTANTS = (
-    ("PARTIAL_BLOCK_N", "PARTIAL_BLOCK_N_WIDE_FEW_TOKENS"), ("PARTIAL_NUM_WARPS",), ("PARTIAL_NUM_STAGES", "PARTIAL_NUM_STAGES_FEW_TOKENS"),
-    ("PROGRAMS_PER_SM", "PROGRAMS_PER_SM_FEW_TOKENS"),
+    ("PARTIAL_BLOCK_N", "PARTIAL_BLOCK_N_WIDE_FEW_TOKENS"), ("PARTIAL_NUM_WARPS",),
+    ("PARTIAL_NUM_STAGES", "PARTIAL_NUM_STAGES_FEW_TOKENS"), ("PROGRAMS_PER_SM", "PROGRAMS_PER_SM_FEW_TOKENS"),
 )
 
 

@@ -35,8 +35,8 @@ from .triton_launch import let_dependents_start, wait_for_inputs
 # The split-KV kernel's launch parameters, in one place for tuning on the GPU; `_partial_softmaxes` passes them.
 PARTIAL_BLOCK_N = 64  # keys per tile; a power of two >= 16 (tl.dot's smallest), and the shortest chunk
 # Keys per tile in steps of at most PDL_MAX_TOKENS tokens whose values are at least WIDE_VALUES wide (V1's 2d): on the
-# H200 128 took V1's batch-1 step at a 2K context from 0.885 to 0.856 ms (half the chunks, each 2d wide, for the
-# reduce to merge), where V2's (64-wide values) went from 0.929 to 0.973 ms (benchmarks/decode_variants.py --partial).
+# H200 128 took V1's batch-1 step at a 2K context from 0.885 to 0.856 ms (half the chunks for the reduce to merge),
+# where V2's (64-wide values) went from 0.929 to 0.973 ms (benchmarks/decode_variants.py --partial).
 PARTIAL_BLOCK_N_WIDE_FEW_TOKENS = 128
 WIDE_VALUES = 128
 PARTIAL_NUM_WARPS = 4
