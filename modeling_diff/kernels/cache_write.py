@@ -50,22 +50,33 @@ def _static_layer(cache: Cache, layer_idx: int) -> StaticLayer | None:
     return layer if type(layer) is StaticLayer and layer.is_initialized else None
 
 
+def _layer_takes(layer: StaticLayer, batch: int, tokens: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """The layer's side of both writes (the kernel's and the projections'): plain tensors of `dtype` on `device`
+    with contiguous rows and the step's batch, a length the kernels read (int64, one element, on the device), and at
+    most MAX_TOKENS new tokens."""
+    keys, values, length = layer.keys, layer.values, layer.cumulative_length
+    return (
+        type(keys) is type(values) is torch.Tensor  # DTensors, subclasses: their own dispatch
+        and batch * tokens <= MAX_TOKENS and keys.shape[0] == values.shape[0] == batch
+        and keys.dtype == values.dtype == dtype and keys.device == values.device == length.device == device
+        and length.dtype == torch.int64 and length.numel() == 1
+        and keys.stride(-1) == values.stride(-1) == 1
+    )
+
+
 def static_cache_write_applies(layer: StaticLayer | None, key: torch.Tensor, value: torch.Tensor) -> bool:
     if layer is None or needs_grad(key, value) or not eager_kernels_run_on(key):
         return False
-    if not (type(key) is type(value) is type(layer.keys) is type(layer.values) is torch.Tensor):
+    if not (type(key) is type(value) is torch.Tensor):
         return False  # DTensors, subclasses: their own dispatch
     keys, values = layer.keys, layer.values
     return (
-        key.shape[0] * key.shape[2] <= MAX_TOKENS
-        and key.dtype == value.dtype == keys.dtype == values.dtype
-        and key.device == value.device == keys.device == values.device == layer.cumulative_length.device
-        and layer.cumulative_length.dtype == torch.int64 and layer.cumulative_length.numel() == 1
-        and key.shape[:2] == keys.shape[:2] and value.shape[:2] == values.shape[:2]
-        and key.shape[2] == value.shape[2]
+        _layer_takes(layer, key.shape[0], key.shape[2], key.dtype, key.device)
+        and value.dtype == key.dtype and value.device == key.device
+        and key.shape[1] == keys.shape[1] and value.shape[:3] == (key.shape[0], values.shape[1], key.shape[2])
         and key.shape[-1] == keys.shape[-1] and value.shape[-1] == values.shape[-1]
         and is_power_of_2(key.shape[-1]) and is_power_of_2(value.shape[-1])
-        and all(t.stride(-1) == 1 for t in (key, value, keys, values))
+        and key.stride(-1) == value.stride(-1) == 1
     )
 
 
@@ -93,19 +104,15 @@ def write_static_cache(layer: StaticLayer, key: torch.Tensor, value: torch.Tenso
 def projection_cache_layer(cache: Cache | None, layer_idx: int, x: torch.Tensor, key_width: int,
                            value_width: int) -> StaticLayer | None:
     """The StaticCache layer into which the projections of x (B, L, hidden) may store the step's keys and values
-    (key_width and value_width columns: whole heads of the layer's), else None; the conditions of
-    `static_cache_write_applies`, on what the projections will produce."""
+    (key_width and value_width columns: whole heads of the layer's), else None: the layer's side of
+    `static_cache_write_applies` (`_layer_takes`), on what the projections will produce."""
     layer = _static_layer(cache, layer_idx) if cache is not None else None
-    if layer is None or not eager_kernels_run_on(x):
+    if layer is None or not eager_kernels_run_on(x) or x.dim() != 3:
         return None
-    keys, values, length = layer.keys, layer.values, layer.cumulative_length
+    keys, values = layer.keys, layer.values
     return layer if (
-        type(keys) is type(values) is torch.Tensor
-        and x.dim() == 3 and x.shape[0] * x.shape[1] <= MAX_TOKENS and x.shape[0] == keys.shape[0] == values.shape[0]
-        and x.dtype == keys.dtype == values.dtype and x.device == keys.device == values.device == length.device
-        and length.dtype == torch.int64 and length.numel() == 1
+        _layer_takes(layer, x.shape[0], x.shape[1], x.dtype, x.device)
         and key_width == keys.shape[1] * keys.shape[3] and value_width == values.shape[1] * values.shape[3]
-        and keys.stride(-1) == values.stride(-1) == 1
     ) else None
 
 
