@@ -649,6 +649,41 @@ def test_split_config_divides_the_width(width):
     assert block_n == 64 and 1 <= split <= 8 and width % (split * step) == 0 and step & (step - 1) == 0
 
 
+def test_decode_chunks_are_at_most_the_programs_that_fit_at_once(monkeypatch):
+    """The split-KV kernel's chunks aim at PROGRAMS_PER_SM(_FEW_TOKENS) programs a multiprocessor, and at no more than
+    fit in its shared memory at once (each program's bytes and the 1 KiB the GPU reserves): V1's 128-key programs
+    at 4 stages take 200 KiB of the H200's 228, so one fits, and more chunks would run in a second wave."""
+    from modeling_diff.kernels import triton_decode
+
+    device = torch.device(DEVICE)
+    h200 = 228 * 1024
+    monkeypatch.setattr(triton_decode, "_sm_shared_memory", lambda device: h200)
+    assert triton_decode.programs_per_sm(1, 204800, device) == 1  # V1, batch 1: 128 keys, 4 stages
+    assert triton_decode.programs_per_sm(1, 53248, device) == 3  # V2, DEX, batch 1: 4 fit, 3 aimed at
+    assert triton_decode.programs_per_sm(32, 71680, device) == 2  # V1, batch 32: 3 fit, 2 aimed at
+    assert triton_decode.programs_per_sm(1, h200, device) == 1  # never none
+
+    splits = []
+
+    class Recorded:  # a launcher (`_partial_softmaxes`' argument) that records the launch's splits
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            splits.append(grid[1])
+            return self.kernel[grid]
+
+    sms = triton_decode._sm_count(device)
+    kv_length = 64 * 6 * sms
+    query, key, value = rand(1, 4, 1, 16), rand(1, 2, kv_length, 16), rand(1, 2, kv_length, 16)
+    program = triton_decode.partial_shared_memory(16, 64, 4, 16, 16, DTYPE.itemsize)
+    with torch.no_grad():
+        for fit in (3, 1):  # programs of this launch that fit in a multiprocessor
+            monkeypatch.setattr(triton_decode, "_sm_shared_memory", lambda device: fit * (program + 1024))
+            work, *_ = triton_decode._partial_softmaxes(query, key, value, None, 0.25, Recorded)
+    assert splits == [3 * sms // 2, sms // 2]  # 2 kv heads: 3 programs a multiprocessor, then the 1 that fits
+
+
 @pytest.mark.parametrize("device_shared_memory", [232448, 166912, 101376])  # H200 / H100, A100, most other GPUs
 def test_projection_pipelines_fit_the_devices_shared_memory(device_shared_memory, monkeypatch):
     """Loads in flight: 4 where they fit, fewer where x's and the weights' tiles would overflow a device's shared
@@ -816,25 +851,27 @@ def test_decode_kernel_tiles_fit_the_devices_shared_memory(device_shared_memory,
 
 def test_decode_kernel_shared_memory_bounds_what_triton_allocates_for_the_h200():
     """`partial_shared_memory` against the split-KV kernel compiled for sm_90a on this machine (no GPU): at 16 and 64
-    query rows (at 64 Triton keeps a buffer for every stage), 64 and 128 keys, V1's and V2's widths; and the
+    query rows (at 64 Triton keeps a buffer for every stage), 64 and 128 keys, V1's and V2's widths, with and without
+    a mask (its tiles are pipelined too: a StaticCache step passes one); and the
     configurations `partial_tiles` picks at the H200's shared memory fit in it."""
     pytest.importorskip("triton.backends.nvidia", reason="triton's CUDA backend (and its ptxas) is not installed")
     benchmarks = Path(__file__).resolve().parents[1] / "benchmarks"
     script = (
         "import kernel_registers as k\n"
         "from modeling_diff.kernels.triton_decode import _decode_partial, partial_shared_memory\n"
-        "for rows, n, stages, dq, dk in ((16, 128, 4, 64, 128), (64, 128, 4, 64, 128), (64, 64, 4, 64, 128),\n"
-        "                                (16, 64, 4, 64, 64)):\n"
-        "    c = dict(SCALE=0.125, HAS_MASK=False, BLOCK_N=n, CHUNK_STATIC=0, PDL=True, G=8, BLOCK_R=rows, DQ=dq,\n"
-        "             DK=dk, DV=dk, PAIRED=dk == 2 * dq)\n"
+        "for rows, n, stages, dq, dk, mask in ((16, 128, 4, 64, 128, 0), (64, 128, 4, 64, 128, 0),\n"
+        "                                      (64, 64, 4, 64, 128, 0), (16, 64, 4, 64, 64, 0),\n"
+        "                                      (16, 128, 4, 64, 128, 1), (16, 64, 4, 64, 64, 1)):\n"
+        "    c = dict(SCALE=0.125, HAS_MASK=bool(mask), BLOCK_N=n, CHUNK_STATIC=0, PREFETCH=False, PDL=True, G=8,\n"
+        "             BLOCK_R=rows, DQ=dq, DK=dk, DV=dk, PAIRED=dk == 2 * dq)\n"
         "    shared = k.compile_sm90(_decode_partial, c, 4, stages).metadata.shared\n"
-        "    print(shared, partial_shared_memory(rows, n, stages, dk, dk, 2))\n"
+        "    print(shared, partial_shared_memory(rows, n, stages, dk, dk, 2, bool(mask)))\n"
     )
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}  # compiled, not interpreted
     run = subprocess.run([sys.executable, "-c", script], cwd=benchmarks, env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
     pairs = [tuple(map(int, line.split())) for line in run.stdout.split("\n") if line]
-    assert len(pairs) == 4 and all(0 < shared <= bound for shared, bound in pairs), pairs
+    assert len(pairs) == 6 and all(0 < shared <= bound for shared, bound in pairs), pairs
     assert pairs[0][0] <= 232448 and pairs[2][0] <= 232448  # V1's batch-1 step, a prefill's 64 rows: what runs
     assert pairs[1][0] > 232448  # 128 keys at 64 rows and 4 stages: what failed on the H200, and is not picked
 
@@ -1049,6 +1086,27 @@ def test_combined_decode_attention_matches_the_formula(mode, heads, kv_heads, le
     out = combined_decode_attention(q, k, v, mask, 0.3, combine)
     assert out.shape == (batch, length, heads, ref.shape[-1]) and out.dtype == DTYPE
     assert rel_err(out, ref) < TOL
+
+
+@pytest.mark.parametrize("mode", ["v1", "v2", "dex"])
+@torch.no_grad()
+def test_combined_decode_after_the_projections_write_reads_the_new_positions(mode):
+    """Where the projections' launch stored the step's keys and values (`advance`: the layer's length before the
+    step), the kernel reads each chunk's first tile before its wait, all but the step's positions, and those after
+    it (PREFETCH), then advances the length: the output equals the definitions wherever the new positions fall (the
+    first tile of a chunk, a later one, the cache's last positions), and the length grows by the step's tokens."""
+    from modeling_diff.kernels import combined_decode_attention
+
+    torch.manual_seed(7)
+    batch, heads, kv_heads, length, kv_length, dqk = 2, 4, 2, 2, 300, 16
+    for written in (0, 63, 64, 130, kv_length - length):
+        position = written + torch.arange(length, device=DEVICE)  # of the step's tokens
+        visible = (torch.arange(kv_length, device=DEVICE)[None, :] <= position[:, None]).expand(batch, -1, -1)
+        q, k, v, combine, ref = combined_decode_step(mode, heads, kv_heads, length, kv_length, dqk, visible, 0)
+        advance = torch.tensor([written], device=DEVICE)
+        out = combined_decode_attention(q, k, v, visible[:, None], 0.3, combine, advance=advance)
+        assert rel_err(out, ref) < TOL, written
+        assert advance.item() == written + length
 
 
 # (mode, heads, kv heads, query tokens, cached tokens, q/k width); mode None: plain attention of `heads` query

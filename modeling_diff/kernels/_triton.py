@@ -76,6 +76,7 @@ def tickets_of(owner, count: int, device: torch.device) -> torch.Tensor:
 
 
 INTERPRETER_SHARED_MEMORY = 227 * 1024  # the H200's, where the interpreter runs the kernels (CI)
+INTERPRETER_SM_SHARED_MEMORY = 228 * 1024  # the H200's for a multiprocessor's resident programs
 
 
 @functools.cache

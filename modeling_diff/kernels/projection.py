@@ -137,6 +137,9 @@ def launch_gated_projection(rows, w_gate, w_up, y, block_n: int, step: int, stag
 
 
 SPLIT_MAX_TOKENS = 16
+# Tokens of a step whose q, k and v `rotated_projections` takes (split, summed, rotated and stored into a StaticCache
+# layer in one launch); tuned apart from o_proj's and down_proj's split (benchmarks/decode_variants.py --constants).
+ROTATED_MAX_TOKENS = 16
 SMALLEST_BLOCK_N = 16  # rows a program of the split products, at the least
 
 
@@ -192,11 +195,11 @@ def linear_maps(x: torch.Tensor, *linears: nn.Linear, fused: bool) -> tuple[torc
 
 
 def rotated_projections_apply(x: torch.Tensor, linears, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> bool:
-    """Whether `rotated_projections` takes x: steps of at most SPLIT_MAX_TOKENS tokens (as `split_linear`), two to
-    MAX_WEIGHTS plain layers, q's and k's widths whole heads, whole heads in a row block (`rotated_block`), cos and
+    """Whether `rotated_projections` takes x: steps of at most ROTATED_MAX_TOKENS tokens, two to MAX_WEIGHTS plain
+    layers, q's and k's widths whole heads, whole heads in a row block (`rotated_block`), cos and
     sin (B or 1, L, head_dim) of x's dtype."""
     return (
-        few_rows_apply(x) and x.dim() == 3 and x.numel() <= SPLIT_MAX_TOKENS * x.shape[-1]
+        few_rows_apply(x) and x.dim() == 3 and x.numel() <= ROTATED_MAX_TOKENS * x.shape[-1]
         and 2 <= len(linears) <= MAX_WEIGHTS and all(kernel_reads(layer, x) for layer in linears)
         and linears[0].out_features % head_dim == 0 and linears[1].out_features % head_dim == 0 and head_dim % 2 == 0
         and rotated_block(x.shape[-1], head_dim) % head_dim == 0

@@ -50,6 +50,39 @@ PARTIAL_NUM_STAGES_FEW_TOKENS = 4
 # 1.81 -> 1.99 ms (benchmarks/decode_variants.py --partial).
 PROGRAMS_PER_SM = 2
 PROGRAMS_PER_SM_FEW_TOKENS = 3
+# The read before the wait (PREFETCH) takes a tile of keys and values of at most this many bytes: it sits in
+# registers across the wait (32 KiB is 64 a thread at 4 warps).
+PREFETCH_MAX_BYTES = 32 * 1024
+
+
+# The cache length (and with it the causal offset, the mask's strides, the chunk length and the number of chunks)
+# grows every step: not specialized on (Triton would compile a variant whenever one crosses a multiple of 16), so
+# one compiled kernel serves a whole generation.
+@triton.jit
+def _attend_tile(q, K, V, Mask, b, kvh, t, row_ok, dk, dv, n, k, v, skb, skh, sks, svb, svh, svs, smb, sml, sms,
+                 S, offset, qk_scale, m_i, l_i, acc, HAS_MASK: tl.constexpr):
+    """One tile of keys n (BLOCK_N,) into the online softmax (m_i, l_i, acc) of the rows; k (DK, BLOCK_N) and v
+    (BLOCK_N, DV) as loaded, or None to load them here."""
+    n_ok = n < S
+    if k is None:
+        k = tl.load(K + b * skb + kvh * skh + n[None, :] * sks + dk[:, None], mask=n_ok[None, :], other=0.0)
+    s = tl.dot(q, k) * qk_scale  # (BLOCK_R, BLOCK_N), fp32
+    if HAS_MASK:
+        allowed = tl.load(
+            Mask + b * smb + t[:, None] * sml + n[None, :] * sms, mask=row_ok[:, None] & n_ok[None, :], other=0
+        ) != 0
+    else:  # causal (kernels/masks.py)
+        allowed = n[None, :] <= (offset + t)[:, None]
+    allowed = allowed & n_ok[None, :]
+    s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    if v is None:
+        v = tl.load(V + b * svb + kvh * svh + n[:, None] * svs + dv[None, :], mask=n_ok[:, None], other=0.0)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
 
 
 # The cache length (and with it the causal offset, the mask's strides, the chunk length and the number of chunks)
@@ -57,27 +90,38 @@ PROGRAMS_PER_SM_FEW_TOKENS = 3
 # one compiled kernel serves a whole generation.
 @triton.jit(do_not_specialize=["smb", "sml", "S", "offset", "chunk", "splits", "parts"])
 def _decode_partial(
-    Q, K, V, Mask, Part,
+    Q, K, V, Mask, Part, Written,
     sqb, sqh, sql, skb, skh, sks, svb, svh, svs, smb, sml, sms,
     H_KV, S, L, offset, chunk, splits, parts,
     SCALE: tl.constexpr,  # a compile-time constant: a runtime float would reach Inductor's launch as fp64
     G: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     DQ: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, PAIRED: tl.constexpr,
     CHUNK_STATIC: tl.constexpr,  # `chunk` under the interpreter, whose loop bounds must be compile-time; else 0
-    PDL: tl.constexpr,
+    PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
+    # PREFETCH: the step's keys and values are at the positions Written.. (a StaticCache layer's length, int64, that
+    # the projections' launch, the kernel before, did not advance: `cache_write.py`). The first tile's other
+    # positions, written in earlier steps, are read before the wait, so that their latency overlaps the kernel
+    # before; its new positions after it.
     let_dependents_start(PDL)
-    wait_for_inputs(PDL)  # the cache's new entries are the kernel before's
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     b = pid_bh // H_KV
     kvh = pid_bh % H_KV
+    dk = tl.arange(0, DK)
+    dv = tl.arange(0, DV)
+    start = split * chunk  # chunk: a multiple of BLOCK_N
+    if PREFETCH:
+        n = start + tl.arange(0, BLOCK_N)
+        written = tl.load(Written)
+        earlier = (n < written) & (n < S)
+        k = tl.load(K + b * skb + kvh * skh + n[None, :] * sks + dk[:, None], mask=earlier[None, :], other=0.0)
+        v = tl.load(V + b * svb + kvh * svh + n[:, None] * svs + dv[None, :], mask=earlier[:, None], other=0.0)
+    wait_for_inputs(PDL)  # the query, and the cache's new entries, are the kernel before's
     r = tl.arange(0, BLOCK_R)
     g = r // L  # query head within the group
     t = r % L  # query token
     row_ok = r < G * L
-    dk = tl.arange(0, DK)
-    dv = tl.arange(0, DV)
     # PAIRED (V1, DK = 2 DQ): query head 2i + m holds Q_m (DQ wide) of differential head i and is read into
     # columns m DQ.. of a zero row, so its dot with the cached K1|K2 is Q_m . K_m. Otherwise DK = DQ.
     column = dk[None, :] - ((kvh * G + g) % 2 * DQ)[:, None] if PAIRED else dk[None, :]
@@ -91,27 +135,18 @@ def _decode_partial(
     m_i = tl.full((BLOCK_R,), -1.0e30, tl.float32)
     l_i = tl.zeros((BLOCK_R,), tl.float32)
     acc = tl.zeros((BLOCK_R, DV), tl.float32)
-    start = split * chunk  # chunk: a multiple of BLOCK_N
-    for n0 in range(0, CHUNK_STATIC if CHUNK_STATIC > 0 else chunk, BLOCK_N):
-        n = start + n0 + tl.arange(0, BLOCK_N)
-        n_ok = n < S
-        k = tl.load(K + b * skb + kvh * skh + n[None, :] * sks + dk[:, None], mask=n_ok[None, :], other=0.0)
-        s = tl.dot(q, k) * qk_scale  # (BLOCK_R, BLOCK_N), fp32
-        if HAS_MASK:
-            allowed = tl.load(
-                Mask + b * smb + t[:, None] * sml + n[None, :] * sms, mask=row_ok[:, None] & n_ok[None, :], other=0
-            ) != 0
-        else:  # causal (kernels/masks.py)
-            allowed = n[None, :] <= (offset + t)[:, None]
-        allowed = allowed & n_ok[None, :]
-        s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        v = tl.load(V + b * svb + kvh * svh + n[:, None] * svs + dv[None, :], mask=n_ok[:, None], other=0.0)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    if PREFETCH:
+        new = (n >= written) & (n < S)
+        k = tl.where(new[None, :], tl.load(K + b * skb + kvh * skh + n[None, :] * sks + dk[:, None],
+                                           mask=new[None, :], other=0.0), k)
+        v = tl.where(new[:, None], tl.load(V + b * svb + kvh * svh + n[:, None] * svs + dv[None, :],
+                                           mask=new[:, None], other=0.0), v)
+        m_i, l_i, acc = _attend_tile(q, K, V, Mask, b, kvh, t, row_ok, dk, dv, n, k, v, skb, skh, sks, svb, svh, svs,
+                                     smb, sml, sms, S, offset, qk_scale, m_i, l_i, acc, HAS_MASK)
+    for n0 in range(BLOCK_N if PREFETCH else 0, CHUNK_STATIC if CHUNK_STATIC > 0 else chunk, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(q, K, V, Mask, b, kvh, t, row_ok, dk, dv, start + n0 + tl.arange(0, BLOCK_N),
+                                     None, None, skb, skh, sks, svb, svh, svs, smb, sml, sms, S, offset, qk_scale,
+                                     m_i, l_i, acc, HAS_MASK)
 
     part = pid_bh * splits + split
     tl.store(Part + (part * BLOCK_R + r)[:, None] * DV + dv[None, :], acc)
@@ -224,39 +259,57 @@ def _plain(kernel):
 
 
 def partial_shared_memory(block_rows: int, block_n: int, stages: int, k_dim: int, v_dim: int,
-                          element_size: int) -> int:
+                          element_size: int, masked: bool = False) -> int:
     """Bytes of shared memory a program of the split-KV kernel takes, at most: what Triton 3.6 allocates, compiled for
-    sm_90a (`benchmarks/kernel_registers.py`'s compile): stages - 1 buffers of the K and V tiles below 64 rows, one
-    for every stage at 64 (its wgmma pipeline), and up to twice the query tile."""
+    sm_90a (`benchmarks/kernel_registers.py`'s compile): stages - 1 buffers of the K and V tiles (and, `masked`,
+    of the bool mask's) below 64 rows, one for every stage at 64 (its wgmma pipeline), and up to twice the query
+    tile."""
     buffers = stages if block_rows >= 64 else stages - 1
-    return buffers * block_n * (k_dim + v_dim) * element_size + 2 * block_rows * k_dim * element_size
+    tile = block_n * (k_dim + v_dim) * element_size + (block_rows * block_n if masked else 0)
+    return buffers * tile + 2 * block_rows * k_dim * element_size
 
 
-def partial_tiles(tokens: int, block_rows: int, k_dim: int, v_dim: int, element_size: int,
-                  device: torch.device) -> tuple[int, int]:
+def partial_tiles(tokens: int, block_rows: int, k_dim: int, v_dim: int, element_size: int, device: torch.device,
+                  masked: bool = False) -> tuple[int, int]:
     """(keys per tile, pipeline stages) of the split-KV kernel in a step of `tokens` tokens, `block_rows` query rows
-    a program: the constants above, with fewer keys (down to PARTIAL_BLOCK_N) and then fewer stages where a program
-    would take more than 90% of the device's shared memory (`partial_shared_memory`)."""
+    a program (`masked`: reading a bool mask): the constants above, with fewer keys (down to PARTIAL_BLOCK_N) and then
+    fewer stages where a program would take more than 90% of the device's shared memory (`partial_shared_memory`)."""
     few = tokens <= _triton.PDL_MAX_TOKENS
     block_n = PARTIAL_BLOCK_N_WIDE_FEW_TOKENS if few and v_dim >= WIDE_VALUES else PARTIAL_BLOCK_N
     stages = PARTIAL_NUM_STAGES_FEW_TOKENS if few else PARTIAL_NUM_STAGES
     room = int(0.9 * shared_memory(device))
-    while block_n > PARTIAL_BLOCK_N and partial_shared_memory(block_rows, block_n, stages, k_dim, v_dim,
-                                                              element_size) > room:
+
+    def fits() -> bool:
+        return partial_shared_memory(block_rows, block_n, stages, k_dim, v_dim, element_size, masked) <= room
+
+    while block_n > PARTIAL_BLOCK_N and not fits():
         block_n //= 2
-    while stages > 2 and partial_shared_memory(block_rows, block_n, stages, k_dim, v_dim, element_size) > room:
+    while stages > 2 and not fits():
         stages -= 1
     return block_n, stages
 
 
-def programs_per_sm(tokens: int) -> int:
-    """The programs per multiprocessor the chunks aim at in a step of `tokens` tokens (see PROGRAMS_PER_SM)."""
-    return PROGRAMS_PER_SM_FEW_TOKENS if tokens <= _triton.PDL_MAX_TOKENS else PROGRAMS_PER_SM
+@functools.cache
+def _sm_shared_memory(device: torch.device) -> int:
+    """Bytes of shared memory of one multiprocessor, for all its resident programs."""
+    if device.type != "cuda":
+        return _triton.INTERPRETER_SM_SHARED_MEMORY
+    return torch.cuda.get_device_properties(device).shared_memory_per_multiprocessor
 
 
-def _partial_softmaxes(query, key, value, mask, scale: float, launcher):
+def programs_per_sm(tokens: int, program_bytes: int, device: torch.device) -> int:
+    """The programs per multiprocessor the chunks aim at in a step of `tokens` tokens (see PROGRAMS_PER_SM), at most
+    as many as fit at once in its shared memory (`program_bytes` each, and the 1 KiB the GPU reserves for each):
+    more chunks than fit would run in a second wave, as V1's 128-key programs at an 8K context did (one fits)."""
+    aim = PROGRAMS_PER_SM_FEW_TOKENS if tokens <= _triton.PDL_MAX_TOKENS else PROGRAMS_PER_SM
+    return max(1, min(aim, _sm_shared_memory(device) // (program_bytes + 1024)))
+
+
+def _partial_softmaxes(query, key, value, mask, scale: float, launcher, written=None):
     """Launch the split-KV kernel; -> (workspace of the partial softmaxes, splits, parts, rows per program).
-    query (B, Hq, L, DQ) any strides; with key (B, H_KV, S, 2 DQ) its heads are read PAIRED (V1).
+    query (B, Hq, L, DQ) any strides; with key (B, H_KV, S, 2 DQ) its heads are read PAIRED (V1). `written`: the
+    StaticCache layer's length before the step, where the kernel before stored the step's keys and values at it
+    (the kernel's PREFETCH).
     Host arithmetic in plain ints: a decoding step is bound by its host work, and triton.cdiv & co. are
     constexpr functions that cost microseconds per call from Python."""
     batch, q_heads, length, q_dim = query.shape
@@ -264,23 +317,32 @@ def _partial_softmaxes(query, key, value, mask, scale: float, launcher):
     v_dim = value.shape[-1]
     groups = q_heads // kv_heads
     block_rows = max(16, next_power_of_2(groups * length))
-    block_n, stages = partial_tiles(batch * length, block_rows, k_dim, v_dim, key.element_size(), query.device)
+    element = key.element_size()
+    masked = mask is not None
+    block_n, stages = partial_tiles(batch * length, block_rows, k_dim, v_dim, element, query.device, masked)
+    program_bytes = partial_shared_memory(block_rows, block_n, stages, k_dim, v_dim, element, masked)
     # Enough chunks of equal length (a multiple of the tile) for about PROGRAMS_PER_SM programs per multiprocessor.
     # Not a power of two: a cache just past one (a StaticCache of 2048 + the new tokens) would get a full chunk
     # and a nearly empty one, half the programs, and half the memory traffic in flight (measured on the H200).
-    target = max(1, cdiv(programs_per_sm(batch * length) * _sm_count(query.device), batch * kv_heads))
+    per_sm = programs_per_sm(batch * length, program_bytes, query.device)
+    target = max(1, cdiv(per_sm * _sm_count(query.device), batch * kv_heads))
     chunk = cdiv(cdiv(kv_length, target), block_n) * block_n
     splits = cdiv(kv_length, chunk)
     parts = batch * kv_heads * splits * block_rows
     work = torch.empty(parts * (v_dim + 2), dtype=torch.float32, device=query.device)  # outputs, maxima, sums
     mask_arg, mask_strides = kernel_mask(mask, query)
     pdl = launcher is _plain and dependent_launch(query, batch * length)  # not through torch.compile's launch (the custom op)
+    # Only under PDL does the read before the wait overlap anything; the interpreter (no PDL) takes the same path, so
+    # that CI runs what the GPU does.
+    prefetch = (written is not None and (pdl or TRITON_INTERPRETING)
+                and block_n * (k_dim + v_dim) * element <= PREFETCH_MAX_BYTES)
     launcher(_decode_partial)[(batch * kv_heads, splits)](
-        query, key, value, mask_arg, work, *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *mask_strides,
+        query, key, value, mask_arg, work, written if prefetch else work,
+        *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *mask_strides,
         kv_heads, kv_length, length, causal_offset(length, kv_length, mask is not None), chunk, splits, parts,
         SCALE=scale, G=groups, HAS_MASK=mask is not None, BLOCK_R=block_rows, BLOCK_N=block_n,
         DQ=q_dim, DK=k_dim, DV=v_dim, PAIRED=k_dim == 2 * q_dim, CHUNK_STATIC=chunk if TRITON_INTERPRETING else 0,
-        PDL=pdl, num_warps=PARTIAL_NUM_WARPS, num_stages=stages,
+        PREFETCH=prefetch, PDL=pdl, num_warps=PARTIAL_NUM_WARPS, num_stages=stages,
         **({"launch_pdl": True} if pdl else {}),
     )
     return work, splits, parts, block_rows
@@ -310,7 +372,7 @@ def combined_decode_kernels(query, key, value, mask, scale: float, combine, out=
     mode = type(combine).MODE  # 0 V1, 1 V2, 2 DEX: the reduce kernel's MODE
     heads = q_heads if mode == 2 else q_heads // 2  # V1, V2: a head per pair of query heads
     groups = q_heads // kv_heads
-    work, splits, parts, block_rows = _partial_softmaxes(query, key, value, mask, scale, _plain)
+    work, splits, parts, block_rows = _partial_softmaxes(query, key, value, mask, scale, _plain, advance)
     if out is None:
         out = torch.empty(batch, length, heads, v_dim, dtype=query.dtype, device=query.device)
     unused = out  # a pointer the mode does not read
