@@ -189,7 +189,7 @@ class _DiffAttentionBase(nn.Module, metaclass=abc.ABCMeta):
 
     def project_and_rotate(self, implementation, hidden_states, position_embeddings, *linears, cache=None):
         """(q, k, v, *side) = each of `linears` (q_proj, k_proj, v_proj, side layers) of hidden_states (B, L, .),
-        (B, L, N_i) each, with RoPE on every d-wide head of q and k. In a decoding step of at most 16 tokens the
+        (B, L, N_i) each, with RoPE on every d-wide head of q and k. In a decoding step of at most 32 tokens the
         products split along their input, summed and q and k rotated in the same launch (`kernels/projection.py`),
         which also stores k and v into a StaticCache layer of `cache` (`kernels/cache_write.py`: `decode_heads`
         then takes the layer as it is); else the products in one launch (decoding steps) or each layer's forward,

@@ -509,11 +509,11 @@ def test_kernel_mask_views_a_bool_mask_without_a_copy():
     assert kernel_mask(None, mask) == (mask, (0, 0, 0))
 
 
-@pytest.mark.parametrize("batch, length, cos_batch", [(1, 1, 1), (4, 1, 4), (2, 3, 1), (16, 1, 16)])
+@pytest.mark.parametrize("batch, length, cos_batch", [(1, 1, 1), (4, 1, 4), (2, 3, 1), (16, 1, 16), (32, 1, 32)])
 def test_rotated_projections_match_the_products_and_transformers_rope(batch, length, cos_batch):
     """q, k, v (and V2's lambda_proj) of a step as split products, summed and rotated in one pass: each x W^T, with
     transformers' apply_rotary_pos_emb on every head of q and k (V1's 2d-wide kv heads too: each d-wide half); cos
-    and sin shared by the batch or per row; a NaN token stays in its own row. Not taken: more than 16 tokens,
+    and sin shared by the batch or per row; a NaN token stays in its own row. Not taken: more than 32 tokens,
     cos of another dtype or width, a hooked layer, recorded gradients."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -539,7 +539,7 @@ def test_rotated_projections_match_the_products_and_transformers_rope(batch, len
         out = projection.rotated_projections(poisoned, layers, cos, sin, d)
         for got, ref in zip(out, expected):
             assert got[0, 0].isnan().all() and not got.flatten(0, 1)[1:].isnan().any()
-        assert not projection.rotated_projections_apply(rand(17, 1, width), layers, cos[:, :1], sin[:, :1], d)
+        assert not projection.rotated_projections_apply(rand(33, 1, width), layers, cos[:, :1], sin[:, :1], d)
         assert not projection.rotated_projections_apply(x, layers, cos.double(), sin.double(), d)
         assert not projection.rotated_projections_apply(x, layers, cos[..., :-2], sin[..., :-2], d - 2)
         assert not projection.rotated_projections_apply(x, layers[:1], cos, sin, d)
@@ -1322,6 +1322,31 @@ def test_decoding_steps_on_the_kernel_equal_eager(mode, cache_class, monkeypatch
     # transposed); a StaticCache's steps do not reach update_cache
     steps_layouts = {layout for layout in layouts if layout[0] == 1}
     assert ids.shape[0] > 1 and steps_layouts == ({(1, True, True)} if cache_class is DynamicCache else set())
+
+
+@pytest.mark.parametrize("mode", MODES)
+@torch.no_grad()
+def test_static_cache_steps_of_24_tokens_equal_eager(mode, monkeypatch):
+    """Steps of 17 to 32 tokens (batch 24): q, k and v split, summed, rotated and stored into the StaticCache in one
+    launch (ROTATED_MAX_TOKENS), the decode kernel advancing the length; o_proj and down_proj on cuBLAS (more than
+    SPLIT_MAX_TOKENS). The logits equal eager's."""
+    import modeling_diff.diff_attention as attention
+    import modeling_diff.kernels.projection as projection
+
+    prewritten, rotated, split = [], [], []
+    written, rotate, split_applies = attention.written_layer, projection.rotated_projections, attention.split_linear_applies
+    monkeypatch.setattr(attention, "written_layer", lambda *a: (lambda layer: layer is not None and prewritten.append(
+        1) or layer)(written(*a)))
+    monkeypatch.setattr(attention, "rotated_projections", lambda *a: rotated.append(1) or rotate(*a))
+    monkeypatch.setattr(attention, "split_linear_applies", lambda *a: (lambda ok: ok and split.append(1) or ok)(
+        split_applies(*a)))
+    eager, fast = model_pair(mode, FAST)
+    ids, mask = padded_batch(eager.config.vocab_size, batch=24, length=6)
+    steps = torch.randint(3, eager.config.vocab_size, (ids.shape[0], 2), device=DEVICE)
+    logits = [decode(model, StaticCache, ids, mask, steps) for model in (eager, fast)]
+    assert rel_err(logits[1], logits[0]) < TOL
+    layers_steps = steps.shape[1] * eager.config.num_hidden_layers
+    assert len(rotated) == len(prewritten) == layers_steps and not split
 
 
 @torch.no_grad()

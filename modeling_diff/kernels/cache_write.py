@@ -16,7 +16,7 @@ quantized or a user's layer) holding keys and values of the step's dtype, batch,
 beyond the cache's length are not written: the kernel does not raise on the device (a replayed graph could not);
 `generate()` sizes the cache for every step, and transformers' own update fails there.
 
-In steps of at most 16 tokens the projections' launch stores the keys and values into the layer itself
+In steps of at most 32 tokens the projections' launch stores the keys and values into the layer itself
 (`kernels/projection.rotated_projections`, where `projection_cache_layer` gives it the layer), and the decode
 kernel's reduce advances the length: no launch of its own. The projections mark the layer (`mark_written`) with
 their output, and `written_layer` hands it to the decoding step that holds that output; a step that takes another

@@ -138,8 +138,11 @@ def launch_gated_projection(rows, w_gate, w_up, y, block_n: int, step: int, stag
 
 SPLIT_MAX_TOKENS = 16
 # Tokens of a step whose q, k and v `rotated_projections` takes (split, summed, rotated and stored into a StaticCache
-# layer in one launch); tuned apart from o_proj's and down_proj's split (benchmarks/decode_variants.py --constants).
-ROTATED_MAX_TOKENS = 16
+# layer in one launch), apart from o_proj's and down_proj's split: at 32 tokens this launch took the batch-32 steps of
+# V1 and DEX at a 2K context from 1.796 to 1.782 and from 1.708 to 1.696 ms on the H200 (V2's 1.751 -> 1.755), where
+# the split o_proj and down_proj made every mode's slower (1.838, 1.792, 1.753; benchmarks/decode_variants.py
+# --constants).
+ROTATED_MAX_TOKENS = 32
 SMALLEST_BLOCK_N = 16  # rows a program of the split products, at the least
 
 
