@@ -862,7 +862,7 @@ def test_decode_kernel_shared_memory_bounds_what_triton_allocates_for_the_h200()
         "for rows, n, stages, dq, dk, mask in ((16, 128, 4, 64, 128, 0), (64, 128, 4, 64, 128, 0),\n"
         "                                      (64, 64, 4, 64, 128, 0), (16, 64, 4, 64, 64, 0),\n"
         "                                      (16, 128, 4, 64, 128, 1), (16, 64, 4, 64, 64, 1)):\n"
-        "    c = dict(SCALE=0.125, HAS_MASK=bool(mask), BLOCK_N=n, CHUNK_STATIC=0, PREFETCH=False, PDL=True, G=8,\n"
+        "    c = dict(SCALE=0.125, HAS_MASK=bool(mask), BLOCK_N=n, CHUNK_STATIC=0, FIRST_N=0, PDL=True, G=8,\n"
         "             BLOCK_R=rows, DQ=dq, DK=dk, DV=dk, PAIRED=dk == 2 * dq)\n"
         "    shared = k.compile_sm90(_decode_partial, c, 4, stages).metadata.shared\n"
         "    print(shared, partial_shared_memory(rows, n, stages, dk, dk, 2, bool(mask)))\n"
@@ -1089,16 +1089,33 @@ def test_combined_decode_attention_matches_the_formula(mode, heads, kv_heads, le
 
 
 @pytest.mark.parametrize("mode", ["v1", "v2", "dex"])
+@pytest.mark.parametrize("programs, prefetched", [(3, 128), (3, 64), (2, 256)])
 @torch.no_grad()
-def test_combined_decode_after_the_projections_write_reads_the_new_positions(mode):
+def test_combined_decode_after_the_projections_write_reads_the_new_positions(mode, programs, prefetched, monkeypatch):
     """Where the projections' launch stored the step's keys and values (`advance`: the layer's length before the
-    step), the kernel reads each chunk's first tile before its wait, all but the step's positions, and those after
-    it (PREFETCH), then advances the length: the output equals the definitions wherever the new positions fall (the
-    first tile of a chunk, a later one, the cache's last positions), and the length grows by the step's tokens."""
-    from modeling_diff.kernels import combined_decode_attention
+    step), the kernel reads the first keys of each chunk before its wait, all but the step's positions, and those
+    after it (FIRST_N), then advances the length: the output equals the definitions wherever the new positions fall
+    (the first tile of a chunk, a later one, the cache's last positions), and the length grows by the step's tokens.
+    Chunks of 128 keys read whole before the wait, or 64 then a tile in the loop; chunks of 192 keys and 256 read
+    before the wait (past the chunk: not counted twice)."""
+    from modeling_diff.kernels import combined_decode_attention, triton_decode
 
     torch.manual_seed(7)
     batch, heads, kv_heads, length, kv_length, dqk = 2, 4, 2, 2, 300, 16
+    assert triton_decode._sm_count(torch.device(DEVICE)) == 4 or GPU  # on the CPU: 4 multiprocessors
+    monkeypatch.setattr(triton_decode, "PROGRAMS_PER_SM_FEW_TOKENS", programs)  # chunks of 128 (3) or 192 (2) keys
+    key_bytes = (2 * dqk if mode == "v1" else dqk) * DTYPE.itemsize + (2 * dqk if mode == "v1" else dqk) * DTYPE.itemsize
+    monkeypatch.setattr(triton_decode, "PREFETCH_MAX_BYTES", prefetched * key_bytes)
+    first_ns = []
+
+    class Recorded:  # `_partial_softmaxes`' launcher, recording the keys read before the wait
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: first_ns.append(kwargs["FIRST_N"]) or self.kernel[grid](*args, **kwargs)
+
+    monkeypatch.setattr(triton_decode, "_plain", Recorded)
     for written in (0, 63, 64, 130, kv_length - length):
         position = written + torch.arange(length, device=DEVICE)  # of the step's tokens
         visible = (torch.arange(kv_length, device=DEVICE)[None, :] <= position[:, None]).expand(batch, -1, -1)
@@ -1107,6 +1124,7 @@ def test_combined_decode_after_the_projections_write_reads_the_new_positions(mod
         out = combined_decode_attention(q, k, v, visible[:, None], 0.3, combine, advance=advance)
         assert rel_err(out, ref) < TOL, written
         assert advance.item() == written + length
+    assert set(first_ns) == {prefetched} or GPU  # on the GPU: without PDL (another GPU), 0
 
 
 # (mode, heads, kv heads, query tokens, cached tokens, q/k width); mode None: plain attention of `heads` query

@@ -50,8 +50,9 @@ PARTIAL_NUM_STAGES_FEW_TOKENS = 4
 # 1.81 -> 1.99 ms (benchmarks/decode_variants.py --partial).
 PROGRAMS_PER_SM = 2
 PROGRAMS_PER_SM_FEW_TOKENS = 3
-# The read before the wait (PREFETCH) takes a tile of keys and values of at most this many bytes: it sits in
-# registers across the wait (32 KiB is 64 a thread at 4 warps).
+# The read before the wait (`_decode_partial`'s FIRST_N) takes the most keys, a power of two and at least a tile, whose
+# keys and values are at most this many bytes: they sit in registers across the wait (32 KiB is 64 a thread at 4
+# warps).
 PREFETCH_MAX_BYTES = 32 * 1024
 
 
@@ -59,11 +60,11 @@ PREFETCH_MAX_BYTES = 32 * 1024
 # grows every step: not specialized on (Triton would compile a variant whenever one crosses a multiple of 16), so
 # one compiled kernel serves a whole generation.
 @triton.jit
-def _attend_tile(q, K, V, Mask, b, kvh, t, row_ok, dk, dv, n, k, v, skb, skh, sks, svb, svh, svs, smb, sml, sms,
-                 S, offset, qk_scale, m_i, l_i, acc, HAS_MASK: tl.constexpr):
-    """One tile of keys n (BLOCK_N,) into the online softmax (m_i, l_i, acc) of the rows; k (DK, BLOCK_N) and v
-    (BLOCK_N, DV) as loaded, or None to load them here."""
-    n_ok = n < S
+def _attend_tile(q, K, V, Mask, b, kvh, t, row_ok, dk, dv, n, end, k, v, skb, skh, sks, svb, svh, svs, smb, sml, sms,
+                 offset, qk_scale, m_i, l_i, acc, HAS_MASK: tl.constexpr):
+    """One tile of keys n (N,), those below `end`, into the online softmax (m_i, l_i, acc) of the rows; k (DK, N) and
+    v (N, DV) as loaded, or None to load them here."""
+    n_ok = n < end
     if k is None:
         k = tl.load(K + b * skb + kvh * skh + n[None, :] * sks + dk[:, None], mask=n_ok[None, :], other=0.0)
     s = tl.dot(q, k) * qk_scale  # (BLOCK_R, BLOCK_N), fp32
@@ -97,12 +98,12 @@ def _decode_partial(
     G: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     DQ: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, PAIRED: tl.constexpr,
     CHUNK_STATIC: tl.constexpr,  # `chunk` under the interpreter, whose loop bounds must be compile-time; else 0
-    PREFETCH: tl.constexpr, PDL: tl.constexpr,
+    FIRST_N: tl.constexpr, PDL: tl.constexpr,
 ):
-    # PREFETCH: the step's keys and values are at the positions Written.. (a StaticCache layer's length, int64, that
-    # the projections' launch, the kernel before, did not advance: `cache_write.py`). The first tile's other
-    # positions, written in earlier steps, are read before the wait, so that their latency overlaps the kernel
-    # before; its new positions after it.
+    # FIRST_N > 0: the step's keys and values are at the positions Written.. (a StaticCache layer's length, int64,
+    # that the projections' launch, the kernel before, did not advance: `cache_write.py`). The chunk's first FIRST_N
+    # keys (a multiple of BLOCK_N) are one tile whose positions written in earlier steps are read before the wait, so
+    # that their latency overlaps the kernel before; its new positions after it.
     let_dependents_start(PDL)
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -111,10 +112,11 @@ def _decode_partial(
     dk = tl.arange(0, DK)
     dv = tl.arange(0, DV)
     start = split * chunk  # chunk: a multiple of BLOCK_N
-    if PREFETCH:
-        n = start + tl.arange(0, BLOCK_N)
+    if FIRST_N > 0:
+        n = start + tl.arange(0, FIRST_N)
         written = tl.load(Written)
-        earlier = (n < written) & (n < S)
+        end = tl.minimum(S, start + chunk)  # FIRST_N may pass a short chunk
+        earlier = (n < written) & (n < end)
         k = tl.load(K + b * skb + kvh * skh + n[None, :] * sks + dk[:, None], mask=earlier[None, :], other=0.0)
         v = tl.load(V + b * svb + kvh * svh + n[:, None] * svs + dv[None, :], mask=earlier[:, None], other=0.0)
     wait_for_inputs(PDL)  # the query, and the cache's new entries, are the kernel before's
@@ -135,17 +137,17 @@ def _decode_partial(
     m_i = tl.full((BLOCK_R,), -1.0e30, tl.float32)
     l_i = tl.zeros((BLOCK_R,), tl.float32)
     acc = tl.zeros((BLOCK_R, DV), tl.float32)
-    if PREFETCH:
-        new = (n >= written) & (n < S)
+    if FIRST_N > 0:
+        new = (n >= written) & (n < end)
         k = tl.where(new[None, :], tl.load(K + b * skb + kvh * skh + n[None, :] * sks + dk[:, None],
                                            mask=new[None, :], other=0.0), k)
         v = tl.where(new[:, None], tl.load(V + b * svb + kvh * svh + n[:, None] * svs + dv[None, :],
                                            mask=new[:, None], other=0.0), v)
-        m_i, l_i, acc = _attend_tile(q, K, V, Mask, b, kvh, t, row_ok, dk, dv, n, k, v, skb, skh, sks, svb, svh, svs,
-                                     smb, sml, sms, S, offset, qk_scale, m_i, l_i, acc, HAS_MASK)
-    for n0 in range(BLOCK_N if PREFETCH else 0, CHUNK_STATIC if CHUNK_STATIC > 0 else chunk, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(q, K, V, Mask, b, kvh, t, row_ok, dk, dv, start + n0 + tl.arange(0, BLOCK_N),
-                                     None, None, skb, skh, sks, svb, svh, svs, smb, sml, sms, S, offset, qk_scale,
+        m_i, l_i, acc = _attend_tile(q, K, V, Mask, b, kvh, t, row_ok, dk, dv, n, end, k, v, skb, skh, sks, svb,
+                                     svh, svs, smb, sml, sms, offset, qk_scale, m_i, l_i, acc, HAS_MASK)
+    for n0 in range(FIRST_N, CHUNK_STATIC if CHUNK_STATIC > 0 else chunk, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(q, K, V, Mask, b, kvh, t, row_ok, dk, dv, start + n0 + tl.arange(0, BLOCK_N), S,
+                                     None, None, skb, skh, sks, svb, svh, svs, smb, sml, sms, offset, qk_scale,
                                      m_i, l_i, acc, HAS_MASK)
 
     part = pid_bh * splits + split
@@ -305,11 +307,22 @@ def programs_per_sm(tokens: int, program_bytes: int, device: torch.device) -> in
     return max(1, min(aim, _sm_shared_memory(device) // (program_bytes + 1024)))
 
 
+def prefetched_keys(chunk: int, block_n: int, key_bytes: int) -> int:
+    """Keys of a chunk read before the kernel's wait, where the projections stored the step's keys (`FIRST_N`; 0: none):
+    the most, a power of two of at least a tile, whose keys and values (`key_bytes` a key) fit PREFETCH_MAX_BYTES,
+    and no more than the chunk's length rounded up to a power of two. Only under PDL does that read overlap the
+    kernel before; the interpreter (no PDL) takes the same path, so that CI runs what the GPU does."""
+    most = PREFETCH_MAX_BYTES // key_bytes
+    if most < block_n:
+        return 0
+    return min(1 << (most.bit_length() - 1), next_power_of_2(chunk))
+
+
 def _partial_softmaxes(query, key, value, mask, scale: float, launcher, written=None):
     """Launch the split-KV kernel; -> (workspace of the partial softmaxes, splits, parts, rows per program).
     query (B, Hq, L, DQ) any strides; with key (B, H_KV, S, 2 DQ) its heads are read PAIRED (V1). `written`: the
     StaticCache layer's length before the step, where the kernel before stored the step's keys and values at it
-    (the kernel's PREFETCH).
+    (the kernel's FIRST_N).
     Host arithmetic in plain ints: a decoding step is bound by its host work, and triton.cdiv & co. are
     constexpr functions that cost microseconds per call from Python."""
     batch, q_heads, length, q_dim = query.shape
@@ -332,17 +345,15 @@ def _partial_softmaxes(query, key, value, mask, scale: float, launcher, written=
     work = torch.empty(parts * (v_dim + 2), dtype=torch.float32, device=query.device)  # outputs, maxima, sums
     mask_arg, mask_strides = kernel_mask(mask, query)
     pdl = launcher is _plain and dependent_launch(query, batch * length)  # not through torch.compile's launch (the custom op)
-    # Only under PDL does the read before the wait overlap anything; the interpreter (no PDL) takes the same path, so
-    # that CI runs what the GPU does.
-    prefetch = (written is not None and (pdl or TRITON_INTERPRETING)
-                and block_n * (k_dim + v_dim) * element <= PREFETCH_MAX_BYTES)
+    first_n = prefetched_keys(chunk, block_n, (k_dim + v_dim) * element) if written is not None and (
+        pdl or TRITON_INTERPRETING) else 0
     launcher(_decode_partial)[(batch * kv_heads, splits)](
-        query, key, value, mask_arg, work, written if prefetch else work,
+        query, key, value, mask_arg, work, written if first_n else work,
         *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *mask_strides,
         kv_heads, kv_length, length, causal_offset(length, kv_length, mask is not None), chunk, splits, parts,
         SCALE=scale, G=groups, HAS_MASK=mask is not None, BLOCK_R=block_rows, BLOCK_N=block_n,
         DQ=q_dim, DK=k_dim, DV=v_dim, PAIRED=k_dim == 2 * q_dim, CHUNK_STATIC=chunk if TRITON_INTERPRETING else 0,
-        PREFETCH=prefetch, PDL=pdl, num_warps=PARTIAL_NUM_WARPS, num_stages=stages,
+        FIRST_N=first_n, PDL=pdl, num_warps=PARTIAL_NUM_WARPS, num_stages=stages,
         **({"launch_pdl": True} if pdl else {}),
     )
     return work, splits, parts, block_rows
