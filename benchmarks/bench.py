@@ -8,6 +8,8 @@
                                         one call of the device must stay short: the static paths' compiles)
     python benchmarks/bench.py --phases train --seq 2048 8192 32768 65536 --repeats 3 \
         --models llama-liger v1 v2 dex v1-liger v2-liger dex-liger          (the training table against Liger)
+    python benchmarks/bench.py --phases train --seq 32768 --models v2-liger --attention fused_diff
+                                        (V2 on the flash-diff kernel, where `sdpa` gives it cuDNN's attention)
 
 Per sequence length, for transformers' LlamaForCausalLM (the reference), the same Llama with modeling_diff's
 RMSNorm and RoPE kernels patched in (`llama-fused`: what the differential modes are compared with like for like,
@@ -101,8 +103,9 @@ def mode_of(name: str) -> str:
     return "llama" if name in LLAMAS else name.removesuffix("-liger")
 
 
-def build(name: str, max_positions: int):
-    """The model `name` in bf16 on the GPU; Llama and transformers' DiffLlama: 32 heads of 64, 8 kv heads."""
+def build(name: str, max_positions: int, attention: str = "sdpa"):
+    """The model `name` in bf16 on the GPU; Llama and transformers' DiffLlama: 32 heads of 64, 8 kv heads.
+    `attention`: the attn_implementation of modeling_diff's models (`fused_diff`: V1 and V2 on the flash-diff kernel)."""
     common = dict(SHAPE, max_position_embeddings=max_positions)
     if name == "llama-liger":  # Liger's RMSNorm, SwiGLU MLP, RoPE and fused linear cross-entropy in Llama's classes
         from liger_kernel.transformers import apply_liger_kernel_to_llama
@@ -115,7 +118,7 @@ def build(name: str, max_positions: int):
     else:
         config = preset_config(f"1.1b-{mode_of(name)}", max_position_embeddings=max_positions)
         cls = DiffLlamaForCausalLM
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = "sdpa" if cls is not DiffLlamaForCausalLM else attention
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device("cuda"):
@@ -465,7 +468,7 @@ def device_peaks() -> tuple[float, float, float]:
 def bench_model(name: str, seq: int, phases, args) -> list[dict]:
     """The rows of one model at one sequence length."""
     batch = max(1, args.tokens // seq)
-    model = build(name, max_positions=seq + 128)
+    model = build(name, max_positions=seq + 128, attention=args.attention)
     body, head = linear_flops(model, name)
     attn_flops, _ = attention_work(name, model.config)
     rows = []
@@ -647,6 +650,9 @@ def main(argv=None):
     parser.add_argument("--generate-prompt", type=int, default=512, help="prompt tokens of the generate rows")
     parser.add_argument("--generate-new-tokens", type=int, default=128)
     parser.add_argument("--generate-rounds", type=int, default=3, help="timed rounds of the generate rows")
+    parser.add_argument("--attention", default="sdpa", choices=["sdpa", "fused_diff"],
+                        help="train, prefill and decode rows: the attn_implementation of modeling_diff's models "
+                             "(sdpa, their default on CUDA; fused_diff: V1 and V2 on the flash-diff kernel)")
     parser.add_argument("--out", help="write the rows (JSON) and the table (.md beside it) here")
     args = parser.parse_args(argv)
     for name in ("seq", "tokens", "prefill_chunk", "new_tokens", "repeats", "rounds", "generate_prompt",
