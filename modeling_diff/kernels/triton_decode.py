@@ -6,7 +6,10 @@ chunks run in parallel (flash-decoding) and a reduce kernel merges their partial
 program per query row (per head pair for V1 and V2) and reads all of the row's chunks in one load: a decoding
 step waits on its latency, not on its few bytes. For the differential modes the reduce also applies the mode's
 differential term (`_decode_reduce_combined`: V1's and V2's combine of each head pair, DEX's operator), and V1's
-queries are read as they come (`PAIRED`: Q1 against K1, Q2 against K2 of the 2d-wide cached key).
+queries are read as they come (`PAIRED`: Q1 against K1, Q2 against K2 of the 2d-wide cached key). The chunks are
+at most as many as fit on the GPU at once (one wave), and where the launch before stored the step's keys and values
+into a StaticCache layer, a program reads its chunk's first keys before it waits for that launch (PDL), the step's
+own positions after.
 
 Imported only when triton is installed (see `kernels/decode.py` for the reference and the dispatch).
 """
@@ -56,9 +59,6 @@ PROGRAMS_PER_SM_FEW_TOKENS = 3
 PREFETCH_MAX_BYTES = 32 * 1024
 
 
-# The cache length (and with it the causal offset, the mask's strides, the chunk length and the number of chunks)
-# grows every step: not specialized on (Triton would compile a variant whenever one crosses a multiple of 16), so
-# one compiled kernel serves a whole generation.
 @triton.jit
 def _attend_tile(q, K, V, Mask, b, kvh, t, row_ok, dk, dv, n, end, k, v, skb, skh, sks, svb, svh, svs, smb, sml, sms,
                  offset, qk_scale, m_i, l_i, acc, HAS_MASK: tl.constexpr):
