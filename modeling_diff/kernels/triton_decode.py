@@ -57,6 +57,10 @@ PROGRAMS_PER_SM_FEW_TOKENS = 3
 # keys and values are at most this many bytes: they sit in registers across the wait (32 KiB is 64 a thread at 4
 # warps).
 PREFETCH_MAX_BYTES = 32 * 1024
+# Warps of a reduce program (Triton's default). Compiled for sm_90a (`benchmarks/kernel_registers.py`), V1's reduce
+# takes 15 block-wide barriers at 4 warps and none at 1 (its reductions become warp shuffles), DEX's 6 and 1; on the
+# H200 V1's reduce took 4.8 us a layer at batch 32 where DEX's took 2.7. 1 is not measured yet.
+REDUCE_NUM_WARPS = 4
 
 
 @triton.jit
@@ -369,7 +373,7 @@ def decode_attention_kernels(query, key, value, mask, scale: float, launcher=_pl
     groups = q_heads // kv_heads
     launcher(_decode_reduce)[(batch * kv_heads, groups * length)](  # a program per query row
         work, out, *out.stride()[:3], kv_heads, length, splits, parts, G=groups, BLOCK_R=block_rows,
-        DV=v_dim, MAX_SPLITS=next_power_of_2(splits),
+        DV=v_dim, MAX_SPLITS=next_power_of_2(splits), num_warps=REDUCE_NUM_WARPS,
     )
     return out
 
@@ -406,7 +410,7 @@ def combined_decode_kernels(query, key, value, mask, scale: float, combine, out=
         *logits, *norm, *vectors, *dex, *anneal, lambda_init, out if advance is None else advance,
         G=groups, BLOCK_R=block_rows, DV=v_dim, MAX_SPLITS=next_power_of_2(splits),
         MODE=mode, ANNEALED=mode != 0 and combine.anneal_steps > 0, D_LAMBDA=d_lambda, ADVANCE=advance is not None,
-        PDL=pdl, launch_pdl=pdl,
+        PDL=pdl, num_warps=REDUCE_NUM_WARPS, launch_pdl=pdl,
     )
     return out
 
