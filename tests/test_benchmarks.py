@@ -70,3 +70,11 @@ def test_a_constants_variant_sets_the_launch_rules_and_puts_them_back():
                        ("projection.SPLIT_MAX_TOKENS=32.0", "of type int")):
         with pytest.raises(SystemExit, match=field):
             decode_variants.constants_variant(bad)
+
+
+def test_bench_refuses_an_attention_it_does_not_time(capsys):
+    """`bench.py --attention` takes the two implementations of the differential models' fast paths (sdpa, their
+    default on CUDA, and fused_diff); anything else is refused by name before any GPU work."""
+    with pytest.raises(SystemExit):
+        bench.main(["--phases", "train", "--attention", "eager"])
+    assert "--attention" in capsys.readouterr().err
