@@ -434,6 +434,20 @@ class CountedKernel:
         return self.kernel[grid]
 
 
+def recording_launcher(launches: list):
+    """A launcher for `triton_decode._partial_softmaxes` (its `launcher` argument, or `_plain` patched) that runs each
+    kernel and records its launch as (grid, keyword arguments) in `launches`."""
+
+    class Recorded:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((grid, kwargs)) or self.kernel[grid](*args, **kwargs)
+
+    return Recorded
+
+
 class CutShortKernel:
     """A Triton kernel whose launch stops part-way, as an exception or an interrupt stops the interpreter between
     programs: the programs of `subgrid(grid)` run, then KeyboardInterrupt."""
@@ -663,16 +677,7 @@ def test_decode_chunks_are_at_most_the_programs_that_fit_at_once(monkeypatch):
     assert triton_decode.programs_per_sm(32, 71680, device) == 2  # V1, batch 32: 3 fit, 2 aimed at
     assert triton_decode.programs_per_sm(1, h200, device) == 1  # never none
 
-    splits = []
-
-    class Recorded:  # a launcher (`_partial_softmaxes`' argument) that records the launch's splits
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            splits.append(grid[1])
-            return self.kernel[grid]
-
+    launches = []
     sms = triton_decode._sm_count(device)
     kv_length = 64 * 6 * sms
     query, key, value = rand(1, 4, 1, 16), rand(1, 2, kv_length, 16), rand(1, 2, kv_length, 16)
@@ -680,8 +685,9 @@ def test_decode_chunks_are_at_most_the_programs_that_fit_at_once(monkeypatch):
     with torch.no_grad():
         for fit in (3, 1):  # programs of this launch that fit in a multiprocessor
             monkeypatch.setattr(triton_decode, "_sm_shared_memory", lambda device: fit * (program + 1024))
-            work, *_ = triton_decode._partial_softmaxes(query, key, value, None, 0.25, Recorded)
-    assert splits == [3 * sms // 2, sms // 2]  # 2 kv heads: 3 programs a multiprocessor, then the 1 that fits
+            triton_decode._partial_softmaxes(query, key, value, None, 0.25, recording_launcher(launches))
+    # 2 kv heads: 3 programs a multiprocessor, then the 1 that fits
+    assert [grid[1] for grid, _ in launches] == [3 * sms // 2, sms // 2]
 
 
 @pytest.mark.parametrize("device_shared_memory", [232448, 166912, 101376])  # H200 / H100, A100, most other GPUs
@@ -797,29 +803,19 @@ def test_decode_kernel_launch_in_steps_of_at_most_16_tokens():
     from modeling_diff.kernels import triton_decode
 
     launches = []
-
-    class Recorded:  # a launcher (`_partial_softmaxes`' argument) that records the launch's splits and num_stages
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                launches.append((grid[1], kwargs["num_stages"]))
-                return self.kernel[grid](*args, **kwargs)
-            return launch
-
+    recorded = recording_launcher(launches)
     sms = triton_decode._sm_count(torch.device(DEVICE))
     with torch.no_grad():
         for batch, length in ((1, 1), (16, 1), (4, 4), (17, 1), (8, 4)):
             query, key, value = rand(batch, 4, length, 16), rand(batch, 2, 24, 16), rand(batch, 2, 24, 16)
-            triton_decode._partial_softmaxes(query, key, value, None, 0.25, Recorded)
-        assert [stages for _, stages in launches] == [4, 4, 4, 3, 3]
+            triton_decode._partial_softmaxes(query, key, value, None, 0.25, recorded)
+        assert [kwargs["num_stages"] for _, kwargs in launches] == [4, 4, 4, 3, 3]
         launches.clear()
         kv_length = 64 * 6 * sms  # chunks of whole 64-key tiles for 2 kv heads at 2 and 3 programs per SM
         for length in (16, 17):
             query, key, value = rand(1, 4, length, 16), rand(1, 2, kv_length, 16), rand(1, 2, kv_length, 16)
-            triton_decode._partial_softmaxes(query, key, value, None, 0.25, Recorded)
-    assert [splits for splits, _ in launches] == [3 * sms // 2, 2 * sms // 2]
+            triton_decode._partial_softmaxes(query, key, value, None, 0.25, recorded)
+    assert [grid[1] for grid, _ in launches] == [3 * sms // 2, 2 * sms // 2]
 
 
 @pytest.mark.parametrize("device_shared_memory", [232448, 166912, 101376])  # H200 / H100, A100, most other GPUs
@@ -1097,34 +1093,30 @@ def test_combined_decode_after_the_projections_write_reads_the_new_positions(mod
     after it (FIRST_N), then advances the length: the output equals the definitions wherever the new positions fall
     (the first tile of a chunk, a later one, the cache's last positions), and the length grows by the step's tokens.
     Chunks of 128 keys read whole before the wait, or 64 then a tile in the loop; chunks of 192 keys and 256 read
-    before the wait (past the chunk: not counted twice)."""
+    before the wait (past the chunk: not counted twice). A corrupted length (negative, past the cache) reads the
+    same keys, split otherwise between the two reads."""
     from modeling_diff.kernels import combined_decode_attention, triton_decode
 
     torch.manual_seed(7)
     batch, heads, kv_heads, length, kv_length, dqk = 2, 4, 2, 2, 300, 16
     assert triton_decode._sm_count(torch.device(DEVICE)) == 4 or GPU  # on the CPU: 4 multiprocessors
     monkeypatch.setattr(triton_decode, "PROGRAMS_PER_SM_FEW_TOKENS", programs)  # chunks of 128 (3) or 192 (2) keys
-    key_bytes = (2 * dqk if mode == "v1" else dqk) * DTYPE.itemsize + (2 * dqk if mode == "v1" else dqk) * DTYPE.itemsize
+    key_bytes = 2 * (2 * dqk if mode == "v1" else dqk) * DTYPE.itemsize  # a key's and its value's
     monkeypatch.setattr(triton_decode, "PREFETCH_MAX_BYTES", prefetched * key_bytes)
-    first_ns = []
-
-    class Recorded:  # `_partial_softmaxes`' launcher, recording the keys read before the wait
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: first_ns.append(kwargs["FIRST_N"]) or self.kernel[grid](*args, **kwargs)
-
-    monkeypatch.setattr(triton_decode, "_plain", Recorded)
-    for written in (0, 63, 64, 130, kv_length - length):
-        position = written + torch.arange(length, device=DEVICE)  # of the step's tokens
+    launches = []
+    monkeypatch.setattr(triton_decode, "_plain", recording_launcher(launches))
+    # a corrupted length (negative, past the cache) moves the split between the two reads, never what is read
+    for written in (0, 63, 64, 130, kv_length - length, -5, kv_length + 10):
+        last = min(max(written, 0), kv_length - length)  # the step's first position, for the mask
+        position = last + torch.arange(length, device=DEVICE)
         visible = (torch.arange(kv_length, device=DEVICE)[None, :] <= position[:, None]).expand(batch, -1, -1)
         q, k, v, combine, ref = combined_decode_step(mode, heads, kv_heads, length, kv_length, dqk, visible, 0)
         advance = torch.tensor([written], device=DEVICE)
         out = combined_decode_attention(q, k, v, visible[:, None], 0.3, combine, advance=advance)
         assert rel_err(out, ref) < TOL, written
         assert advance.item() == written + length
-    assert set(first_ns) == {prefetched} or GPU  # on the GPU: without PDL (another GPU), 0
+    # the partial kernel's launches (the reduce's have no FIRST_N); on another GPU without PDL: 0
+    assert {kwargs["FIRST_N"] for _, kwargs in launches if "FIRST_N" in kwargs} == {prefetched} or GPU
 
 
 # (mode, heads, kv heads, query tokens, cached tokens, q/k width); mode None: plain attention of `heads` query
