@@ -22,7 +22,8 @@ at most 16 tokens, and 128 keys a tile there for V1's 2d-wide values; BLOCK_N se
 products and PDL, with the decode kernel's few-token launch, at batch 32).
 `--gated BLOCK_N,BLOCK_K,WARPS,STAGES ...` adds one per launch configuration of the MLP's gate and up
 (`kernels/projection.py`'s GATED_FEW_TOKENS / GATED_MORE_TOKENS, both set); `--split BLOCK_N,STEP,PARTS ...` one per
-launch configuration of the products split along K (SPLIT_LAUNCH: q, k, v, o_proj and down_proj).
+launch configuration of the products split along K (SPLIT_FEW_TOKENS / SPLIT_MORE_TOKENS, both set: q, k, v,
+o_proj and down_proj).
 
 Prints the step (ms) and its share of the roofline (bench.py's definition, the bandwidth measured in the same run) per
 model, batch and variant; the variants alternate within each model and batch, `--rounds` times (median).
@@ -104,10 +105,10 @@ def gated_variant(config: str) -> str:
 
 def split_variant(config: str) -> str:
     """A `--split` configuration (rows a program, most K step, most parts of K of the split products: q, k, v,
-    o_proj, down_proj) as a variant registered in FEATURES under 'split=...'."""
+    o_proj, down_proj; at every token count) as a variant registered in FEATURES under 'split=...'."""
     values = tuple(launch_values("--split", config, 3))
     name = f"split={config}"
-    FEATURES[name] = [(projection, "SPLIT_LAUNCH", values)]
+    FEATURES[name] = [(projection, "SPLIT_FEW_TOKENS", values), (projection, "SPLIT_MORE_TOKENS", values)]
     return name
 
 

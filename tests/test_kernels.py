@@ -542,7 +542,7 @@ def test_rotated_projections_match_the_products_and_transformers_rope(batch, len
     heads = (batch, length, -1, d)
     rope = apply_rotary_pos_emb(expected[0].to(DTYPE).view(heads), expected[1].to(DTYPE).view(heads), cos, sin, 2)
     expected[:2] = [t.flatten(-2) for t in rope]
-    assert projection.split_config(width)[2] == 4
+    assert projection.split_config(width, batch * length)[2] == 4
     with torch.no_grad():
         assert projection.rotated_projections_apply(x, layers, cos, sin, d)
         out = projection.rotated_projections(x, layers, cos, sin, d)
@@ -629,7 +629,7 @@ def test_a_split_launch_cut_short_leaves_no_ticket_taken(monkeypatch):
                           CutShortKernel(projection._projections, lambda grid: (grid[0], 1)))
             with pytest.raises(KeyboardInterrupt):
                 projection.split_linear(x, layer)
-        assert projection.split_config(width)[2] > 1 and not counters.any()
+        assert projection.split_config(width, x.numel() // width)[2] > 1 and not counters.any()
         assert rel_err(projection.split_linear(x, layer), x.float() @ layer.weight.float().T) < TOL
 
 
@@ -654,12 +654,13 @@ def test_tickets_are_one_zeroed_counter_per_owner_and_device(monkeypatch):
         _triton.tickets_of(torch.zeros(1), 1, torch.device("cuda", 0))
 
 
+@pytest.mark.parametrize("tokens", [1, 32])
 @pytest.mark.parametrize("width", [2048, 8192, 48, 96])
-def test_split_config_divides_the_width(width):
+def test_split_config_divides_the_width(width, tokens):
     """Every part of K a whole number of steps (the kernel's loop has no mask), at most 8 parts."""
     from modeling_diff.kernels.projection import split_config
 
-    block_n, step, split = split_config(width)
+    block_n, step, split = split_config(width, tokens)
     assert block_n == 64 and 1 <= split <= 8 and width % (split * step) == 0 and step & (step - 1) == 0
 
 

@@ -205,7 +205,7 @@ def rotated_projections_apply(x: torch.Tensor, linears, cos: torch.Tensor, sin: 
         few_rows_apply(x) and x.dim() == 3 and x.numel() <= ROTATED_MAX_TOKENS * x.shape[-1]
         and 2 <= len(linears) <= MAX_WEIGHTS and all(kernel_reads(layer, x) for layer in linears)
         and linears[0].out_features % head_dim == 0 and linears[1].out_features % head_dim == 0 and head_dim % 2 == 0
-        and rotated_block(x.shape[-1], head_dim) % head_dim == 0
+        and rotated_block(x.shape[-1], x.shape[0] * x.shape[1], head_dim) % head_dim == 0
         and cos.shape == sin.shape and cos.dim() == 3 and cos.shape[0] in (1, x.shape[0])
         and cos.shape[1:] == (x.shape[1], head_dim) and cos.dtype == sin.dtype == x.dtype
         and cos.stride(-1) == sin.stride(-1) == 1 and cos.stride() == sin.stride()
@@ -213,10 +213,10 @@ def rotated_projections_apply(x: torch.Tensor, linears, cos: torch.Tensor, sin: 
     )
 
 
-def rotated_block(width: int, head_dim: int) -> int:
+def rotated_block(width: int, tokens: int, head_dim: int) -> int:
     """Rows a program of `rotated_projections`: the split's (`split_config`), or a head where that is wider (its
     sum rotates whole heads; a head_dim that is not a power of two may not fit)."""
-    return max(split_config(width)[0], next_power_of_2(head_dim))
+    return max(split_config(width, tokens)[0], next_power_of_2(head_dim))
 
 
 def rotated_projections(x: torch.Tensor, linears, cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
@@ -232,8 +232,8 @@ def rotated_projections(x: torch.Tensor, linears, cos: torch.Tensor, sin: torch.
     m = rows.shape[0]
     weights = [layer._parameters["weight"] for layer in linears]
     widths = [w.shape[0] for w in weights]
-    _, step, split = split_config(rows.shape[1])
-    block_n = rotated_block(rows.shape[1], head_dim)
+    _, step, split = split_config(rows.shape[1], m)
+    block_n = rotated_block(rows.shape[1], m, head_dim)
     parts = torch.empty(split, m * sum(widths), dtype=torch.float32, device=x.device)
     y = torch.empty(m * sum(widths), dtype=x.dtype, device=x.device)
     if m > 0:
@@ -245,16 +245,20 @@ def rotated_projections(x: torch.Tensor, linears, cos: torch.Tensor, sin: torch.
     return tuple(block.view(*x.shape[:-1], n) for block, n in zip(blocks, widths))
 
 
+# Steps of at most FEW_TOKENS tokens take the *_FEW_TOKENS launch configurations, longer ones *_MORE_TOKENS
+FEW_TOKENS = 16
 # (rows a program, most K step, most parts of K) of the split products (`benchmarks/decode_variants.py --split`
 # times others in the step)
-SPLIT_LAUNCH = (64, 512, 8)
+SPLIT_FEW_TOKENS = (64, 512, 8)
+SPLIT_MORE_TOKENS = (64, 512, 8)
 
 
-def split_config(width: int) -> tuple[int, int, int]:
-    """(rows a program, its K step, parts of K) of `launch_split_linear`, what measured fastest on the H200 for o_proj
-    and down_proj at one token (benchmarks/pdl_bench.py): 64 rows, 512-wide steps and parts of 1-2 steps (4 parts of
-    o_proj's 2048, 8 of down_proj's 8192); each part a whole number of steps (the loop has no mask)."""
-    block_n, most_step, most_parts = SPLIT_LAUNCH
+def split_config(width: int, tokens: int) -> tuple[int, int, int]:
+    """(rows a program, its K step, parts of K) of `launch_split_linear` for a step of `tokens` tokens, what measured
+    fastest on the H200 for o_proj and down_proj at one token (benchmarks/pdl_bench.py): 64 rows, 512-wide steps and
+    parts of 1-2 steps (4 parts of o_proj's 2048, 8 of down_proj's 8192); each part a whole number of steps (the
+    loop has no mask)."""
+    block_n, most_step, most_parts = SPLIT_FEW_TOKENS if tokens <= FEW_TOKENS else SPLIT_MORE_TOKENS
     step = min(most_step, width & -width)
     steps = width // step
     return block_n, step, min(most_parts, steps & -steps)  # a power of two dividing the steps
@@ -281,14 +285,14 @@ def split_linear(x: torch.Tensor, linear: nn.Linear, residual: torch.Tensor | No
     y = torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype, device=x.device)
     if rows.shape[0] == 0:
         return y
-    block_n, step, split = split_config(rows.shape[1])
+    block_n, step, split = split_config(rows.shape[1], rows.shape[0])
     stages = pipeline_stages(max(16, next_power_of_2(rows.shape[0])), block_n, step, x)
     launch_split_linear(rows, weight, y, residual, block_n, step, split, stages)
     return y
 
 
-# (rows a program, K step, warps, most pipeline stages) of `gated_projection`: steps of at most SPLIT_MAX_TOKENS tokens
-# and more (`benchmarks/decode_variants.py --gated` times others in the step)
+# (rows a program, K step, warps, most pipeline stages) of `gated_projection`: steps of at most FEW_TOKENS tokens and
+# more (`benchmarks/decode_variants.py --gated` times others in the step)
 GATED_FEW_TOKENS = (32, 256, 4, 3)
 GATED_MORE_TOKENS = (64, 128, 4, 4)
 
@@ -308,7 +312,7 @@ def gated_projection(x: torch.Tensor, gate: nn.Linear, up: nn.Linear) -> torch.T
     w_gate, w_up = gate._parameters["weight"], up._parameters["weight"]  # (I, K) each
     y = torch.empty(m, w_gate.shape[0], dtype=x.dtype, device=x.device)
     block_m = max(16, next_power_of_2(m))
-    block_n, step, warps, most_stages = GATED_FEW_TOKENS if m <= SPLIT_MAX_TOKENS else GATED_MORE_TOKENS
+    block_n, step, warps, most_stages = GATED_FEW_TOKENS if m <= FEW_TOKENS else GATED_MORE_TOKENS
     step = min(step, k & -k)
     stages = pipeline_stages(block_m, 2 * block_n, step, x, most_stages)
     launch_gated_projection(rows, w_gate, w_up, y, block_n, step, stages, warps)
