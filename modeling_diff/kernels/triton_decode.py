@@ -58,8 +58,10 @@ PROGRAMS_PER_SM_FEW_TOKENS = 3
 # warps).
 PREFETCH_MAX_BYTES = 32 * 1024
 # Warps of a reduce program (Triton's default). Compiled for sm_90a (`benchmarks/kernel_registers.py`), V1's reduce
-# takes 15 block-wide barriers at 4 warps and none at 1 (its reductions become warp shuffles), DEX's 6 and 1; on the
-# H200 V1's reduce took 4.8 us a layer at batch 32 where DEX's took 2.7. 1 is not measured yet.
+# takes 15 block-wide barriers at 4 warps and none at 1 (its reductions become warp shuffles), DEX's 6 and 1. On the
+# H200 (batch 1, benchmarks/decode_variants.py --constants) 1 warp took V1's step from 0.856 to 0.924 ms at a 2K
+# context and from 0.939 to 2.201 at 8K (a warp holds every chunk's (DV,) output), and 2 warps changed no step by
+# more than 0.003 ms: the barriers are not what the reduce waits on.
 REDUCE_NUM_WARPS = 4
 
 
