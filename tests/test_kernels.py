@@ -664,6 +664,32 @@ def test_split_config_divides_the_width(width, tokens):
     assert block_n == 64 and 1 <= split <= 8 and width % (split * step) == 0 and step & (step - 1) == 0
 
 
+def test_steps_of_more_than_few_tokens_take_their_own_split_launch(monkeypatch):
+    """The split products' launch by the step's tokens: SPLIT_FEW_TOKENS up to FEW_TOKENS, SPLIT_MORE_TOKENS above
+    (here four 16-wide steps a part where the few-token launch takes one 64-wide), and q, k, v at 17 tokens so launched
+    equal the formula."""
+    from modeling_diff.kernels import projection
+
+    monkeypatch.setattr(projection, "SPLIT_FEW_TOKENS", (64, 64, 8))
+    monkeypatch.setattr(projection, "SPLIT_MORE_TOKENS", (64, 16, 4))
+    width, d = 256, 16
+    assert projection.split_config(width, projection.FEW_TOKENS) == (64, 64, 4)
+    assert projection.split_config(width, projection.FEW_TOKENS + 1) == (64, 16, 4)
+    torch.manual_seed(7)
+    layers = [linear_layer(width, n) for n in (4 * d, 2 * d, 2 * d)]
+    x = rand(projection.FEW_TOKENS + 1, 1, width)
+    cos, sin = torch.ones(1, 1, d, dtype=DTYPE), torch.zeros(1, 1, d, dtype=DTYPE)  # RoPE at position 0: identity
+    launches = []
+    monkeypatch.setattr(projection, "_projections", recording_launcher(launches)(projection._projections))
+    with torch.no_grad():
+        assert projection.rotated_projections_apply(x, layers, cos, sin, d)
+        out = projection.rotated_projections(x, layers, cos, sin, d)
+    (grid, kwargs), = launches
+    assert kwargs["BLOCK_K"] == 16 and kwargs["SPLIT"] == 4 and grid[1] == 4
+    for got, layer in zip(out, layers):
+        assert rel_err(got, x.float() @ layer.weight.float().T) < TOL
+
+
 def test_decode_chunks_are_at_most_the_programs_that_fit_at_once(monkeypatch):
     """The split-KV kernel's chunks aim at PROGRAMS_PER_SM(_FEW_TOKENS) programs a multiprocessor, and at no more than
     fit in its shared memory at once (each program's bytes and the 1 KiB the GPU reserves): V1's 128-key programs
