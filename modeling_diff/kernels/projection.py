@@ -248,9 +248,12 @@ def rotated_projections(x: torch.Tensor, linears, cos: torch.Tensor, sin: torch.
 # Steps of at most FEW_TOKENS tokens take the *_FEW_TOKENS launch configurations, longer ones *_MORE_TOKENS
 FEW_TOKENS = 16
 # (rows a program, most K step, most parts of K) of the split products (`benchmarks/decode_variants.py --split`
-# times others in the step)
+# times others in the step). Above FEW_TOKENS only q, k and v are split (`ROTATED_MAX_TOKENS`): at batch 32 and a 2K
+# context two parts of eight pipelined 128-wide steps took the H200's step from 1.783 to 1.758 ms (V1), 1.758 to
+# 1.710 (V2) and 1.694 to 1.673 (DEX), where four parts of one 512-wide step had been the launch of every step
+# (`--constants 'projection.SPLIT_MORE_TOKENS=(64,128,2)'`; (64,128,4) and (64,64,4) were 0.005-0.013 ms slower).
 SPLIT_FEW_TOKENS = (64, 512, 8)
-SPLIT_MORE_TOKENS = (64, 512, 8)
+SPLIT_MORE_TOKENS = (64, 128, 2)
 
 
 def split_config(width: int, tokens: int) -> tuple[int, int, int]:
