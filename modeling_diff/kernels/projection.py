@@ -222,9 +222,10 @@ def rotated_block(width: int, tokens: int, head_dim: int) -> int:
 def rotated_projections(x: torch.Tensor, linears, cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
                         cache=None) -> tuple[torch.Tensor, ...]:
     """(layer(x) for each of `linears`) with RoPE (`rope.py`'s formula) on every head_dim-wide head of the first two
-    (q and k), in one launch: the products split along K (o_proj's measured split: `split_config`), and the last
-    program of each row block sums its parts, rounds them as F.linear does and rotates q's and k's heads, where
-    `linear_maps` and `apply_rope` take three launches. Check `rotated_projections_apply` first.
+    (q and k), in one launch: the products split along K (`split_config`: o_proj's measured split in steps of at
+    most FEW_TOKENS tokens, SPLIT_MORE_TOKENS above), and the last program of each row block sums its parts, rounds
+    them as F.linear does and rotates q's and k's heads, where `linear_maps` and `apply_rope` take three launches.
+    Check `rotated_projections_apply` first.
     x (B, L, K); cos, sin (B or 1, L, head_dim) -> each (B, L, N_i), contiguous blocks of one buffer. With `cache` =
     (keys, values, length) of a StaticCache layer (`cache_write.projection_cache_layer`), the same launch also stores
     k and v into it at its next positions, the length not advanced."""
