@@ -435,8 +435,9 @@ class CountedKernel:
 
 
 def recording_launcher(launches: list):
-    """A launcher for `triton_decode._partial_softmaxes` (its `launcher` argument, or `_plain` patched) that runs each
-    kernel and records its launch as (grid, keyword arguments) in `launches`."""
+    """A launcher for `triton_decode._partial_softmaxes` (its `launcher` argument, or `_plain` patched), or a wrapper
+    of one kernel (`recording_launcher(launches)(kernel)` patched over it), that runs each kernel and records its
+    launch as (grid, keyword arguments) in `launches`."""
 
     class Recorded:
         def __init__(self, kernel):

@@ -258,10 +258,10 @@ SPLIT_MORE_TOKENS = (64, 128, 2)
 
 
 def split_config(width: int, tokens: int) -> tuple[int, int, int]:
-    """(rows a program, its K step, parts of K) of `launch_split_linear` for a step of `tokens` tokens, what measured
-    fastest on the H200 for o_proj and down_proj at one token (benchmarks/pdl_bench.py): 64 rows, 512-wide steps and
-    parts of 1-2 steps (4 parts of o_proj's 2048, 8 of down_proj's 8192); each part a whole number of steps (the
-    loop has no mask)."""
+    """(rows a program, its K step, parts of K) of `launch_split_linear` for a step of `tokens` tokens: SPLIT_FEW_TOKENS
+    up to FEW_TOKENS, what measured fastest on the H200 for o_proj and down_proj at one token (benchmarks/pdl_bench.py:
+    64 rows, 512-wide steps and parts of 1-2 steps, 4 parts of o_proj's 2048, 8 of down_proj's 8192), SPLIT_MORE_TOKENS
+    above (see there); each part a whole number of steps (the loop has no mask)."""
     block_n, most_step, most_parts = SPLIT_FEW_TOKENS if tokens <= FEW_TOKENS else SPLIT_MORE_TOKENS
     step = min(most_step, width & -width)
     steps = width // step
