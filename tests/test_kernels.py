@@ -888,8 +888,7 @@ def test_decode_kernel_shared_memory_bounds_what_triton_allocates_for_the_h200()
         "                                      (64, 64, 4, 64, 128, 0), (16, 64, 4, 64, 64, 0),\n"
         "                                      (16, 128, 4, 64, 128, 1), (16, 64, 4, 64, 64, 1)):\n"
         "    c = dict(SCALE=0.125, HAS_MASK=bool(mask), BLOCK_N=n, CHUNK_STATIC=0, FIRST_N=0, PDL=True, G=8,\n"
-        "             BLOCK_R=rows, DQ=dq, DK=dk, DV=dk, PAIRED=dk == 2 * dq, MODE=-1, ANNEALED=False, D_LAMBDA=16,\n"
-        "             ADVANCE=False)\n"
+        "             BLOCK_R=rows, DQ=dq, DK=dk, DV=dk, PAIRED=dk == 2 * dq)\n"
         "    shared = k.compile_sm90(_decode_partial, c, 4, stages).metadata.shared\n"
         "    print(shared, partial_shared_memory(rows, n, stages, dk, dk, 2, bool(mask)))\n"
     )
@@ -1082,21 +1081,16 @@ def combined_decode_step(mode, heads, kv_heads, length, kv_length, dqk, visible,
 
 @pytest.mark.parametrize("mode,heads,kv_heads,length,kv_length,dqk", COMBINED_DECODE_CASES)
 @pytest.mark.parametrize("masked", [False, True])
-@pytest.mark.parametrize("one_launch", [False, True])
 @torch.no_grad()
 def test_combined_decode_attention_matches_the_formula(mode, heads, kv_heads, length, kv_length, dqk, masked,
-                                                     one_launch, monkeypatch):
-    """The decode kernel with each mode's differential term in its reduce, or (`one_launch`, steps of one token) in
-    the split-KV kernel itself, one chunk a (batch, kv head) and no reduce; the coefficients computed in the kernel
+                                                     monkeypatch):
+    """The decode kernel with each mode's differential term in its reduce, the coefficients computed in the kernel
     (V1's lambda from its vectors, V2's noise weight from the logits, DEX's lambda(t)) against the definitions.
     V1 at 2d = 128 in steps of at most 16 tokens takes 128-key tiles (on the CPU too: its float32 tiles fit here)."""
     from modeling_diff.kernels import combined_decode_attention, triton_decode
 
     if not GPU:
         monkeypatch.setattr(triton_decode, "shared_memory", lambda device: 1 << 20)
-    monkeypatch.setattr(triton_decode, "ONE_LAUNCH_SM_SHARE", 0.0 if one_launch else float("inf"))
-    launches = []
-    monkeypatch.setattr(triton_decode, "_plain", recording_launcher(launches))
     dv = 2 * dqk if mode == "v1" else dqk
     block_n, _ = triton_decode.partial_tiles(3 * length, 16, dv if mode == "v1" else dqk, dv, DTYPE.itemsize,
                                              torch.device(DEVICE))
@@ -1117,33 +1111,6 @@ def test_combined_decode_attention_matches_the_formula(mode, heads, kv_heads, le
     out = combined_decode_attention(q, k, v, mask, 0.3, combine)
     assert out.shape == (batch, length, heads, ref.shape[-1]) and out.dtype == DTYPE
     assert rel_err(out, ref) < TOL
-    (grid, kwargs), = launches  # the split-KV kernel's; the reduce's is not through the launcher
-    took_one_launch = one_launch and length == 1
-    assert (kwargs["MODE"] >= 0) == took_one_launch and (grid[1] == 1 or not took_one_launch)
-
-
-@pytest.mark.parametrize("mode", ["v1", "v2", "dex"])
-@torch.no_grad()
-def test_one_launch_after_the_projections_write_advances_the_length(mode, monkeypatch):
-    """A step of one token in one launch (a program a (batch, kv head) over the whole cache) where the projections
-    stored the step's keys and values: it reads them (no read before the wait: its first program advances the
-    length), equals the definitions and advances the layer's length by one, for every new position."""
-    from modeling_diff.kernels import combined_decode_attention, triton_decode
-
-    torch.manual_seed(8)
-    batch, heads, kv_heads, kv_length, dqk = 2, 4, 2, 150, 16
-    monkeypatch.setattr(triton_decode, "ONE_LAUNCH_SM_SHARE", 0.0)
-    launches = []
-    monkeypatch.setattr(triton_decode, "_plain", recording_launcher(launches))
-    for written in (0, 63, 64, kv_length - 1):
-        position = torch.tensor([written], device=DEVICE)
-        visible = (torch.arange(kv_length, device=DEVICE)[None, :] <= position[:, None]).expand(batch, -1, -1)
-        q, k, v, combine, ref = combined_decode_step(mode, heads, kv_heads, 1, kv_length, dqk, visible, 0)
-        advance = torch.tensor([written], device=DEVICE)
-        out = combined_decode_attention(q, k, v, visible[:, None], 0.3, combine, advance=advance)
-        assert rel_err(out, ref) < TOL, written
-        assert advance.item() == written + 1
-    assert all(kwargs["MODE"] >= 0 and kwargs["FIRST_N"] == 0 and grid[1] == 1 for grid, kwargs in launches)
 
 
 @pytest.mark.parametrize("mode", ["v1", "v2", "dex"])
@@ -1202,7 +1169,6 @@ def test_decode_attention_merges_many_splits(mode, heads, kv_heads, length, kv_l
     monkeypatch.setattr(triton_decode, "PARTIAL_BLOCK_N", 16)
     for name in ("PROGRAMS_PER_SM", "PROGRAMS_PER_SM_FEW_TOKENS"):  # a chunk per BLOCK_N keys
         monkeypatch.setattr(triton_decode, name, 1 << 20)
-    monkeypatch.setattr(triton_decode, "ONE_LAUNCH_SM_SHARE", float("inf"))  # chunks, and the reduce's merge
     torch.manual_seed(6)
     batch = 3
     visible = causally_visible(length, kv_length, masked).expand(batch, length, kv_length).clone()

@@ -2,9 +2,7 @@
 
 A program owns one (batch, kv head) and one chunk of the cached sequence. Its rows are every query of the
 kv head's GQA group (G query heads x L tokens), so the K and V tiles it loads serve the whole group; the
-chunks run in parallel (flash-decoding) and a reduce kernel merges their partial softmaxes. Where a step of one
-token has a program for every (batch, kv head) on nearly every multiprocessor (batch 32), one chunk each, the kernel
-applies the mode's differential term itself and there is no reduce launch (`ONE_LAUNCH_SM_SHARE`). The reduce runs a
+chunks run in parallel (flash-decoding) and a reduce kernel merges their partial softmaxes. The reduce runs a
 program per query row (per head pair for V1 and V2) and reads all of the row's chunks in one load: a decoding
 step waits on its latency, not on its few bytes. For the differential modes the reduce also applies the mode's
 differential term (`_decode_reduce_combined`: V1's and V2's combine of each head pair, DEX's operator), and V1's
@@ -17,7 +15,6 @@ Imported only when triton is installed (see `kernels/decode.py` for the referenc
 """
 
 import functools
-from typing import NamedTuple
 
 import torch
 from torch.library import triton_op, wrap_triton
@@ -66,12 +63,6 @@ PREFETCH_MAX_BYTES = 32 * 1024
 # context and from 0.939 to 2.201 at 8K (a warp holds every chunk's (DV,) output), and 2 warps changed no step by
 # more than 0.003 ms: the barriers are not what the reduce waits on.
 REDUCE_NUM_WARPS = 4
-# A step of one token whose (batch, kv head) groups are at least this share of the multiprocessors gives each group
-# one program over the whole cache, which applies the mode's differential term itself: no partials, no reduce launch
-# (batch 32 of the ~1.1B models: V1's 4 kv heads are 128 programs for the H200's 132). On the H200 the split-KV
-# kernel alone took the same time with one chunk a group as with 2 or 3 (37.5-38.5 us, V1 / V2 / DEX at a 2K context,
-# kernel time without the reduce), and the reduce took 2.7-4.8 us a layer (benchmarks/RESULTS.md).
-ONE_LAUNCH_SM_SHARE = 0.9
 
 
 @triton.jit
@@ -104,54 +95,21 @@ def _attend_tile(q, K, V, Mask, b, kvh, t, row_ok, dk, dv, n, end, k, v, skb, sk
 # The cache length (and with it the causal offset, the mask's strides, the chunk length and the number of chunks)
 # grows every step: not specialized on (Triton would compile a variant whenever one crosses a multiple of 16), so
 # one compiled kernel serves a whole generation.
-@triton.jit
-def _differential_term(o1, o2, z, head_mask, NormW, eps, norm_scale, LambdaQ1, LambdaK1, LambdaQ2, LambdaK2,
-                       Operator, LambdaLearn, AnnealStep, anneal_steps, lambda_init, DV: tl.constexpr,
-                       MODE: tl.constexpr, ANNEALED: tl.constexpr, D_LAMBDA: tl.constexpr, DOT: tl.constexpr):
-    """Each mode's differential term on merged head outputs, float32 rows (R, DV) (`decode.py`):
-    MODE 0 (V1) the pairs' maps o1, o2 -> norm_scale * subln(O1 - lambda O2), lambda from its vectors;
-    MODE 1 (V2) -> O1 - sigmoid(z) min(1, t/T) O2, z (R,) the rows' noise logits;
-    MODE 2 (DEX) o1 the heads' outputs -> O - lambda(t) mask_h O W^T, W = Operator (DV, DV), head_mask (R,) mask_h;
-    its product on the tensor cores in float32 where DOT (R >= 16), else as a sum."""
-    dv = tl.arange(0, DV)
-    if MODE == 0:
-        lam = differential_lambda(LambdaQ1, LambdaK1, LambdaQ2, LambdaK2, lambda_init, D_LAMBDA)
-        out, _ = v1_combine_rows(o1, o2, lam, tl.load(NormW + dv).to(tl.float32), eps, norm_scale, DV)
-    elif MODE == 1:
-        fraction = tl.minimum(anneal_fraction(AnnealStep, anneal_steps, ANNEALED), 1.0)
-        out = o1 - (tl.sigmoid(z) * fraction)[:, None] * o2
-    else:
-        lam = dex_lambda(LambdaLearn, anneal_fraction(AnnealStep, anneal_steps, ANNEALED), lambda_init)
-        w = tl.load(Operator + dv[:, None] * DV + dv[None, :]).to(tl.float32)  # (DV, DV): W[j, k]
-        if DOT:
-            projected = tl.dot(o1, tl.trans(w), input_precision="ieee")
-        else:
-            projected = tl.sum(o1[:, None, :] * w[None, :, :], axis=2)  # (O W^T)_j = sum_k W[j, k] O_k
-        out = o1 - (lam * head_mask)[:, None] * projected
-    return out
-
-
 @triton.jit(do_not_specialize=["smb", "sml", "S", "offset", "chunk", "splits", "parts"])
 def _decode_partial(
     Q, K, V, Mask, Part, Written,
     sqb, sqh, sql, skb, skh, sks, svb, svh, svs, smb, sml, sms,
     H_KV, S, L, offset, chunk, splits, parts,
-    Out, sob, sol, soh, Logits, szb, szl, szh, NormW, eps, norm_scale, LambdaQ1, LambdaK1, LambdaQ2, LambdaK2,
-    Operator, HeadMask, LambdaLearn, AnnealStep, anneal_steps, lambda_init, Length,
     SCALE: tl.constexpr,  # a compile-time constant: a runtime float would reach Inductor's launch as fp64
     G: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     DQ: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, PAIRED: tl.constexpr,
     CHUNK_STATIC: tl.constexpr,  # `chunk` under the interpreter, whose loop bounds must be compile-time; else 0
     FIRST_N: tl.constexpr, PDL: tl.constexpr,
-    MODE: tl.constexpr, ANNEALED: tl.constexpr, D_LAMBDA: tl.constexpr, ADVANCE: tl.constexpr,
 ):
     # FIRST_N > 0: the step's keys and values are at the positions Written.. (a StaticCache layer's length, int64,
     # that the projections' launch, the kernel before, did not advance: `cache_write.py`). The chunk's first FIRST_N
     # keys (a multiple of BLOCK_N) are one tile whose positions written in earlier steps are read before the wait, so
     # that their latency overlaps the kernel before; its new positions after it.
-    # MODE < 0: the chunk's partial softmax into Part, for the reduce. MODE 0-2 (one chunk, L = 1: the whole cache of
-    # one query token): the heads' outputs with the mode's differential term (`_differential_term`, whose arguments
-    # and ADVANCE are the reduce's) into Out (B, L, h, DV).
     let_dependents_start(PDL)
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -198,33 +156,10 @@ def _decode_partial(
                                      None, None, skb, skh, sks, svb, svh, svs, smb, sml, sms, offset, qk_scale,
                                      m_i, l_i, acc, HAS_MASK)
 
-    if MODE < 0:
-        part = pid_bh * splits + split
-        tl.store(Part + (part * BLOCK_R + r)[:, None] * DV + dv[None, :], acc)
-        tl.store(Part + parts * DV + part * BLOCK_R + r, m_i)
-        tl.store(Part + parts * (DV + 1) + part * BLOCK_R + r, l_i)
-    else:
-        if ADVANCE:  # no program of this launch reads the length (FIRST_N = 0)
-            if pid_bh == 0:
-                tl.store(Length, tl.load(Length) + L)
-        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a query with no visible key gets 0, as in the merge
-        if MODE == 2:
-            head = kvh * G + r
-            mask = tl.load(HeadMask + head, mask=row_ok, other=0.0).to(tl.float32)
-            out = _differential_term(o, o, o, mask, NormW, eps, norm_scale, LambdaQ1, LambdaK1, LambdaQ2, LambdaK2,
-                                     Operator, LambdaLearn, AnnealStep, anneal_steps, lambda_init, DV, MODE, ANNEALED,
-                                     D_LAMBDA, True)
-            ok = row_ok
-        else:  # query heads 2i and 2i + 1 of the group: the maps of its differential head i
-            o1, o2 = tl.split(tl.permute(tl.reshape(o, (BLOCK_R // 2, 2, DV)), (0, 2, 1)))
-            i = tl.arange(0, BLOCK_R // 2)
-            ok = i < G // 2
-            head = kvh * (G // 2) + i
-            z = tl.load(Logits + b * szb + head * szh, mask=ok, other=0.0).to(tl.float32) if MODE == 1 else i
-            out = _differential_term(o1, o2, z, z, NormW, eps, norm_scale, LambdaQ1, LambdaK1, LambdaQ2, LambdaK2,
-                                     Operator, LambdaLearn, AnnealStep, anneal_steps, lambda_init, DV, MODE, ANNEALED,
-                                     D_LAMBDA, False)
-        tl.store(Out + b * sob + head[:, None] * soh + dv[None, :], out.to(Out.dtype.element_ty), mask=ok[:, None])
+    part = pid_bh * splits + split
+    tl.store(Part + (part * BLOCK_R + r)[:, None] * DV + dv[None, :], acc)
+    tl.store(Part + parts * DV + part * BLOCK_R + r, m_i)
+    tl.store(Part + parts * (DV + 1) + part * BLOCK_R + r, l_i)
 
 
 @triton.jit
@@ -272,8 +207,11 @@ def _decode_reduce_combined(
     G: tl.constexpr, BLOCK_R: tl.constexpr, DV: tl.constexpr, MAX_SPLITS: tl.constexpr,
     MODE: tl.constexpr, ANNEALED: tl.constexpr, D_LAMBDA: tl.constexpr, ADVANCE: tl.constexpr, PDL: tl.constexpr,
 ):
-    """The merge, then each mode's differential term on the merged head outputs (`_differential_term`).
-    A program per query row (DEX) or per pair of query heads (2i, 2i+1) (V1, V2: subln needs both maps of the pair).
+    """The merge, then each mode's differential term on the merged head outputs (`decode.py`):
+    MODE 0 (V1) pairs of query heads (2i, 2i+1) -> norm_scale * subln(O1 - lambda O2), lambda from its vectors;
+    MODE 1 (V2) pairs -> O1 - sigmoid(z) min(1, t/T) O2, z = Logits (B, L, h);
+    MODE 2 (DEX) each head -> O - lambda(t) mask_h O W^T, W = Operator (DV, DV).
+    A program per query row (DEX) or per pair (V1, V2: subln needs both maps of the pair).
     ADVANCE: the projections stored the step's keys and values into a StaticCache layer (`cache_write.py`); the
     first program advances its length (int64) by L, after the wait: every kernel that read it has finished."""
     let_dependents_start(PDL)
@@ -286,29 +224,33 @@ def _decode_reduce_combined(
     kvh = pid_bh % H_KV
     first_part = pid_bh * splits
     dv = tl.arange(0, DV)
-    one = tl.zeros((1,), tl.int32)  # the program's row as a (1,) tensor: `_differential_term` takes rows
     if MODE == 2:
         row = tl.program_id(1)  # the group's row g * L + t is query head g, token t
         t = row % L
         head = kvh * G + row // L
-        o = _merge_splits(Part, parts, first_part, row, splits, BLOCK_R, DV, MAX_SPLITS)[None, :]
-        mask = tl.load(HeadMask + head + one).to(tl.float32)
-        out = _differential_term(o, o, mask, mask, NormW, eps, norm_scale, LambdaQ1, LambdaK1, LambdaQ2, LambdaK2,
-                                 Operator, LambdaLearn, AnnealStep, anneal_steps, lambda_init, DV, MODE, ANNEALED,
-                                 D_LAMBDA, False)
+        o = _merge_splits(Part, parts, first_part, row, splits, BLOCK_R, DV, MAX_SPLITS)
+        lam = dex_lambda(LambdaLearn, anneal_fraction(AnnealStep, anneal_steps, ANNEALED), lambda_init)
+        lam_h = lam * tl.load(HeadMask + head).to(tl.float32)
+        w = tl.load(Operator + dv[:, None] * DV + dv[None, :]).to(tl.float32)  # (DV, DV): W[j, k]
+        out = o - lam_h * tl.sum(w * o[None, :], axis=1)  # (O W^T)_j = sum_k W[j, k] O_k
     else:
         pair = tl.program_id(1)  # (pair i, token t); the pair's rows are 2i * L + t and (2i + 1) * L + t
         i = pair // L
         t = pair % L
         first = 2 * i * L + t
-        o1 = _merge_splits(Part, parts, first_part, first, splits, BLOCK_R, DV, MAX_SPLITS)[None, :]
-        o2 = _merge_splits(Part, parts, first_part, first + L, splits, BLOCK_R, DV, MAX_SPLITS)[None, :]
+        o1 = _merge_splits(Part, parts, first_part, first, splits, BLOCK_R, DV, MAX_SPLITS)
+        o2 = _merge_splits(Part, parts, first_part, first + L, splits, BLOCK_R, DV, MAX_SPLITS)
         head = kvh * (G // 2) + i
-        z = tl.load(Logits + b * szb + t * szl + head * szh + one).to(tl.float32) if MODE == 1 else one
-        out = _differential_term(o1, o2, z, z, NormW, eps, norm_scale, LambdaQ1, LambdaK1, LambdaQ2, LambdaK2,
-                                 Operator, LambdaLearn, AnnealStep, anneal_steps, lambda_init, DV, MODE, ANNEALED,
-                                 D_LAMBDA, False)
-    tl.store(Out + b * sob + t * sol + head * soh + dv[None, :], out.to(Out.dtype.element_ty))
+        if MODE == 0:
+            lam = differential_lambda(LambdaQ1, LambdaK1, LambdaQ2, LambdaK2, lambda_init, D_LAMBDA)
+            y, _ = v1_combine_rows(o1[None, :], o2[None, :], lam, tl.load(NormW + dv).to(tl.float32), eps,
+                                   norm_scale, DV)
+            out = tl.reshape(y, (DV,))
+        else:
+            z = tl.load(Logits + b * szb + t * szl + head * szh).to(tl.float32)
+            fraction = tl.minimum(anneal_fraction(AnnealStep, anneal_steps, ANNEALED), 1.0)
+            out = o1 - tl.sigmoid(z) * fraction * o2
+    tl.store(Out + b * sob + t * sol + head * soh + dv, out.to(Out.dtype.element_ty))
 
 
 @functools.cache
@@ -382,54 +324,11 @@ def prefetched_keys(chunk: int, block_n: int, key_bytes: int) -> int:
     return min(1 << (most.bit_length() - 1), next_power_of_2(chunk))
 
 
-def one_launch_applies(batch: int, kv_heads: int, length: int, device: torch.device) -> bool:
-    """Whether a step's decode kernel gives each (batch, kv head) one program over the whole cache, with the mode's
-    differential term in it and no reduce (see ONE_LAUNCH_SM_SHARE): one query token, and enough groups."""
-    return length == 1 and batch * kv_heads >= ONE_LAUNCH_SM_SHARE * _sm_count(device)
-
-
-class _Term(NamedTuple):
-    """The differential term's arguments of `_decode_partial` and `_decode_reduce_combined` (after their output's
-    strides), and its constants; `plain_term` for a launch without one."""
-
-    args: tuple
-    constants: dict
-
-
-def plain_term(unused: torch.Tensor) -> _Term:
-    """No differential term: the partial kernel stores the partial softmaxes (MODE -1); `unused` fills its pointers."""
-    args = (unused, 0, 0, 0, unused, 0.0, 1.0, *(unused,) * 4, unused, unused, unused, unused, 1.0, 0.0, unused)
-    return _Term(args, dict(MODE=-1, ANNEALED=False, D_LAMBDA=16, ADVANCE=False))
-
-
-def differential_term(combine, out: torch.Tensor, advance) -> _Term:
-    """`combine` (V1Combine, V2Combine or DexCombine: `decode.py`) as the kernels take it; `advance` as in
-    `combined_decode_kernels`."""
-    mode = type(combine).MODE  # 0 V1, 1 V2, 2 DEX
-    plain = plain_term(out).args
-    logits, norm, vectors, dex = plain[:4], plain[4:7], plain[7:11], plain[11:14]
-    anneal, lambda_init, d_lambda = (out, 1.0), 0.0, 16
-    if mode == 0:  # V1Combine
-        norm, vectors = (combine.norm_weight, combine.eps, combine.norm_scale), combine.lambda_vectors
-        lambda_init, d_lambda = combine.lambda_init, vectors[0].shape[0]
-    else:  # V2Combine, DexCombine: the anneal step t and T (ANNEALED is False when T = 0: annealing off)
-        anneal = (combine.anneal_step, float(max(combine.anneal_steps, 1)))
-        if mode == 1:
-            logits = (combine.noise_logits, *combine.noise_logits.stride())
-        else:
-            dex = (combine.operator.contiguous(), combine.head_mask, combine.lambda_learn)
-            lambda_init = combine.lambda_init
-    args = (*logits, *norm, *vectors, *dex, *anneal, lambda_init, out if advance is None else advance)
-    return _Term(args, dict(MODE=mode, ANNEALED=mode != 0 and combine.anneal_steps > 0, D_LAMBDA=d_lambda,
-                            ADVANCE=advance is not None))
-
-
-def _partial_softmaxes(query, key, value, mask, scale: float, launcher, written=None, out=None, term=None):
+def _partial_softmaxes(query, key, value, mask, scale: float, launcher, written=None):
     """Launch the split-KV kernel; -> (workspace of the partial softmaxes, splits, parts, rows per program).
     query (B, Hq, L, DQ) any strides; with key (B, H_KV, S, 2 DQ) its heads are read PAIRED (V1). `written`: the
     StaticCache layer's length before the step, where the kernel before stored the step's keys and values at it
-    (the kernel's FIRST_N). With a differential `term` (`one_launch_applies`): one chunk a group, the heads' outputs
-    with the term stored into `out`, and no workspace.
+    (the kernel's FIRST_N).
     Host arithmetic in plain ints: a decoding step is bound by its host work, and triton.cdiv & co. are
     constexpr functions that cost microseconds per call from Python."""
     batch, q_heads, length, q_dim = query.shape
@@ -440,36 +339,27 @@ def _partial_softmaxes(query, key, value, mask, scale: float, launcher, written=
     element = key.element_size()
     masked = mask is not None
     block_n, stages = partial_tiles(batch * length, block_rows, k_dim, v_dim, element, query.device, masked)
-    if term is None:
-        # Enough chunks of equal length (a multiple of the tile) for about PROGRAMS_PER_SM programs per
-        # multiprocessor. Not a power of two: a cache just past one (a StaticCache of 2048 + the new tokens) would
-        # get a full chunk and a nearly empty one, half the programs, and half the memory traffic in flight (measured
-        # on the H200).
-        program_bytes = partial_shared_memory(block_rows, block_n, stages, k_dim, v_dim, element, masked)
-        per_sm = programs_per_sm(batch * length, program_bytes, query.device)
-        target = max(1, cdiv(per_sm * _sm_count(query.device), batch * kv_heads))
-        chunk = cdiv(cdiv(kv_length, target), block_n) * block_n
-        term = plain_term(query)
-    else:
-        chunk = cdiv(kv_length, block_n) * block_n
+    program_bytes = partial_shared_memory(block_rows, block_n, stages, k_dim, v_dim, element, masked)
+    # Enough chunks of equal length (a multiple of the tile) for about PROGRAMS_PER_SM programs per multiprocessor.
+    # Not a power of two: a cache just past one (a StaticCache of 2048 + the new tokens) would get a full chunk
+    # and a nearly empty one, half the programs, and half the memory traffic in flight (measured on the H200).
+    per_sm = programs_per_sm(batch * length, program_bytes, query.device)
+    target = max(1, cdiv(per_sm * _sm_count(query.device), batch * kv_heads))
+    chunk = cdiv(cdiv(kv_length, target), block_n) * block_n
     splits = cdiv(kv_length, chunk)
     parts = batch * kv_heads * splits * block_rows
-    one_launch = term.constants["MODE"] >= 0
-    work = query if one_launch else torch.empty(parts * (v_dim + 2), dtype=torch.float32, device=query.device)
-    out_args = (out, *out.stride()[:3]) if one_launch else (work, 0, 0, 0)
+    work = torch.empty(parts * (v_dim + 2), dtype=torch.float32, device=query.device)  # outputs, maxima, sums
     mask_arg, mask_strides = kernel_mask(mask, query)
     pdl = launcher is _plain and dependent_launch(query, batch * length)  # not through torch.compile's launch (the custom op)
-    # The read before the wait; not in one launch, whose first program advances the length that it reads
     first_n = prefetched_keys(chunk, block_n, (k_dim + v_dim) * element) if written is not None and (
-        pdl or TRITON_INTERPRETING) and not one_launch else 0
+        pdl or TRITON_INTERPRETING) else 0
     launcher(_decode_partial)[(batch * kv_heads, splits)](
         query, key, value, mask_arg, work, written if first_n else work,
         *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *mask_strides,
         kv_heads, kv_length, length, causal_offset(length, kv_length, mask is not None), chunk, splits, parts,
-        *out_args, *term.args,
         SCALE=scale, G=groups, HAS_MASK=mask is not None, BLOCK_R=block_rows, BLOCK_N=block_n,
         DQ=q_dim, DK=k_dim, DV=v_dim, PAIRED=k_dim == 2 * q_dim, CHUNK_STATIC=chunk if TRITON_INTERPRETING else 0,
-        FIRST_N=first_n, PDL=pdl, **term.constants, num_warps=PARTIAL_NUM_WARPS, num_stages=stages,
+        FIRST_N=first_n, PDL=pdl, num_warps=PARTIAL_NUM_WARPS, num_stages=stages,
         **({"launch_pdl": True} if pdl else {}),
     )
     return work, splits, parts, block_rows
@@ -491,26 +381,37 @@ def decode_attention_kernels(query, key, value, mask, scale: float, launcher=_pl
 
 
 def combined_decode_kernels(query, key, value, mask, scale: float, combine, out=None, advance=None) -> torch.Tensor:
-    """The launches of a decoding step with the differential term in the reduce, or in the split-KV kernel itself
-    where `one_launch_applies` (eager only); see `decode.combined_decode_attention`, which defines `combine`
-    (V1Combine, V2Combine or DexCombine), `out` and `advance`."""
+    """The two launches of a decoding step with the differential term in the reduce (eager only); see
+    `decode.combined_decode_attention`, which defines `combine` (V1Combine, V2Combine or DexCombine), `out` and
+    `advance`."""
     batch, q_heads, length, _ = query.shape
     kv_heads, v_dim = key.shape[1], value.shape[-1]
-    mode = type(combine).MODE  # 0 V1, 1 V2, 2 DEX: the kernels' MODE
+    mode = type(combine).MODE  # 0 V1, 1 V2, 2 DEX: the reduce kernel's MODE
     heads = q_heads if mode == 2 else q_heads // 2  # V1, V2: a head per pair of query heads
     groups = q_heads // kv_heads
+    work, splits, parts, block_rows = _partial_softmaxes(query, key, value, mask, scale, _plain, advance)
     if out is None:
         out = torch.empty(batch, length, heads, v_dim, dtype=query.dtype, device=query.device)
-    term = differential_term(combine, out, advance)
-    if one_launch_applies(batch, kv_heads, length, query.device):
-        _partial_softmaxes(query, key, value, mask, scale, _plain, advance, out, term)
-        return out
-    work, splits, parts, block_rows = _partial_softmaxes(query, key, value, mask, scale, _plain, advance)
+    unused = out  # a pointer the mode does not read
+    logits, norm, vectors, dex = (unused, 0, 0, 0), (unused, 0.0, 1.0), (unused,) * 4, (unused,) * 3
+    anneal, lambda_init, d_lambda = (unused, 1.0), 0.0, 16
+    if mode == 0:  # V1Combine
+        norm, vectors = (combine.norm_weight, combine.eps, combine.norm_scale), combine.lambda_vectors
+        lambda_init, d_lambda = combine.lambda_init, vectors[0].shape[0]
+    else:  # V2Combine, DexCombine: the anneal step t and T (ANNEALED is False when T = 0: annealing off)
+        anneal = (combine.anneal_step, float(max(combine.anneal_steps, 1)))
+        if mode == 1:
+            logits = (combine.noise_logits, *combine.noise_logits.stride())
+        else:
+            dex = (combine.operator.contiguous(), combine.head_mask, combine.lambda_learn)
+            lambda_init = combine.lambda_init
     # A program per query row (DEX) or pair of rows (V1, V2): the group's (heads / kv heads) x L outputs.
     pdl = dependent_launch(query, batch * length)
     _decode_reduce_combined[(batch * kv_heads, heads // kv_heads * length)](
-        work, out, *out.stride()[:3], kv_heads, length, splits, parts, *term.args,
-        G=groups, BLOCK_R=block_rows, DV=v_dim, MAX_SPLITS=next_power_of_2(splits), **term.constants,
+        work, out, *out.stride()[:3], kv_heads, length, splits, parts,
+        *logits, *norm, *vectors, *dex, *anneal, lambda_init, out if advance is None else advance,
+        G=groups, BLOCK_R=block_rows, DV=v_dim, MAX_SPLITS=next_power_of_2(splits),
+        MODE=mode, ANNEALED=mode != 0 and combine.anneal_steps > 0, D_LAMBDA=d_lambda, ADVANCE=advance is not None,
         PDL=pdl, num_warps=REDUCE_NUM_WARPS, launch_pdl=pdl,
     )
     return out
