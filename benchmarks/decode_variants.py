@@ -23,7 +23,8 @@ products and PDL, with the decode kernel's few-token launch, at batch 32).
 `--gated BLOCK_N,BLOCK_K,WARPS,STAGES ...` adds one per launch configuration of the MLP's gate and up
 (`kernels/projection.py`'s GATED_FEW_TOKENS / GATED_MORE_TOKENS, both set); `--split BLOCK_N,STEP,PARTS ...` one per
 launch configuration of the products split along K (SPLIT_FEW_TOKENS / SPLIT_MORE_TOKENS, both set: q, k, v,
-o_proj and down_proj).
+o_proj and down_proj). `--pdl-more-tokens KERNELS[+KERNELS...] ...` adds one per set of kernels launched with PDL in
+steps of more than `_triton.PDL_MAX_TOKENS` tokens too (KERNELS one of decode, norm, projection; e.g. `decode+norm`).
 
 Prints the step (ms) and its share of the roofline (bench.py's definition, the bandwidth measured in the same run) per
 model, batch and variant; the variants alternate within each model and batch, `--rounds` times (median).
@@ -42,7 +43,7 @@ import modeling_diff.modeling_diff_llama as modeling
 from bench import (
     MODELS, bench_static_decode, build, copy_bandwidth, decode_work, kernels_patched, warm_up_gpu, write_atomically,
 )
-from modeling_diff.kernels import _triton, projection, triton_decode
+from modeling_diff.kernels import _triton, cache_write, projection, rmsnorm, rope, triton_decode
 
 
 def _no_split(*args):  # a dispatch predicate that declines
@@ -113,6 +114,25 @@ def split_variant(config: str) -> str:
 
 
 CONSTANT_MODULES = {"_triton": _triton, "projection": projection, "triton_decode": triton_decode}
+# --pdl-more-tokens's kernels -> the modules whose launches they are (each imports `dependent_launch` by name)
+PDL_KERNELS = {"decode": (triton_decode,), "norm": (rmsnorm, rope), "projection": (projection, cache_write)}
+
+
+def _dependent_launch_at_any_tokens(tensor, tokens):
+    return _triton.dependent_launch(tensor, 1)
+
+
+def pdl_variant(config: str) -> str:
+    """A `--pdl-more-tokens` set (kernel groups of PDL_KERNELS joined by '+') as a variant registered in FEATURES
+    under 'pdl-more-tokens=...': those kernels launch with PDL whatever the step's tokens."""
+    names = config.split("+")
+    unknown = [name for name in names if name not in PDL_KERNELS]
+    if unknown:
+        raise SystemExit(f"--pdl-more-tokens: {', '.join(unknown)} not among {', '.join(PDL_KERNELS)}")
+    name = f"pdl-more-tokens={config}"
+    FEATURES[name] = [(module, "dependent_launch", _dependent_launch_at_any_tokens)
+                      for group in names for module in PDL_KERNELS[group]]
+    return name
 
 
 def constants_variant(config: str) -> str:
@@ -169,12 +189,14 @@ def main(argv=None):
     parser.add_argument("--constants", nargs="*", default=[], metavar="MODULE.NAME=VALUE[+...]")
     parser.add_argument("--gated", nargs="*", default=[], metavar="BLOCK_N,BLOCK_K,WARPS,STAGES")
     parser.add_argument("--split", nargs="*", default=[], metavar="BLOCK_N,STEP,PARTS")
+    parser.add_argument("--pdl-more-tokens", nargs="*", default=[], metavar="KERNELS[+KERNELS...]")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     args.variants += [partial_variant(config) for config in args.partial]
     args.variants += [constants_variant(config) for config in args.constants]
     args.variants += [gated_variant(config) for config in args.gated]
     args.variants += [split_variant(config) for config in args.split]
+    args.variants += [pdl_variant(config) for config in args.pdl_more_tokens]
     warm_up_gpu()
     bandwidth = copy_bandwidth()
     rows = []
