@@ -72,6 +72,26 @@ def test_a_constants_variant_sets_the_launch_rules_and_puts_them_back():
             decode_variants.constants_variant(bad)
 
 
+def test_a_pdl_variant_launches_its_kernels_with_pdl_at_any_tokens_and_puts_them_back(monkeypatch):
+    """`--pdl-more-tokens`: the named kernels' modules decide PDL as for one token while the variant runs (the
+    others as before), and their own `dependent_launch` is back after; an unknown kernel group is refused by name."""
+    from modeling_diff.kernels import _triton, projection, rmsnorm, rope, triton_decode
+
+    def by_tokens(tensor, tokens):  # the rule as on a GPU with PDL (the CPU has none)
+        return tokens <= _triton.PDL_MAX_TOKENS
+
+    for module in (_triton, projection, rmsnorm, rope, triton_decode):
+        monkeypatch.setattr(module, "dependent_launch", by_tokens)
+    x = torch.zeros(1)
+    variant = decode_variants.pdl_variant("decode+norm")
+    with decode_variants.switched(variant):
+        assert triton_decode.dependent_launch(x, 32) and rmsnorm.dependent_launch(x, 32) and rope.dependent_launch(x, 64)
+        assert not projection.dependent_launch(x, 32) and projection.dependent_launch(x, 16)
+    assert not triton_decode.dependent_launch(x, 32) and not rmsnorm.dependent_launch(x, 32)
+    with pytest.raises(SystemExit, match="attention"):
+        decode_variants.pdl_variant("decode+attention")
+
+
 def test_bench_refuses_an_attention_it_does_not_time(capsys):
     """`bench.py --attention` takes the two implementations of the differential models' fast paths (sdpa, their
     default on CUDA, and fused_diff); anything else is refused by name before any GPU work."""
