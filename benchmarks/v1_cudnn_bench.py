@@ -15,24 +15,12 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
+from attention_bench import milliseconds
 from bench import write_atomically
 from modeling_diff.kernels.combine import v1_combine
 from modeling_diff.kernels.flash_diff import flash_diff_attention
 
 H, HKV, D = 16, 4, 64
-
-
-def ms(fn, reps=10):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(reps):
-        fn()
-    e.record()
-    torch.cuda.synchronize()
-    return s.elapsed_time(e) / reps
 
 
 def cudnn_split(query, key, value, lam, subln, scale, backend):
@@ -113,7 +101,7 @@ def main():
 
                 def train():
                     fn(query, key, value, lam, subln, scale, backend).backward(grad)
-                f_ms, t_ms = ms(fwd), ms(train)
+                f_ms, t_ms = milliseconds(fwd, 10), milliseconds(train, 10)
                 torch.cuda.reset_peak_memory_stats()
                 base = torch.cuda.memory_allocated()
                 train()
@@ -123,7 +111,7 @@ def main():
                       f"err {err:.1e} extra peak {peak:.2f} GiB", flush=True)
             except RuntimeError as e:  # a backend that does not take these shapes
                 print(f"{shape} {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-        lt = ms(llama(b, l))
+        lt = milliseconds(llama(b, l), 10)
         lflops = 2 * b * 32 * (l * l / 2) * (64 + 64) * 3.5
         row["llama_cudnn"] = dict(train_ms=lt, tflops=lflops / lt / 1e9)
         print(f"{shape} llama cudnn fwd+bwd {lt:7.3f} ms ({lflops / lt / 1e9:5.0f} TFLOP/s)", flush=True)
