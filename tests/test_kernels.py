@@ -1148,6 +1148,29 @@ def test_combined_decode_after_the_projections_write_reads_the_new_positions(mod
     assert {kwargs["FIRST_N"] for _, kwargs in launches if "FIRST_N" in kwargs} == {prefetched} or GPU
 
 
+@pytest.mark.parametrize("chunks, warps", [(3, 1), (4, 1), (5, 4), (10, 4)])
+@torch.no_grad()
+def test_the_combined_reduce_takes_one_warp_where_it_merges_few_chunks(chunks, warps, monkeypatch):
+    """A differential mode's reduce runs one warp a program where it merges at most REDUCE_FEW_SPLITS chunks a row
+    (batch 32's steps: faster on the H200), REDUCE_NUM_WARPS where more (batch 1: a warp would hold every chunk's
+    output), and the output is the definitions' either way."""
+    from modeling_diff.kernels import combined_decode_attention, triton_decode
+
+    monkeypatch.setattr(triton_decode, "PARTIAL_BLOCK_N", 16)
+    for name in ("PROGRAMS_PER_SM", "PROGRAMS_PER_SM_FEW_TOKENS"):  # a chunk per 16 keys
+        monkeypatch.setattr(triton_decode, name, 1 << 20)
+    launches = []
+    monkeypatch.setattr(triton_decode, "_decode_reduce_combined",
+                        recording_launcher(launches)(triton_decode._decode_reduce_combined))
+    torch.manual_seed(9)
+    visible = causally_visible(1, 16 * chunks, False).expand(2, 1, 16 * chunks)
+    q, k, v, combine, ref = combined_decode_step("v1", 2, 1, 1, 16 * chunks, 16, visible, 0)
+    out = combined_decode_attention(q, k, v, None, 0.3, combine)
+    assert rel_err(out, ref) < TOL
+    (_, kwargs), = launches
+    assert kwargs["num_warps"] == warps and triton_decode.REDUCE_NUM_WARPS == 4
+
+
 # (mode, heads, kv heads, query tokens, cached tokens, q/k width); mode None: plain attention of `heads` query
 # heads. Cut into chunks of 16 keys, each row merges 9 to 10 chunks (MAX_SPLITS 16: dead chunks too).
 MANY_SPLITS_CASES = [

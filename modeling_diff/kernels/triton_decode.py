@@ -61,8 +61,14 @@ PREFETCH_MAX_BYTES = 32 * 1024
 # takes 15 block-wide barriers at 4 warps and none at 1 (its reductions become warp shuffles), DEX's 6 and 1. On the
 # H200 (batch 1, benchmarks/decode_variants.py --constants) 1 warp took V1's step from 0.856 to 0.924 ms at a 2K
 # context and from 0.939 to 2.201 at 8K (a warp holds every chunk's (DV,) output), and 2 warps changed no step by
-# more than 0.003 ms: the barriers are not what the reduce waits on.
+# more than 0.003 ms: with 18-33 chunks a row the barriers are not what the reduce waits on.
 REDUCE_NUM_WARPS = 4
+# Warps of a differential mode's reduce program where it merges at most REDUCE_FEW_SPLITS chunks a row (batch 32 has
+# 2-3): on the H200 1 warp took V1's batch-32 step at a 2K context from 1.756 to 1.708 ms (V2 1.707 -> 1.701, DEX
+# 1.671 -> 1.672; 2 warps: 1.731 / 1.708 / 1.669; benchmarks/decode_variants.py --constants, before this rule, at
+# 4.13 TB/s). The plain reduce (`_decode_reduce`) was not measured with it and keeps REDUCE_NUM_WARPS.
+REDUCE_FEW_SPLITS = 4
+REDUCE_NUM_WARPS_FEW_SPLITS = 1
 
 
 @triton.jit
@@ -407,12 +413,14 @@ def combined_decode_kernels(query, key, value, mask, scale: float, combine, out=
             lambda_init = combine.lambda_init
     # A program per query row (DEX) or pair of rows (V1, V2): the group's (heads / kv heads) x L outputs.
     pdl = dependent_launch(query, batch * length)
+    max_splits = next_power_of_2(splits)
     _decode_reduce_combined[(batch * kv_heads, heads // kv_heads * length)](
         work, out, *out.stride()[:3], kv_heads, length, splits, parts,
         *logits, *norm, *vectors, *dex, *anneal, lambda_init, out if advance is None else advance,
-        G=groups, BLOCK_R=block_rows, DV=v_dim, MAX_SPLITS=next_power_of_2(splits),
+        G=groups, BLOCK_R=block_rows, DV=v_dim, MAX_SPLITS=max_splits,
         MODE=mode, ANNEALED=mode != 0 and combine.anneal_steps > 0, D_LAMBDA=d_lambda, ADVANCE=advance is not None,
-        PDL=pdl, num_warps=REDUCE_NUM_WARPS, launch_pdl=pdl,
+        PDL=pdl, num_warps=REDUCE_NUM_WARPS_FEW_SPLITS if max_splits <= REDUCE_FEW_SPLITS else REDUCE_NUM_WARPS,
+        launch_pdl=pdl,
     )
     return out
 
