@@ -18,6 +18,7 @@ import json
 import torch
 import triton
 
+import decode_variants
 from bench import copy_bandwidth, write_atomically
 from modeling_diff.kernels import triton_decode as td
 
@@ -27,20 +28,13 @@ SHAPES = {  # q heads, kv heads, q dim, k dim, v dim
 
 
 def launch_of(query, key, value, scale, block_n, warps, stages, per_sm):
-    """The split-KV launch (`_partial_softmaxes`) at one configuration of the grid, its constants put back after."""
-    patches = dict(PARTIAL_BLOCK_N=block_n, PARTIAL_BLOCK_N_WIDE_FEW_TOKENS=block_n, PARTIAL_NUM_WARPS=warps,
-                   PARTIAL_NUM_STAGES=stages, PARTIAL_NUM_STAGES_FEW_TOKENS=stages, PROGRAMS_PER_SM=per_sm,
-                   PROGRAMS_PER_SM_FEW_TOKENS=per_sm)
+    """The split-KV launch (`_partial_softmaxes`) at one configuration of the grid: decode_variants.py's `--partial`
+    variant of the same fields, its constants put back after each launch."""
+    variant = decode_variants.partial_variant(f"{block_n},{warps},{stages},{per_sm}")
 
     def run():
-        old = {n: getattr(td, n) for n in patches}
-        for n, v in patches.items():
-            setattr(td, n, v)
-        try:
+        with decode_variants.switched(variant):
             return td._partial_softmaxes(query, key, value, None, scale, td._plain)
-        finally:
-            for n, v in old.items():
-                setattr(td, n, v)
     return run
 
 
@@ -57,7 +51,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--modes", nargs="+", default=["v1", "v2", "dex"])
+    ap.add_argument("--modes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--block-n", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4])

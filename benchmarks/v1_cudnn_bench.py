@@ -60,14 +60,22 @@ def llama(b, l):
     return step
 
 
+def batch_by_length(text: str) -> tuple[int, int]:
+    """`--shapes`' BATCHxLENGTH, e.g. 4x2048."""
+    batch, _, length = text.partition("x")
+    if not (batch.isdigit() and length.isdigit() and int(batch) > 0 and int(length) > 0):
+        raise argparse.ArgumentTypeError(f"--shapes takes BATCHxLENGTH of positive ints (4x2048), got {text!r}")
+    return int(batch), int(length)
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", nargs="+", default=["4x2048", "1x8192", "1x32768"])
+    ap.add_argument("--shapes", nargs="+", type=batch_by_length, default=[(4, 2048), (1, 8192), (1, 32768)])
     ap.add_argument("--out")
     args = ap.parse_args()
     rows = []
-    for shape in args.shapes:
-        b, l = map(int, shape.split("x"))
+    for b, l in args.shapes:
+        shape = f"{b}x{l}"
         torch.manual_seed(0)
         query = torch.randn(b, l, H, 2, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         key = torch.randn(b, HKV, l, 2 * D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
