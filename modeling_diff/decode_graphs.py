@@ -57,9 +57,8 @@ def attend(model, index: int, pieces, attention_mask, cache, kwargs, implementat
     """Layer `index`'s attention of a step, outside the graphs: the cache updated, -> the heads (B, L, h, dv), in
     `out` where given (the next graph's input)."""
     _, query, key, value, side = pieces
-    layer = model.layers[index]
-    return layer.self_attn.decode_heads(
-        implementation, query, key, value, side, attention_mask, cache, kwargs, out, layer.mlp_weights()
+    return model.layers[index].self_attn.decode_heads(
+        implementation, query, key, value, side, attention_mask, cache, kwargs, out
     )
 
 

@@ -247,13 +247,10 @@ class _DiffAttentionBase(nn.Module, metaclass=abc.ABCMeta):
         """The mode's differential term for the decode kernel's reduce (V1Combine, V2Combine or DexCombine); side as
         `project` gives it. Each mode defines it."""
 
-    def decode_heads(self, implementation, query, key, value, side, attention_mask, cache, kwargs, out=None,
-                     mlp_weights=()):
+    def decode_heads(self, implementation, query, key, value, side, attention_mask, cache, kwargs, out=None):
         """A decoding step through the decode kernel, the mode's differential term in its reduce
         (`decode_combine`): the cache updated, -> the heads' outputs (B, L, h, dv) before o_proj (in `out` where
-        given); None, the cache untouched, where it does not apply. Inputs as `project` gives them. The kernel
-        prefetches o_proj's weight and the leading rows of `mlp_weights` (the MLP's first weights, read together:
-        the decoder layer's `mlp_weights`) into L2 (`kernels/decode.py`)."""
+        given); None, the cache untouched, where it does not apply. Inputs as `project` gives them."""
         if not self.decode_applies(implementation, query, key, value, attention_mask, kwargs):
             return None
         advance = None
@@ -264,8 +261,7 @@ class _DiffAttentionBase(nn.Module, metaclass=abc.ABCMeta):
             else:
                 key, value = update_cache(cache, self.layer_idx, key, value)  # one launch into a StaticCache
         return combined_decode_attention(
-            self.decode_query(query), key, value, attention_mask, self.scaling, self.decode_combine(side), out, advance,
-            ((self.o_proj.weight,), mlp_weights),
+            self.decode_query(query), key, value, attention_mask, self.scaling, self.decode_combine(side), out, advance
         )
 
     def combined_decode_applies(self, implementation, query, key, value, attention_mask, kwargs) -> bool:
@@ -350,8 +346,7 @@ class DiffAttentionV1(_DiffAttentionBase):
         )
 
     def forward(
-        self, hidden_states, position_embeddings, attention_mask=None, cache=None, mlp_weights=(),
-        **kwargs: Unpack[TransformersKwargs],
+        self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs: Unpack[TransformersKwargs]
     ):
         input_shape = hidden_states.shape[:-1]  # (B, L)
         implementation = self.implementation(hidden_states)
@@ -359,8 +354,7 @@ class DiffAttentionV1(_DiffAttentionBase):
             implementation, hidden_states, position_embeddings, cache
         )
         heads = self.decode_heads(
-            implementation, query_states, key_states, value_states, (), attention_mask, cache, kwargs,
-            mlp_weights=mlp_weights,
+            implementation, query_states, key_states, value_states, (), attention_mask, cache, kwargs
         )
         if heads is not None:  # (B, L, h, 2d), combined
             return self.output(heads), None
@@ -458,8 +452,7 @@ class DiffAttentionV2(_LlamaLayoutAttention):
         return V2Combine(side[0], self.anneal_step, self.config.anneal_steps)  # the noise weight from lambda_proj(x)
 
     def forward(
-        self, hidden_states, position_embeddings, attention_mask=None, cache=None, mlp_weights=(),
-        **kwargs: Unpack[TransformersKwargs],
+        self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs: Unpack[TransformersKwargs]
     ):
         input_shape = hidden_states.shape[:-1]
         implementation = self.implementation(hidden_states)
@@ -467,8 +460,7 @@ class DiffAttentionV2(_LlamaLayoutAttention):
             implementation, hidden_states, position_embeddings, cache
         )
         heads = self.decode_heads(
-            implementation, query_states, key_states, value_states, side, attention_mask, cache, kwargs,
-            mlp_weights=mlp_weights,
+            implementation, query_states, key_states, value_states, side, attention_mask, cache, kwargs
         )
         if heads is not None:  # (B, L, h, d), combined
             return self.output(heads), None
@@ -557,8 +549,7 @@ class DexAttention(_LlamaLayoutAttention):
         )
 
     def forward(
-        self, hidden_states, position_embeddings, attention_mask=None, cache=None, mlp_weights=(),
-        **kwargs: Unpack[TransformersKwargs],
+        self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs: Unpack[TransformersKwargs]
     ):
         input_shape = hidden_states.shape[:-1]
         implementation = self.implementation(hidden_states)
@@ -566,8 +557,7 @@ class DexAttention(_LlamaLayoutAttention):
             implementation, hidden_states, position_embeddings, cache
         )
         heads = self.decode_heads(
-            implementation, query_states, key_states, value_states, (), attention_mask, cache, kwargs,
-            mlp_weights=mlp_weights,
+            implementation, query_states, key_states, value_states, (), attention_mask, cache, kwargs
         )
         if heads is not None:  # (B, L, h, d), the operator applied
             return self.output(heads), None

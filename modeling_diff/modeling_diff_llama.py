@@ -167,18 +167,9 @@ class DiffLlamaDecoderLayer(GradientCheckpointingLayer):
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
             cache=cache,
-            mlp_weights=self.mlp_weights(),
             **kwargs,
         )
         return self.after_attention(residual, hidden_states)
-
-    def mlp_weights(self) -> tuple:
-        """The weights of the MLP's first projections (gate's, up's; None where the MLP has none), which a decoding
-        step reads together after the attention: the decode kernel prefetches their leading rows into L2 while the
-        attention leaves the memory idle (`kernels/decode.py`)."""
-        mlp = self.mlp
-        return (getattr(getattr(mlp, "gate_proj", None), "weight", None),
-                getattr(getattr(mlp, "up_proj", None), "weight", None))
 
     def after_attention(self, residual: torch.Tensor, attn_output: torch.Tensor) -> torch.Tensor:
         """residual + attention, its norm (one pass in decoding steps), and the MLP's residual add (in down_proj's

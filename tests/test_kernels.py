@@ -888,7 +888,7 @@ def test_decode_kernel_shared_memory_bounds_what_triton_allocates_for_the_h200()
         "                                      (64, 64, 4, 64, 128, 0), (16, 64, 4, 64, 64, 0),\n"
         "                                      (16, 128, 4, 64, 128, 1), (16, 64, 4, 64, 64, 1)):\n"
         "    c = dict(SCALE=0.125, HAS_MASK=bool(mask), BLOCK_N=n, CHUNK_STATIC=0, FIRST_N=0, PDL=True, G=8,\n"
-        "             BLOCK_R=rows, DQ=dq, DK=dk, DV=dk, PAIRED=dk == 2 * dq, PREFETCH=0, EVICT_LAST=False)\n"
+        "             BLOCK_R=rows, DQ=dq, DK=dk, DV=dk, PAIRED=dk == 2 * dq)\n"
         "    shared = k.compile_sm90(_decode_partial, c, 4, stages).metadata.shared\n"
         "    print(shared, partial_shared_memory(rows, n, stages, dk, dk, 2, bool(mask)))\n"
     )
@@ -899,30 +899,6 @@ def test_decode_kernel_shared_memory_bounds_what_triton_allocates_for_the_h200()
     assert len(pairs) == 6 and all(0 < shared <= bound for shared, bound in pairs), pairs
     assert pairs[0][0] <= 232448 and pairs[2][0] <= 232448  # V1's batch-1 step, a prefill's 64 rows: what runs
     assert pairs[1][0] > 232448  # 128 keys at 64 rows and 4 stages: what failed on the H200, and is not picked
-
-
-def test_decode_kernel_compiles_its_l2_prefetches_for_the_h200():
-    """The interpreter cannot run inline PTX, so the prefetch path (PREFETCH > 0) is checked compiled for sm_90a on
-    this machine: one bulk prefetch into L2 per slot in use, with and without the evict-last hint, and not a byte of
-    shared memory more than without them."""
-    pytest.importorskip("triton.backends.nvidia", reason="triton's CUDA backend (and its ptxas) is not installed")
-    benchmarks = Path(__file__).resolve().parents[1] / "benchmarks"
-    script = (
-        "import kernel_registers as k\n"
-        "from modeling_diff.kernels.triton_decode import _decode_partial\n"
-        "for prefetch, last in ((0, False), (1, False), (3, False), (3, True)):\n"
-        "    c = dict(SCALE=0.125, HAS_MASK=False, BLOCK_N=128, CHUNK_STATIC=0, FIRST_N=0, PDL=True, G=8, BLOCK_R=16,\n"
-        "             DQ=64, DK=128, DV=128, PAIRED=True, PREFETCH=prefetch, EVICT_LAST=last)\n"
-        "    compiled = k.compile_sm90(_decode_partial, c, 4, 4)\n"
-        "    ptx = compiled.asm['ptx']\n"
-        "    print(compiled.metadata.shared, ptx.count('cp.async.bulk.prefetch.L2.global'), ptx.count('evict_last'))\n"
-    )
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}  # compiled, not interpreted
-    run = subprocess.run([sys.executable, "-c", script], cwd=benchmarks, env=env, capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr[-2000:]
-    rows = [tuple(map(int, line.split())) for line in run.stdout.split("\n") if line]
-    assert [row[1:] for row in rows] == [(0, 0), (1, 0), (3, 0), (3, 3)], rows
-    assert len({row[0] for row in rows}) == 1, rows
 
 
 def test_decode_attention_reads_strided_cache_views():
@@ -1479,72 +1455,42 @@ def test_dependent_launch_only_where_it_exists(monkeypatch):
     interpreter), on older GPUs, on ROCm (whose devices report capabilities of their own), or when turned off."""
     from modeling_diff.kernels import _triton
 
-    class FakeCuda:  # the tensor's attribute that the decision reads
-        device = torch.device("cuda", 0)
+    class FakeCuda:  # a tensor's two attributes that the decision reads
+        is_cuda = True
+
+        def get_device(self):
+            return 0
 
     assert not _triton.dependent_launch(torch.zeros(1), 1)
     for hip, capability, tokens, enabled, expected in [
         (None, (9, 0), 1, True, True), (None, (9, 0), 16, True, True), (None, (9, 0), 17, True, False),
         (None, (8, 0), 1, True, False), ("6.2", (9, 4), 1, True, False), (None, (10, 0), 1, False, False),
     ]:
-        _triton._is_sm90_or_newer.cache_clear()
+        _triton._has_dependent_launch.cache_clear()
         monkeypatch.setattr(torch.version, "hip", hip)
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index, capability=capability: capability)
         monkeypatch.setattr(_triton, "PDL_ENABLED", enabled)
         assert _triton.dependent_launch(FakeCuda(), tokens) is expected
-    _triton._is_sm90_or_newer.cache_clear()
+    _triton._has_dependent_launch.cache_clear()
 
 
-@pytest.mark.parametrize("mode", ["v1", "dex"])
-@pytest.mark.parametrize("switch", ["pdl", "l2_prefetch"])
-def test_dependent_launches_and_l2_prefetches_change_no_bit_of_a_decoding_step(monkeypatch, switch, mode):
-    """PDL only lets a kernel start earlier, every kernel waiting for its inputs; the decode kernel's prefetches into
-    L2 only move weights closer: the steps' logits with either equal those without it bit for bit (dynamic and
-    static caches, the decoding graphs included). On the H200 the first run launches with PDL, or prefetches; on the
-    CPU (the interpreter) and GPUs before compute capability 9.0 neither does, and switching it must change nothing
-    there either."""
-    from modeling_diff.kernels import _triton, triton_decode
+def test_dependent_launches_change_no_bit_of_a_decoding_step(monkeypatch):
+    """PDL only lets a kernel start earlier; every kernel waits for its inputs: the steps' logits with it equal
+    those without it bit for bit (dynamic and static caches, the decoding graphs included). On the H200 the first
+    run launches with PDL; on the CPU (the interpreter) and GPUs before compute capability 9.0 neither does, and
+    switching it must change nothing there either."""
+    from modeling_diff.kernels import _triton
 
-    module, name, values = {
-        "pdl": (_triton, "PDL_ENABLED", (True, False)),
-        "l2_prefetch": (triton_decode, "L2_PREFETCH_BYTES", (triton_decode.L2_PREFETCH_BYTES, 0)),
-    }[switch]
-    _, fast = model_pair(mode, FAST)
+    _, fast = model_pair("dex", FAST)
     ids, mask = padded_batch(fast.config.vocab_size, length=40)
     steps = torch.randint(3, fast.config.vocab_size, (ids.shape[0], 4), device=DEVICE)
     with torch.no_grad():
         for cache_class in (DynamicCache, StaticCache):
             runs = []
-            for value in values:
-                monkeypatch.setattr(module, name, value)
+            for enabled in (True, False):
+                monkeypatch.setattr(_triton, "PDL_ENABLED", enabled)
                 runs.append(decode(fast, cache_class, ids, mask, steps))
             assert torch.equal(runs[0], runs[1])
-
-
-def test_l2_prefetch_ranges_share_the_budget_and_skip_what_the_kernel_cannot_read(monkeypatch):
-    """`l2_prefetch_ranges`: o_proj's group first, then gate's and up's sharing what is left equally, in 16-byte
-    multiples; tensors that are not plain, contiguous, 16-byte aligned tensors on the step's device are skipped (the
-    kernel reads raw addresses), as are steps of more than L2_PREFETCH_MAX_TOKENS tokens and devices without bulk
-    prefetches."""
-    pytest.importorskip("triton")
-    from modeling_diff.kernels import triton_decode
-
-    device = torch.device("cpu")
-    monkeypatch.setattr(triton_decode, "sm90_features", lambda device: True)
-    monkeypatch.setattr(triton_decode, "L2_PREFETCH_BYTES", 1000)
-    o_proj, gate, up = (torch.zeros(n, dtype=torch.bfloat16) for n in (200, 400, 300))  # 400, 800 and 600 bytes
-    ranges = triton_decode.l2_prefetch_ranges(((o_proj,), (gate, up)), 16, device)
-    assert [(t is w, size) for (t, size), w in zip(ranges, (o_proj, gate, up))] == [(True, 400), (True, 288), (True, 288)]
-    monkeypatch.setattr(triton_decode, "L2_PREFETCH_BYTES", 4000)
-    ranges = triton_decode.l2_prefetch_ranges(((o_proj,), (gate, up)), 1, device)
-    assert [size for _, size in ranges] == [400, 800, 592]  # up's share is 1792, its 600 bytes rounded down to 16
-    skipped = (torch.zeros(64)[1:], torch.zeros(8, 8).t(), torch.zeros(64, device="meta"), None, "weight")
-    assert triton_decode.l2_prefetch_ranges((skipped,), 1, device) == []
-    assert triton_decode.l2_prefetch_ranges(((o_proj,),), 17, device) == []  # more tokens than prefetching is for
-    monkeypatch.setattr(triton_decode, "L2_PREFETCH_BYTES", 0)
-    assert triton_decode.l2_prefetch_ranges(((o_proj,), (gate, up)), 1, device) == []
-    monkeypatch.undo()
-    assert triton_decode.l2_prefetch_ranges(((o_proj,),), 1, device) == []  # the CPU: no bulk prefetch
 
 
 def test_lora_model_on_the_flash_diff_kernel_equals_eager(monkeypatch):

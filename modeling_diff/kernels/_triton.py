@@ -38,21 +38,15 @@ def eager_kernels_run_on(tensor: torch.Tensor) -> bool:
 
 
 @functools.cache
-def _is_sm90_or_newer(index: int) -> bool:
-    """An NVIDIA GPU of compute capability 9.0+ (ROCm's devices report capabilities of their own)."""
+def _has_dependent_launch(index: int) -> bool:
+    """An NVIDIA GPU of compute capability 9.0+ (ROCm's devices report capabilities of their own: no PDL there)."""
     return torch.version.hip is None and torch.cuda.get_device_capability(index) >= (9, 0)
-
-
-def sm90_features(device: torch.device) -> bool:
-    """Whether `device` has what compute capability 9.0 brought: PDL and bulk prefetches into L2 (the interpreter
-    runs on CPU tensors: never)."""
-    return device.type == "cuda" and _is_sm90_or_newer(device.index if device.index is not None else 0)
 
 
 def dependent_launch(tensor: torch.Tensor, tokens: int) -> bool:
     """Whether a kernel of a step of `tokens` tokens on `tensor` launches with PDL (see PDL_ENABLED): at most
-    PDL_MAX_TOKENS, on NVIDIA GPUs of compute capability 9.0+."""
-    return PDL_ENABLED and tokens <= PDL_MAX_TOKENS and sm90_features(tensor.device)
+    PDL_MAX_TOKENS, on NVIDIA GPUs of compute capability 9.0+ (the interpreter runs on CPU tensors: never)."""
+    return PDL_ENABLED and tokens <= PDL_MAX_TOKENS and tensor.is_cuda and _has_dependent_launch(tensor.get_device())
 
 
 # The ticket counters of the kernels whose last program finishes a launch's work (`cache_write.py`, `projection.py`):

@@ -92,7 +92,7 @@ def combined_decode_applies(query, key, value, mask, dropout: float) -> bool:
 
 
 def combined_decode_attention(query, key, value, mask, scale: float, combine, out=None,
-                              advance=None, read_next=()) -> torch.Tensor:
+                              advance=None) -> torch.Tensor:
     """A decoding step of a differential layer in two launches: the maps of every query head, merged, and the
     mode's differential term (`combine`: V1Combine, V2Combine or DexCombine), whose coefficients (lambda, the
     noise weight) the kernel computes itself.
@@ -102,8 +102,6 @@ def combined_decode_attention(query, key, value, mask, scale: float, combine, ou
     Returns the heads' outputs (B, L, h, DV), h = Hq / 2 (V1, V2) or Hq (DEX): in `out` where given (contiguous, of
     that shape and query's dtype: the decoding graphs' input buffer), else in a new tensor. `advance`: a StaticCache
     layer's length (int64, 1 element) that the step's projections did not advance (`cache_write.written_layer`):
-    the kernel adds the step's L tokens to it. `read_next`: groups of the weights the layer reads after this call, in
-    order (((o_proj's,), (gate's, up's))), whose leading bytes the kernel prefetches into L2 in steps of few tokens,
-    where the attention leaves the memory idle (`triton_decode.l2_prefetch_ranges`)."""
+    the kernel adds the step's L tokens to it."""
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
-    return combined_decode_kernels(query, key, value, mask, float(scale), combine, out, advance, read_next)
+    return combined_decode_kernels(query, key, value, mask, float(scale), combine, out, advance)

@@ -20,7 +20,7 @@ import torch
 from torch.library import triton_op, wrap_triton
 
 from . import _triton  # PDL_MAX_TOKENS read where used: one value for every kernel, set in one place
-from ._triton import TRITON_INTERPRETING, cdiv, dependent_launch, next_power_of_2, shared_memory, sm90_features
+from ._triton import TRITON_INTERPRETING, cdiv, dependent_launch, next_power_of_2, shared_memory
 from .masks import causal_offset, kernel_mask
 from .triton_combine import anneal_fraction, dex_lambda, differential_lambda, v1_combine_rows
 
@@ -69,14 +69,6 @@ REDUCE_NUM_WARPS = 4
 # 4.13 TB/s). The plain reduce (`_decode_reduce`) was not measured with it and keeps REDUCE_NUM_WARPS.
 REDUCE_FEW_SPLITS = 4
 REDUCE_NUM_WARPS_FEW_SPLITS = 1
-# In steps of at most L2_PREFETCH_MAX_TOKENS tokens the attention reads a few MB of cache and waits on latency, while the
-# GPU's memory is idle; the split-KV kernel's programs then ask the L2 cache to fetch the leading bytes of the
-# weights the layer reads next (`l2_prefetch_ranges`), at most this many bytes in all (0: none), so that o_proj and
-# the MLP's first rows come from L2.
-L2_PREFETCH_BYTES = 32 << 20
-L2_PREFETCH_MAX_TOKENS = 16
-L2_PREFETCH_TENSORS = 3  # the kernel's prefetch slots
-L2_PREFETCH_EVICT_LAST = False
 
 
 @triton.jit
@@ -106,59 +98,27 @@ def _attend_tile(q, K, V, Mask, b, kvh, t, row_ok, dk, dv, n, end, k, v, skb, sk
     return m_new, l_i, acc
 
 
-@triton.jit
-def _prefetch_into_l2(P, nbytes, slot, slots, THREADS: tl.constexpr, EVICT_LAST: tl.constexpr):
-    """Program `slot` of `slots` asks the L2 cache to fetch its THREADS slices (16-byte multiples) of the nbytes at P:
-    one bulk prefetch a thread (sm_90's cp.async.bulk.prefetch.L2), which nothing waits for."""
-    piece = (tl.cdiv(nbytes, slots * THREADS) + 15) // 16 * 16
-    start = (slot * THREADS + tl.arange(0, THREADS)).to(tl.int64) * piece
-    size = tl.minimum(tl.maximum(nbytes - start, 0), piece).to(tl.int32)
-    address = P.to(tl.pointer_type(tl.int8)) + start
-    if EVICT_LAST:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .b64 policy; setp.ne.s32 p, $2, 0; "
-            "createpolicy.fractional.L2::evict_last.b64 policy, 1.0; "
-            "@p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, policy; mov.u32 $0, 0; }",
-            "=r,l,r", [address, size], dtype=tl.int32, is_pure=False, pack=1,
-        )
-    else:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r", [address, size], dtype=tl.int32, is_pure=False, pack=1,
-        )
-
-
 # The cache length (and with it the causal offset, the mask's strides, the chunk length and the number of chunks)
 # grows every step: not specialized on (Triton would compile a variant whenever one crosses a multiple of 16), so
 # one compiled kernel serves a whole generation.
 @triton.jit(do_not_specialize=["smb", "sml", "S", "offset", "chunk", "splits", "parts"])
 def _decode_partial(
-    Q, K, V, Mask, Part, Written, Prefetch0, prefetch0_bytes, Prefetch1, prefetch1_bytes, Prefetch2, prefetch2_bytes,
+    Q, K, V, Mask, Part, Written,
     sqb, sqh, sql, skb, skh, sks, svb, svh, svs, smb, sml, sms,
     H_KV, S, L, offset, chunk, splits, parts,
     SCALE: tl.constexpr,  # a compile-time constant: a runtime float would reach Inductor's launch as fp64
     G: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     DQ: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, PAIRED: tl.constexpr,
     CHUNK_STATIC: tl.constexpr,  # `chunk` under the interpreter, whose loop bounds must be compile-time; else 0
-    FIRST_N: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, EVICT_LAST: tl.constexpr,
+    FIRST_N: tl.constexpr, PDL: tl.constexpr,
 ):
     # FIRST_N > 0: the step's keys and values are at the positions Written.. (a StaticCache layer's length, int64,
     # that the projections' launch, the kernel before, did not advance: `cache_write.py`). The chunk's first FIRST_N
     # keys (a multiple of BLOCK_N) are one tile whose positions written in earlier steps are read before the wait, so
     # that their latency overlaps the kernel before; its new positions after it.
-    # PREFETCH: how many of the Prefetch slots hold weights to fetch into L2 (`l2_prefetch_ranges`).
     let_dependents_start(PDL)
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
-    if PREFETCH > 0:
-        slot = pid_bh * splits + split
-        slots = tl.num_programs(0) * splits
-        threads: tl.constexpr = tl.extra.cuda.num_threads()
-        _prefetch_into_l2(Prefetch0, prefetch0_bytes, slot, slots, threads, EVICT_LAST)
-        if PREFETCH > 1:
-            _prefetch_into_l2(Prefetch1, prefetch1_bytes, slot, slots, threads, EVICT_LAST)
-        if PREFETCH > 2:
-            _prefetch_into_l2(Prefetch2, prefetch2_bytes, slot, slots, threads, EVICT_LAST)
     b = pid_bh // H_KV
     kvh = pid_bh % H_KV
     dk = tl.arange(0, DK)
@@ -370,32 +330,11 @@ def prefetched_keys(chunk: int, block_n: int, key_bytes: int) -> int:
     return min(1 << (most.bit_length() - 1), next_power_of_2(chunk))
 
 
-def l2_prefetch_ranges(read_next, tokens: int, device: torch.device) -> list[tuple[torch.Tensor, int]]:
-    """(weight, leading bytes) for the split-KV kernel to prefetch into L2 in a step of `tokens` tokens on `device`:
-    `read_next` holds the groups of weights the layer reads after its attention, in order (o_proj's, then the MLP's
-    gate and up, whose rows are read together); each group's tensors share what L2_PREFETCH_BYTES leaves equally.
-    Only plain contiguous tensors on `device` at 16-byte aligned addresses (anything else is skipped), at most
-    L2_PREFETCH_TENSORS; none in steps of more than L2_PREFETCH_MAX_TOKENS tokens (the attention is then bound by the cache's bytes) or where the
-    GPU has no bulk prefetch (before compute capability 9.0; the interpreter)."""
-    if tokens > L2_PREFETCH_MAX_TOKENS or not sm90_features(device):
-        return []
-    left, ranges = L2_PREFETCH_BYTES, []
-    for group in read_next:
-        share = left // len(group) // 16 * 16
-        for weight in group:
-            if (share > 0 and len(ranges) < L2_PREFETCH_TENSORS and type(weight) in (torch.Tensor, torch.nn.Parameter)
-                    and weight.device == device and weight.is_contiguous() and weight.data_ptr() % 16 == 0):
-                size = min(share, weight.numel() * weight.element_size()) // 16 * 16
-                ranges.append((weight, size))
-                left -= size
-    return ranges
-
-
-def _partial_softmaxes(query, key, value, mask, scale: float, launcher, written=None, read_next=()):
+def _partial_softmaxes(query, key, value, mask, scale: float, launcher, written=None):
     """Launch the split-KV kernel; -> (workspace of the partial softmaxes, splits, parts, rows per program).
     query (B, Hq, L, DQ) any strides; with key (B, H_KV, S, 2 DQ) its heads are read PAIRED (V1). `written`: the
     StaticCache layer's length before the step, where the kernel before stored the step's keys and values at it
-    (the kernel's FIRST_N). `read_next`: the weights the layer reads next (`l2_prefetch_ranges`).
+    (the kernel's FIRST_N).
     Host arithmetic in plain ints: a decoding step is bound by its host work, and triton.cdiv & co. are
     constexpr functions that cost microseconds per call from Python."""
     batch, q_heads, length, q_dim = query.shape
@@ -420,15 +359,13 @@ def _partial_softmaxes(query, key, value, mask, scale: float, launcher, written=
     pdl = launcher is _plain and dependent_launch(query, batch * length)  # not through torch.compile's launch (the custom op)
     first_n = prefetched_keys(chunk, block_n, (k_dim + v_dim) * element) if written is not None and (
         pdl or TRITON_INTERPRETING) else 0
-    prefetch = l2_prefetch_ranges(read_next, batch * length, query.device) if read_next else []
-    slots = [*prefetch, *[(work, 0)] * (L2_PREFETCH_TENSORS - len(prefetch))]
     launcher(_decode_partial)[(batch * kv_heads, splits)](
-        query, key, value, mask_arg, work, written if first_n else work, *(x for slot in slots for x in slot),
+        query, key, value, mask_arg, work, written if first_n else work,
         *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *mask_strides,
         kv_heads, kv_length, length, causal_offset(length, kv_length, mask is not None), chunk, splits, parts,
         SCALE=scale, G=groups, HAS_MASK=mask is not None, BLOCK_R=block_rows, BLOCK_N=block_n,
         DQ=q_dim, DK=k_dim, DV=v_dim, PAIRED=k_dim == 2 * q_dim, CHUNK_STATIC=chunk if TRITON_INTERPRETING else 0,
-        FIRST_N=first_n, PDL=pdl, PREFETCH=len(prefetch), EVICT_LAST=L2_PREFETCH_EVICT_LAST, num_warps=PARTIAL_NUM_WARPS, num_stages=stages,
+        FIRST_N=first_n, PDL=pdl, num_warps=PARTIAL_NUM_WARPS, num_stages=stages,
         **({"launch_pdl": True} if pdl else {}),
     )
     return work, splits, parts, block_rows
@@ -449,17 +386,16 @@ def decode_attention_kernels(query, key, value, mask, scale: float, launcher=_pl
     return out
 
 
-def combined_decode_kernels(query, key, value, mask, scale: float, combine, out=None, advance=None,
-                            read_next=()) -> torch.Tensor:
+def combined_decode_kernels(query, key, value, mask, scale: float, combine, out=None, advance=None) -> torch.Tensor:
     """The two launches of a decoding step with the differential term in the reduce (eager only); see
-    `decode.combined_decode_attention`, which defines `combine` (V1Combine, V2Combine or DexCombine), `out`,
-    `advance` and `read_next`."""
+    `decode.combined_decode_attention`, which defines `combine` (V1Combine, V2Combine or DexCombine), `out` and
+    `advance`."""
     batch, q_heads, length, _ = query.shape
     kv_heads, v_dim = key.shape[1], value.shape[-1]
     mode = type(combine).MODE  # 0 V1, 1 V2, 2 DEX: the reduce kernel's MODE
     heads = q_heads if mode == 2 else q_heads // 2  # V1, V2: a head per pair of query heads
     groups = q_heads // kv_heads
-    work, splits, parts, block_rows = _partial_softmaxes(query, key, value, mask, scale, _plain, advance, read_next)
+    work, splits, parts, block_rows = _partial_softmaxes(query, key, value, mask, scale, _plain, advance)
     if out is None:
         out = torch.empty(batch, length, heads, v_dim, dtype=query.dtype, device=query.device)
     unused = out  # a pointer the mode does not read
