@@ -9,9 +9,7 @@ process:
 - `projection_write`: the StaticCache write in the projections' launch (off: in a launch of its own);
 - `rotated`: q, k, v split along their input, summed and rotated in one pass (`kernels/projection.rotated_projections`;
   off: one launch for the products, then the RoPE kernel);
-- `rotary`: the step's cos and sin in one launch (`kernels/rope.rope_cos_sin`; off: transformers' rotary embedding);
-- `residual_epilogue`: above 16 tokens the MLP's residual add in cuBLAS's down_proj (`kernels/projection.add_linear`;
-  off: a launch of its own).
+- `rotary`: the step's cos and sin in one launch (`kernels/rope.rope_cos_sin`; off: transformers' rotary embedding).
 
     python benchmarks/decode_variants.py [--seq 2048] [--batch 1 32] [--models v1 v2 dex] [--out $OUT/variants.json]
     python benchmarks/decode_variants.py --variants default --partial 128,4,3,2 64,4,3,4   # the decode kernel's launch
@@ -60,10 +58,6 @@ def _no_layer(*args):  # no StaticCache layer for the projections to write into
     return None
 
 
-def _add_after_linear(residual, x, linear):  # the sum in a launch of its own, after cuBLAS's product
-    return residual + linear(x)
-
-
 # feature -> the (object, attribute, value) that turn it off
 FEATURES = {
     "pdl": [(_triton, "PDL_ENABLED", False)],
@@ -72,7 +66,6 @@ FEATURES = {
     "projection_write": [(attention, "projection_cache_layer", _no_layer)],
     "rotated": [(attention, "rotated_projections_apply", _no_split)],
     "rotary": [(modeling, "rope_cos_sin_applies", _no_split)],
-    "residual_epilogue": [(modeling, "add_linear", _add_after_linear)],
 }
 VARIANTS = ["default", *FEATURES]
 

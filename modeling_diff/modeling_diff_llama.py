@@ -36,7 +36,7 @@ from .decode_graphs import decode_step
 from .generation import graphed_greedy_generate
 from .diff_attention import ATTENTION_CLASSES, DexAttention, DexLambda, DifferentialLambda, DiffAttentionV1, DiffAttentionV2
 from .kernels import (
-    add_linear, add_rms_norm, add_rms_norm_applies, gated_projection, gated_projection_applies, resolve, rms_norm,
+    add_rms_norm, add_rms_norm_applies, gated_projection, gated_projection_applies, resolve, rms_norm,
     rms_norm_kernel_applies, rope_cos_sin, rope_cos_sin_applies, runs_own_forward, silu_mul, silu_mul_applies,
     split_linear, split_linear_applies, swiglu_mlp, swiglu_mlp_applies, uses_fast_kernels,
 )
@@ -142,7 +142,8 @@ class DiffLlamaMLP(LlamaMLP):
         activation = gated_projection(x, self.gate_proj, self.up_proj)
         if split_linear_applies(activation, self.down_proj, residual):
             return split_linear(activation, self.down_proj, residual)
-        return self.down_proj(activation) if residual is None else add_linear(residual, activation, self.down_proj)
+        out = self.down_proj(activation)
+        return out if residual is None else residual + out
 
 
 class DiffLlamaDecoderLayer(GradientCheckpointingLayer):

@@ -564,26 +564,6 @@ def test_rotated_projections_match_the_products_and_transformers_rope(batch, len
     assert not projection.rotated_projections_apply(x, layers, cos, sin, d)  # gradients recorded
 
 
-def test_add_linear_sums_in_one_product_and_falls_back_for_layers_it_cannot_read():
-    """`add_linear` (down_proj of a step of more than 16 tokens with the MLP's residual): residual + x W^T against the
-    formula in float32 (one cuBLAS call, the sum in its epilogue); a layer with a bias, a hook or another dtype, and a
-    residual of another shape or dtype, take the layer's forward and the add, still residual + linear(x)."""
-    from modeling_diff.kernels import projection
-
-    torch.manual_seed(6)
-    x, residual, layer = rand(2, 17, 96), rand(2, 17, 40), linear_layer(96, 40)
-    with torch.no_grad():
-        out = projection.add_linear(residual, x, layer)
-        assert out.shape == residual.shape and rel_err(out, residual.float() + x.float() @ layer.weight.float().T) < TOL
-        biased = linear_layer(96, 40, bias=True)
-        hooked = linear_layer(96, 40)
-        hooked.register_forward_hook(lambda module, args, output: output * 2)
-        for module, res in ((biased, residual), (hooked, residual), (layer.float(), residual),
-                            (linear_layer(96, 40), residual.float())):
-            expected = res + module(x.to(module.weight.dtype))
-            assert torch.equal(projection.add_linear(res, x.to(module.weight.dtype), module), expected)
-
-
 @pytest.mark.parametrize("tokens", [0, 1, 16])
 def test_split_linear_matches_the_formula_and_adds_the_residual(tokens):
     """A Linear map alone (o_proj, down_proj of a step) as float32 partial products over parts of its input width,

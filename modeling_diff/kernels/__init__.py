@@ -37,7 +37,7 @@ from .combine import v1_combine, v2_combine, v2_combine_projected
 from .decode import DexCombine, V1Combine, V2Combine, combined_decode_applies, combined_decode_attention
 from .flash_diff import flash_diff_applies, flash_diff_attention
 from .projection import (
-    add_linear, gated_projection, gated_projection_applies, linear_maps, rotated_projections, rotated_projections_apply,
+    gated_projection, gated_projection_applies, linear_maps, rotated_projections, rotated_projections_apply,
     split_linear, split_linear_applies,
 )
 from .rmsnorm import add_rms_norm, add_rms_norm_applies, rms_norm, rms_norm_kernel_applies
@@ -47,7 +47,7 @@ from .swiglu import silu_mul, silu_mul_applies, swiglu_mlp, swiglu_mlp_applies
 register()
 
 __all__ = [
-    "DIFF_TRITON", "FUSED_DIFF", "DexCombine", "V1Combine", "V2Combine", "add_linear", "add_rms_norm", "add_rms_norm_applies",
+    "DIFF_TRITON", "FUSED_DIFF", "DexCombine", "V1Combine", "V2Combine", "add_rms_norm", "add_rms_norm_applies",
     "apply_rope", "combined_decode_applies", "combined_decode_attention", "diff_triton_attention_forward",
     "flash_diff_applies", "flash_diff_attention", "gated_projection", "gated_projection_applies", "has_extra_options",
     "is_plain_linear", "linear_maps", "mark_written", "projection_cache_layer", "resolve", "rms_norm",

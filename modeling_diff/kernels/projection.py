@@ -281,17 +281,6 @@ def split_linear_applies(x: torch.Tensor, linear: nn.Module, residual: torch.Ten
     )
 
 
-def add_linear(residual: torch.Tensor, x: torch.Tensor, linear: nn.Module) -> torch.Tensor:
-    """residual + linear(x) where `split_linear` does not take x (steps of more tokens): one cuBLAS call with the
-    sum in its epilogue (torch.addmm, rounded once where the two ops round the product and then the sum) for a plain
-    bias-free layer and a residual of the output's shape and x's dtype; else the layer's forward and the add."""
-    if kernel_reads(linear, x) and residual.dtype == x.dtype and residual.shape == (*x.shape[:-1], linear.out_features):
-        weight = linear._parameters["weight"]
-        return torch.addmm(residual.reshape(-1, weight.shape[0]), x.reshape(-1, x.shape[-1]), weight.t()).view(
-            residual.shape)
-    return residual + linear(x)
-
-
 def split_linear(x: torch.Tensor, linear: nn.Linear, residual: torch.Tensor | None = None) -> torch.Tensor:
     """linear(x), or residual + linear(x) rounded as that sum is, through the split products and their sum (check
     `split_linear_applies` first)."""
