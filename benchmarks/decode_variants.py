@@ -9,7 +9,9 @@ process:
 - `projection_write`: the StaticCache write in the projections' launch (off: in a launch of its own);
 - `rotated`: q, k, v split along their input, summed and rotated in one pass (`kernels/projection.rotated_projections`;
   off: one launch for the products, then the RoPE kernel);
-- `rotary`: the step's cos and sin in one launch (`kernels/rope.rope_cos_sin`; off: transformers' rotary embedding).
+- `rotary`: the step's cos and sin in one launch (`kernels/rope.rope_cos_sin`; off: transformers' rotary embedding);
+- `deferred_add`: the MLP's residual add in the next norm's pass where down_proj runs on cuBLAS (more than
+  `projection.SPLIT_MAX_TOKENS` tokens; `modeling_diff_llama.defers_residual_adds`; off: a launch of its own).
 
     python benchmarks/decode_variants.py [--seq 2048] [--batch 1 32] [--models v1 v2 dex] [--out $OUT/variants.json]
     python benchmarks/decode_variants.py --variants default --partial 128,4,3,2 64,4,3,4   # the decode kernel's launch
@@ -66,6 +68,7 @@ FEATURES = {
     "projection_write": [(attention, "projection_cache_layer", _no_layer)],
     "rotated": [(attention, "rotated_projections_apply", _no_split)],
     "rotary": [(modeling, "rope_cos_sin_applies", _no_split)],
+    "deferred_add": [(modeling, "defers_residual_adds", _no_split)],
 }
 VARIANTS = ["default", *FEATURES]
 

@@ -40,17 +40,16 @@ def segment(model, index: int, residual: torch.Tensor, heads: torch.Tensor | Non
     """Piece `index` of a step (see the module docstring): for index > 0 layer index-1 from its attention heads
     (B, L, h, dv) on, then layer `index` up to its attention's inputs -> (residual, q, k, v, side); the last piece
     -> (the final norm's output,)."""
-    hidden_states = residual
+    pending = None  # layer index-1's update, added to its residual in the next norm's pass
     if index > 0:
         layer = model.layers[index - 1]
-        hidden_states = layer.after_attention(residual, layer.self_attn.output(heads))
+        residual, pending = layer.after_attention(residual, layer.self_attn.output(heads))
     if index == len(model.layers):
-        return (model.norm(hidden_states),)
+        return (model.final_norm(residual, pending),)
     layer = model.layers[index]
-    query, key, value, side = layer.self_attn.project(
-        implementation, layer.input_layernorm(hidden_states), position_embeddings
-    )
-    return hidden_states, query, key, value, side
+    residual, hidden_states = layer.before_attention(residual, pending)
+    query, key, value, side = layer.self_attn.project(implementation, hidden_states, position_embeddings)
+    return residual, query, key, value, side
 
 
 def attend(model, index: int, pieces, attention_mask, cache, kwargs, implementation, out=None) -> torch.Tensor:

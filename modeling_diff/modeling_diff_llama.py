@@ -122,8 +122,9 @@ class DiffLlamaMLP(LlamaMLP):
         if not uses_fast_kernels(resolve(self.config._attn_implementation, x)):
             return super().forward(x)
         decoded = self.decoding_forward(x)
-        if decoded is not None:
-            return decoded
+        if decoded is not None:  # no residual: (mlp(x), None) from down_proj's split, else (None, mlp(x))
+            summed, update = decoded
+            return summed if update is None else update
         if swiglu_mlp_applies(self, x):
             return swiglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
         # wrapped projections (PEFT's LoRA layers, tensor parallelism, hooks): their own forward, the activation
@@ -133,17 +134,17 @@ class DiffLlamaMLP(LlamaMLP):
             return self.down_proj(silu_mul(gate, up))
         return self.down_proj(self.act_fn(gate) * up)
 
-    def decoding_forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor | None:
+    def decoding_forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """A decoding step's MLP on the kernels (no gradients, few tokens, plain projections; the caller is on a fast
         implementation): silu(gate(x)) * up(x) in one launch, then down_proj split along its input, with `residual`
-        added in its last pass where given (residual + mlp(x)). None where the kernels do not take x."""
+        added in its last pass where given. -> (residual + mlp(x), None) where that pass made the sum, else
+        (residual, mlp(x)) for the caller to add; None where the kernels do not take x."""
         if not (self.config.hidden_act in ("silu", "swish") and gated_projection_applies(x, self.gate_proj, self.up_proj)):
             return None
         activation = gated_projection(x, self.gate_proj, self.up_proj)
         if split_linear_applies(activation, self.down_proj, residual):
-            return split_linear(activation, self.down_proj, residual)
-        out = self.down_proj(activation)
-        return out if residual is None else residual + out
+            return split_linear(activation, self.down_proj, residual), None
+        return residual, self.down_proj(activation)
 
 
 class DiffLlamaDecoderLayer(GradientCheckpointingLayer):
@@ -160,8 +161,17 @@ class DiffLlamaDecoderLayer(GradientCheckpointingLayer):
         self, hidden_states, attention_mask=None, position_embeddings=None, cache=None,
         **kwargs: Unpack[TransformersKwargs],
     ):
-        residual = hidden_states
-        hidden_states = self.input_layernorm(hidden_states)
+        residual, update = self.residual_stream(hidden_states, None, attention_mask, position_embeddings, cache,
+                                                **kwargs)
+        return residual if update is None else residual + update
+
+    def residual_stream(self, hidden_states, pending, attention_mask=None, position_embeddings=None, cache=None,
+                        **kwargs: Unpack[TransformersKwargs]):
+        """The layer's output as (residual, update), their sum; update None where a kernel's pass made the sum.
+        `pending`: the layer before's update not yet added to hidden_states (None: nothing pending), added in the
+        input norm's pass (`DiffLlamaModel.forward` defers it in decoding steps where down_proj runs on cuBLAS:
+        one launch a layer fewer)."""
+        residual, hidden_states = self.before_attention(hidden_states, pending)
         hidden_states, _ = self.self_attn(
             hidden_states=hidden_states,
             position_embeddings=position_embeddings,
@@ -171,10 +181,18 @@ class DiffLlamaDecoderLayer(GradientCheckpointingLayer):
         )
         return self.after_attention(residual, hidden_states)
 
-    def after_attention(self, residual: torch.Tensor, attn_output: torch.Tensor) -> torch.Tensor:
-        """residual + attention, its norm (one pass in decoding steps), and the MLP's residual add (in down_proj's
-        last pass in decoding steps, where the MLP is ours without hooks or a forward of its instance: Liger's and
-        PEFT's modules, and hooks, see the MLP's own output)."""
+    def before_attention(self, hidden_states: torch.Tensor, pending: torch.Tensor | None):
+        """(the residual, the input norm of it): hidden_states + pending and its norm in one pass where an update is
+        pending (`add_and_norm`)."""
+        if pending is None:
+            return hidden_states, self.input_layernorm(hidden_states)
+        return add_and_norm(self.input_layernorm, hidden_states, pending, self.config)
+
+    def after_attention(self, residual: torch.Tensor, attn_output: torch.Tensor):
+        """residual + attention, its norm (one pass in decoding steps), and the MLP -> (residual, update) as
+        `residual_stream` gives them: in decoding steps where the MLP is ours without hooks or a forward of its
+        instance (Liger's and PEFT's modules, and hooks, see the MLP's own output) the residual add in down_proj's
+        last pass where it is split (update None), else left to the caller."""
         residual, hidden_states = add_and_norm(self.post_attention_layernorm, residual, attn_output, self.config)
         mlp = self.mlp
         if (
@@ -185,7 +203,18 @@ class DiffLlamaDecoderLayer(GradientCheckpointingLayer):
             decoded = mlp.decoding_forward(hidden_states, residual)
             if decoded is not None:
                 return decoded
-        return residual + mlp(hidden_states)
+        return residual, mlp(hidden_states)
+
+
+def defers_residual_adds(layers) -> bool:
+    """Whether the model's loop may hand each layer's last residual add to the next layer's input norm
+    (`residual_stream`): without gradients, where every layer is ours as built and called plainly, with no hooks
+    (transformers records hidden states through hooks: the layers' outputs are then the sums), no forward bound on
+    the instance and no compiled call."""
+    return not torch.is_grad_enabled() and all(
+        type(layer) is DiffLlamaDecoderLayer and runs_own_forward(layer) and layer._compiled_call_impl is None
+        for layer in layers
+    )
 
 
 # Where the differential parameters were saved before they had modules of their own (PEFT's `modules_to_save` and
@@ -340,17 +369,30 @@ class DiffLlamaModel(DiffLlamaPreTrainedModel):
         graphed = decode_step(self, hidden_states, position_embeddings, causal_mask, cache, kwargs)
         if graphed is not None:  # a decoding step with a DynamicCache through the graphs: the final norm's output
             return BaseModelOutputWithPast(last_hidden_state=graphed, **{CACHE_KWARG: cache})
-        for decoder_layer in self.layers[: self.config.num_hidden_layers]:
-            hidden_states = decoder_layer(
-                hidden_states,
-                attention_mask=causal_mask,
-                position_embeddings=position_embeddings,
-                position_ids=position_ids,
-                cache=cache,
-                **kwargs,
-            )
-        hidden_states = self.norm(hidden_states)
+        layers = self.layers[: self.config.num_hidden_layers]
+        deferred = defers_residual_adds(layers)
+        pending = None  # where deferred: the last layer's update, added in the next norm's pass
+        for decoder_layer in layers:
+            if deferred:
+                hidden_states, pending = decoder_layer.residual_stream(
+                    hidden_states, pending, causal_mask, position_embeddings, cache, position_ids=position_ids,
+                    **kwargs,
+                )
+            else:
+                hidden_states = decoder_layer(
+                    hidden_states,
+                    attention_mask=causal_mask,
+                    position_embeddings=position_embeddings,
+                    position_ids=position_ids,
+                    cache=cache,
+                    **kwargs,
+                )
+        hidden_states = self.final_norm(hidden_states, pending)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, **{CACHE_KWARG: cache})
+
+    def final_norm(self, residual: torch.Tensor, pending: torch.Tensor | None) -> torch.Tensor:
+        """The last norm of residual (+ pending, the last layer's update, in the same pass where it is given)."""
+        return self.norm(residual) if pending is None else add_and_norm(self.norm, residual, pending, self.config)[1]
 
 
 class DiffLlamaForCausalLM(DiffLlamaPreTrainedModel, GenerationMixin):

@@ -1375,7 +1375,9 @@ def test_decoding_steps_on_the_kernel_equal_eager(mode, cache_class, monkeypatch
     # one launch each: q, k, v (and lambda_proj) split along their input, summed and rotated; o_proj split and
     # summed; down_proj split and summed with the residual add
     assert len(projections) == 3 * len(kernel_calls)
-    assert len(added) == (1 + steps.shape[1]) * eager.config.num_hidden_layers  # the add before the MLP's norm
+    # the add before the MLP's norm in every forward; the prefill's MLP (cuBLAS) leaves its add to the next norm's
+    # pass too (the final norm's for the last layer), where each step's is in down_proj's last pass
+    assert len(added) == (2 + steps.shape[1]) * eager.config.num_hidden_layers
     # a StaticCache takes each step's keys and values in the projections' launch (`kernels/cache_write.py`), and the
     # write kernel's launch (steps of more than 16 tokens) is not needed
     assert len(writes) == 0
@@ -1391,11 +1393,15 @@ def test_decoding_steps_on_the_kernel_equal_eager(mode, cache_class, monkeypatch
 def test_static_cache_steps_of_more_than_16_tokens_equal_eager(mode, monkeypatch):
     """Steps of 17 to 32 tokens (batch 17): q, k and v split, summed, rotated and stored into the StaticCache in one
     launch (ROTATED_MAX_TOKENS), the decode kernel advancing the length; o_proj and down_proj on cuBLAS (more than
-    SPLIT_MAX_TOKENS). The logits equal eager's."""
+    SPLIT_MAX_TOKENS), whose residual add is left to the next norm's pass (the input norm of the next layer, the
+    final norm after the last). The logits equal eager's."""
     import modeling_diff.diff_attention as attention
     import modeling_diff.kernels.projection as projection
+    import modeling_diff.modeling_diff_llama as modeling
 
-    prewritten, rotated, split = [], [], []
+    prewritten, rotated, split, added = [], [], [], []
+    add_norm = modeling.add_rms_norm
+    monkeypatch.setattr(modeling, "add_rms_norm", lambda *a: added.append(1) or add_norm(*a))
     written, rotate, split_applies = attention.written_layer, projection.rotated_projections, attention.split_linear_applies
     monkeypatch.setattr(attention, "written_layer", lambda *a: (lambda layer: layer is not None and prewritten.append(
         1) or layer)(written(*a)))
@@ -1409,6 +1415,8 @@ def test_static_cache_steps_of_more_than_16_tokens_equal_eager(mode, monkeypatch
     assert rel_err(logits[1], logits[0]) < TOL
     layers_steps = steps.shape[1] * eager.config.num_hidden_layers
     assert len(rotated) == len(prewritten) == layers_steps and not split
+    # two adds a layer in the prefill and in every step: the attention's with the MLP's norm, the MLP's with the next
+    assert len(added) == 2 * (1 + steps.shape[1]) * eager.config.num_hidden_layers
 
 
 @torch.no_grad()
@@ -1429,6 +1437,32 @@ def test_a_step_that_declines_the_decode_kernel_after_the_projections_wrote_the_
     logits = [decode(model, StaticCache, ids, mask, steps) for model in (eager, fast)]
     assert rel_err(logits[1], logits[0]) < TOL
     assert len(marked) == steps.shape[1] * eager.config.num_hidden_layers  # layer 0's too
+
+
+@torch.no_grad()
+def test_hidden_states_asked_for_are_the_layers_sums_where_the_adds_are_deferred(monkeypatch):
+    """Without gradients the model's loop leaves each layer's last residual add to the next norm's pass
+    (`defers_residual_adds`); where hidden states are asked for, transformers records each layer's output through
+    a hook, and then the layers run as modules and return their sums: every hidden state equals eager's, and the
+    last hidden state (the final norm's) does with and without them."""
+    import modeling_diff.modeling_diff_llama as modeling
+
+    deferred = []
+    defers = modeling.defers_residual_adds
+    monkeypatch.setattr(modeling, "defers_residual_adds", lambda layers: (lambda d: deferred.append(d) or d)(
+        defers(layers)))
+    eager, fast = model_pair("v1", FAST)
+    ids, mask = padded_batch(eager.config.vocab_size, batch=17, length=6)
+    plain = fast(ids, attention_mask=mask).logits
+    assert deferred == [True]
+    outputs = [model(ids, attention_mask=mask, output_hidden_states=True) for model in (eager, fast)]
+    assert deferred[1:] == [False, False]  # the hooks stay once installed
+    assert len(outputs[1].hidden_states) == eager.config.num_hidden_layers + 1
+    real = mask.bool()  # left padding: the padded positions' states are nobody's
+    for state, reference in zip(outputs[1].hidden_states, outputs[0].hidden_states):
+        assert rel_err(state[real], reference[real]) < TOL
+    for logits in (plain, outputs[1].logits):
+        assert rel_err(logits[real], outputs[0].logits[real]) < TOL
 
 
 def test_decoding_steps_with_a_hook_on_the_mlp_show_it_the_mlps_own_output():
