@@ -20,13 +20,14 @@ process:
 kernel (`kernels/triton_decode.py`; its default is 64,4,3,2, with 4 stages and 3 programs a multiprocessor in steps of
 at most 16 tokens, and 128 keys a tile there for V1's 2d-wide values; BLOCK_N sets both widths).
 `--constants MODULE.NAME=VALUE[+MODULE.NAME=VALUE...] ...` adds one per set of the kernels' launch rules, MODULE one of
-`_triton`, `projection`, `triton_decode` (e.g. `projection.SPLIT_MAX_TOKENS=32+_triton.PDL_MAX_TOKENS=32`: the split
-products and PDL, with the decode kernel's few-token launch, at batch 32).
+`_triton`, `projection`, `triton_decode` (e.g. `projection.SPLIT_MAX_TOKENS=32+_triton.DECODE_PDL_MAX_TOKENS=32`:
+the split products, and the decode kernel's few-token launch with PDL, at batch 32).
 `--gated BLOCK_N,BLOCK_K,WARPS,STAGES ...` adds one per launch configuration of the MLP's gate and up
 (`kernels/projection.py`'s GATED_FEW_TOKENS / GATED_MORE_TOKENS, both set); `--split BLOCK_N,STEP,PARTS ...` one per
 launch configuration of the products split along K (SPLIT_FEW_TOKENS / SPLIT_MORE_TOKENS, both set: q, k, v,
 o_proj and down_proj). `--pdl-more-tokens KERNELS[+KERNELS...] ...` adds one per set of kernels launched with PDL in
-steps of more than `_triton.PDL_MAX_TOKENS` tokens too (KERNELS one of decode, norm, projection; e.g. `decode+norm`).
+steps of more than their rule's tokens too (`_triton.DECODE_PDL_MAX_TOKENS` for decode, `PDL_MAX_TOKENS` for the
+others; KERNELS one of decode, norm, projection; e.g. `decode+norm`).
 
 Prints the step (ms) and its share of the roofline (bench.py's definition, the bandwidth measured in the same run) per
 model, batch and variant; the variants alternate within each model and batch, `--rounds` times (median).
@@ -121,7 +122,7 @@ CONSTANT_MODULES = {"_triton": _triton, "projection": projection, "triton_decode
 PDL_KERNELS = {"decode": (triton_decode,), "norm": (rmsnorm, rope), "projection": (projection, cache_write)}
 
 
-def _dependent_launch_at_any_tokens(tensor, tokens):
+def _dependent_launch_at_any_tokens(tensor, tokens, most=None):
     return _triton.dependent_launch(tensor, 1)
 
 

@@ -77,17 +77,19 @@ def test_a_pdl_variant_launches_its_kernels_with_pdl_at_any_tokens_and_puts_them
     others as before), and their own `dependent_launch` is back after; an unknown kernel group is refused by name."""
     from modeling_diff.kernels import _triton, projection, rmsnorm, rope, triton_decode
 
-    def by_tokens(tensor, tokens):  # the rule as on a GPU with PDL (the CPU has none)
-        return tokens <= _triton.PDL_MAX_TOKENS
+    def by_tokens(tensor, tokens, most=None):  # the rule as on a GPU with PDL (the CPU has none)
+        return tokens <= (_triton.PDL_MAX_TOKENS if most is None else most)
 
     for module in (_triton, projection, rmsnorm, rope, triton_decode):
         monkeypatch.setattr(module, "dependent_launch", by_tokens)
     x = torch.zeros(1)
     variant = decode_variants.pdl_variant("decode+norm")
+    decode = _triton.DECODE_PDL_MAX_TOKENS
     with decode_variants.switched(variant):
-        assert triton_decode.dependent_launch(x, 32) and rmsnorm.dependent_launch(x, 32) and rope.dependent_launch(x, 64)
-        assert not projection.dependent_launch(x, 32) and projection.dependent_launch(x, 16)
-    assert not triton_decode.dependent_launch(x, 32) and not rmsnorm.dependent_launch(x, 32)
+        assert triton_decode.dependent_launch(x, 32, decode) and rmsnorm.dependent_launch(x, 64)
+        assert rope.dependent_launch(x, 64)
+        assert not projection.dependent_launch(x, 64) and projection.dependent_launch(x, 32)
+    assert not triton_decode.dependent_launch(x, 32, decode) and not rmsnorm.dependent_launch(x, 64)
     with pytest.raises(SystemExit, match="attention"):
         decode_variants.pdl_variant("decode+attention")
 

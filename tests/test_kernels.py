@@ -1485,8 +1485,9 @@ def test_decoding_steps_with_a_hook_on_the_mlp_show_it_the_mlps_own_output():
 
 
 def test_dependent_launch_only_where_it_exists(monkeypatch):
-    """PDL only for steps of at most 16 tokens on NVIDIA GPUs of compute capability 9.0+: never on CPU tensors (the
-    interpreter), on older GPUs, on ROCm (whose devices report capabilities of their own), or when turned off."""
+    """PDL only for steps of at most 32 tokens (16 for the decode kernel and its reduce) on NVIDIA GPUs of compute
+    capability 9.0+: never on CPU tensors (the interpreter), on older GPUs, on ROCm (whose devices report capabilities
+    of their own), or when turned off."""
     from modeling_diff.kernels import _triton
 
     class FakeCuda:  # a tensor's two attributes that the decision reads
@@ -1497,7 +1498,7 @@ def test_dependent_launch_only_where_it_exists(monkeypatch):
 
     assert not _triton.dependent_launch(torch.zeros(1), 1)
     for hip, capability, tokens, enabled, expected in [
-        (None, (9, 0), 1, True, True), (None, (9, 0), 16, True, True), (None, (9, 0), 17, True, False),
+        (None, (9, 0), 1, True, True), (None, (9, 0), 32, True, True), (None, (9, 0), 33, True, False),
         (None, (8, 0), 1, True, False), ("6.2", (9, 4), 1, True, False), (None, (10, 0), 1, False, False),
     ]:
         _triton._has_dependent_launch.cache_clear()
@@ -1505,26 +1506,30 @@ def test_dependent_launch_only_where_it_exists(monkeypatch):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index, capability=capability: capability)
         monkeypatch.setattr(_triton, "PDL_ENABLED", enabled)
         assert _triton.dependent_launch(FakeCuda(), tokens) is expected
+        decode_tokens = 16 if tokens == 32 else 17 if tokens == 33 else tokens  # the decode kernel's bound
+        assert _triton.dependent_launch(FakeCuda(), decode_tokens, _triton.DECODE_PDL_MAX_TOKENS) is expected
     _triton._has_dependent_launch.cache_clear()
 
 
 def test_dependent_launches_change_no_bit_of_a_decoding_step(monkeypatch):
     """PDL only lets a kernel start earlier; every kernel waits for its inputs: the steps' logits with it equal
-    those without it bit for bit (dynamic and static caches, the decoding graphs included). On the H200 the first
+    those without it bit for bit (dynamic and static caches, the decoding graphs included), in steps of a few tokens
+    (every kernel under it) and of 17 (the norms and projections, not the decode kernel). On the H200 the first
     run launches with PDL; on the CPU (the interpreter) and GPUs before compute capability 9.0 neither does, and
     switching it must change nothing there either."""
     from modeling_diff.kernels import _triton
 
     _, fast = model_pair("dex", FAST)
-    ids, mask = padded_batch(fast.config.vocab_size, length=40)
-    steps = torch.randint(3, fast.config.vocab_size, (ids.shape[0], 4), device=DEVICE)
-    with torch.no_grad():
-        for cache_class in (DynamicCache, StaticCache):
-            runs = []
-            for enabled in (True, False):
-                monkeypatch.setattr(_triton, "PDL_ENABLED", enabled)
-                runs.append(decode(fast, cache_class, ids, mask, steps))
-            assert torch.equal(runs[0], runs[1])
+    for batch, length in ((None, 40), (17, 6)):
+        ids, mask = padded_batch(fast.config.vocab_size, length=length, **({"batch": batch} if batch else {}))
+        steps = torch.randint(3, fast.config.vocab_size, (ids.shape[0], 4), device=DEVICE)
+        with torch.no_grad():
+            for cache_class in (DynamicCache, StaticCache):
+                runs = []
+                for enabled in (True, False):
+                    monkeypatch.setattr(_triton, "PDL_ENABLED", enabled)
+                    runs.append(decode(fast, cache_class, ids, mask, steps))
+                assert torch.equal(runs[0], runs[1])
 
 
 def test_lora_model_on_the_flash_diff_kernel_equals_eager(monkeypatch):

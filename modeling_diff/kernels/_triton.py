@@ -20,11 +20,14 @@ TRITON_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Programmatic dependent launch (PDL, compute capability 9.0+): a kernel launched with it may start while the
 # kernel before it in the stream finishes, and waits (griddepcontrol.wait, `triton_launch.py`) before it reads
 # anything the kernels before it wrote; before that wait it reads only weights. It is for steps of at most
-# PDL_MAX_TOKENS tokens: on the H200 it took a batch-1 step of the ~1.1B models from 1.30 to 1.15 ms with
-# o_proj and down_proj split, and made V1's batch-32 step slower (2.07 -> 2.18 ms; benchmarks/decode_variants.py).
-# MODELING_DIFF_PDL=0 turns it off.
+# PDL_MAX_TOKENS tokens, DECODE_PDL_MAX_TOKENS for the decode kernel and its reduce: on the H200 it took a batch-1
+# step of the ~1.1B models from 1.30 to 1.15 ms with o_proj and down_proj split; at batch 32 and a 2K context the
+# norms and the projections under it took V1's step from 1.689 to 1.666 ms (V2 1.676 -> 1.673, DEX 1.652 -> 1.627),
+# where the decode kernel under it had made V1's slower (1.756 -> 1.945 ms; benchmarks/decode_variants.py
+# --pdl-more-tokens). MODELING_DIFF_PDL=0 turns it off.
 PDL_ENABLED = os.environ.get("MODELING_DIFF_PDL", "1") != "0"
-PDL_MAX_TOKENS = 16
+PDL_MAX_TOKENS = 32
+DECODE_PDL_MAX_TOKENS = 16
 
 
 def triton_available() -> bool:
@@ -43,10 +46,14 @@ def _has_dependent_launch(index: int) -> bool:
     return torch.version.hip is None and torch.cuda.get_device_capability(index) >= (9, 0)
 
 
-def dependent_launch(tensor: torch.Tensor, tokens: int) -> bool:
-    """Whether a kernel of a step of `tokens` tokens on `tensor` launches with PDL (see PDL_ENABLED): at most
-    PDL_MAX_TOKENS, on NVIDIA GPUs of compute capability 9.0+ (the interpreter runs on CPU tensors: never)."""
-    return PDL_ENABLED and tokens <= PDL_MAX_TOKENS and tensor.is_cuda and _has_dependent_launch(tensor.get_device())
+def dependent_launch(tensor: torch.Tensor, tokens: int, most: int | None = None) -> bool:
+    """Whether a kernel of a step of `tokens` tokens on `tensor` launches with PDL (see PDL_ENABLED): at most `most`
+    (PDL_MAX_TOKENS where not given; both read at the call, so that benchmarks/decode_variants.py can set them), on
+    NVIDIA GPUs of compute capability 9.0+ (the interpreter runs on CPU tensors: never)."""
+    return (
+        PDL_ENABLED and tokens <= (PDL_MAX_TOKENS if most is None else most) and tensor.is_cuda
+        and _has_dependent_launch(tensor.get_device())
+    )
 
 
 # The ticket counters of the kernels whose last program finishes a launch's work (`cache_write.py`, `projection.py`):

@@ -19,7 +19,7 @@ import functools
 import torch
 from torch.library import triton_op, wrap_triton
 
-from . import _triton  # PDL_MAX_TOKENS read where used: one value for every kernel, set in one place
+from . import _triton  # DECODE_PDL_MAX_TOKENS read where used: one value for these kernels, set in one place
 from ._triton import TRITON_INTERPRETING, cdiv, dependent_launch, next_power_of_2, shared_memory
 from .masks import causal_offset, kernel_mask
 from .triton_combine import anneal_fraction, dex_lambda, differential_lambda, v1_combine_rows
@@ -37,19 +37,20 @@ from .triton_launch import let_dependents_start, wait_for_inputs
 
 # The split-KV kernel's launch parameters, in one place for tuning on the GPU; `_partial_softmaxes` passes them.
 PARTIAL_BLOCK_N = 64  # keys per tile; a power of two >= 16 (tl.dot's smallest), and the shortest chunk
-# Keys per tile in steps of at most PDL_MAX_TOKENS tokens whose values are at least WIDE_VALUES wide (V1's 2d): on the
-# H200 128 took V1's batch-1 step at a 2K context from 0.885 to 0.856 ms (half the chunks for the reduce to merge),
-# where V2's (64-wide values) went from 0.929 to 0.973 ms (benchmarks/decode_variants.py --partial).
+# Keys per tile in steps of at most DECODE_PDL_MAX_TOKENS tokens whose values are at least WIDE_VALUES wide (V1's
+# 2d): on the H200 128 took V1's batch-1 step at a 2K context from 0.885 to 0.856 ms (half the chunks for the reduce
+# to merge), where V2's (64-wide values) went from 0.929 to 0.973 ms (benchmarks/decode_variants.py --partial).
 PARTIAL_BLOCK_N_WIDE_FEW_TOKENS = 128
 WIDE_VALUES = 128
 PARTIAL_NUM_WARPS = 4
 PARTIAL_NUM_STAGES = 3  # Triton's default
-# Steps of at most PDL_MAX_TOKENS tokens: 4 stages took 0.02 ms off V1's and V2's batch-1 steps on the H200 (DEX's
-# changed by less than its spread); at batch 32 they made V1's 0.27 ms slower (benchmarks/decode_variants.py --partial).
+# Steps of at most DECODE_PDL_MAX_TOKENS tokens: 4 stages took 0.02 ms off V1's and V2's batch-1 steps on the H200
+# (DEX's changed by less than its spread); at batch 32 they made V1's 0.27 ms slower (benchmarks/decode_variants.py
+# --partial).
 PARTIAL_NUM_STAGES_FEW_TOKENS = 4
 # The number of chunks (splits) aims at about this many programs per multiprocessor. In steps of at most
-# PDL_MAX_TOKENS tokens 3: on the H200 a batch-1 step at a 2K context took DEX from 0.897 to 0.848 ms and V2 from
-# 0.944 to 0.934 (V1's 4 kv heads keep their chunks: at most one per 64-key tile); at batch 32, 3 made V1's step
+# DECODE_PDL_MAX_TOKENS tokens 3: on the H200 a batch-1 step at a 2K context took DEX from 0.897 to 0.848 ms and V2
+# from 0.944 to 0.934 (V1's 4 kv heads keep their chunks: at most one per 64-key tile); at batch 32, 3 made V1's step
 # 1.81 -> 1.99 ms (benchmarks/decode_variants.py --partial).
 PROGRAMS_PER_SM = 2
 PROGRAMS_PER_SM_FEW_TOKENS = 3
@@ -288,7 +289,7 @@ def partial_tiles(tokens: int, block_rows: int, k_dim: int, v_dim: int, element_
     """(keys per tile, pipeline stages) of the split-KV kernel in a step of `tokens` tokens, `block_rows` query rows
     a program (`masked`: reading a bool mask): the constants above, with fewer keys (down to PARTIAL_BLOCK_N) and then
     fewer stages where a program would take more than 90% of the device's shared memory (`partial_shared_memory`)."""
-    few = tokens <= _triton.PDL_MAX_TOKENS
+    few = tokens <= _triton.DECODE_PDL_MAX_TOKENS
     block_n = PARTIAL_BLOCK_N_WIDE_FEW_TOKENS if few and v_dim >= WIDE_VALUES else PARTIAL_BLOCK_N
     stages = PARTIAL_NUM_STAGES_FEW_TOKENS if few else PARTIAL_NUM_STAGES
     room = int(0.9 * shared_memory(device))
@@ -315,7 +316,7 @@ def programs_per_sm(tokens: int, program_bytes: int, device: torch.device) -> in
     """The programs per multiprocessor the chunks aim at in a step of `tokens` tokens (see PROGRAMS_PER_SM), at most
     as many as fit at once in its shared memory (`program_bytes` each, and the 1 KiB the GPU reserves for each):
     more chunks than fit would run in a second wave, as V1's 128-key programs at an 8K context did (one fits)."""
-    aim = PROGRAMS_PER_SM_FEW_TOKENS if tokens <= _triton.PDL_MAX_TOKENS else PROGRAMS_PER_SM
+    aim = PROGRAMS_PER_SM_FEW_TOKENS if tokens <= _triton.DECODE_PDL_MAX_TOKENS else PROGRAMS_PER_SM
     return max(1, min(aim, _sm_shared_memory(device) // (program_bytes + 1024)))
 
 
@@ -356,7 +357,8 @@ def _partial_softmaxes(query, key, value, mask, scale: float, launcher, written=
     parts = batch * kv_heads * splits * block_rows
     work = torch.empty(parts * (v_dim + 2), dtype=torch.float32, device=query.device)  # outputs, maxima, sums
     mask_arg, mask_strides = kernel_mask(mask, query)
-    pdl = launcher is _plain and dependent_launch(query, batch * length)  # not through torch.compile's launch (the custom op)
+    # not through torch.compile's launch (the custom op)
+    pdl = launcher is _plain and dependent_launch(query, batch * length, _triton.DECODE_PDL_MAX_TOKENS)
     first_n = prefetched_keys(chunk, block_n, (k_dim + v_dim) * element) if written is not None and (
         pdl or TRITON_INTERPRETING) else 0
     launcher(_decode_partial)[(batch * kv_heads, splits)](
@@ -412,7 +414,7 @@ def combined_decode_kernels(query, key, value, mask, scale: float, combine, out=
             dex = (combine.operator.contiguous(), combine.head_mask, combine.lambda_learn)
             lambda_init = combine.lambda_init
     # A program per query row (DEX) or pair of rows (V1, V2): the group's (heads / kv heads) x L outputs.
-    pdl = dependent_launch(query, batch * length)
+    pdl = dependent_launch(query, batch * length, _triton.DECODE_PDL_MAX_TOKENS)
     max_splits = next_power_of_2(splits)
     _decode_reduce_combined[(batch * kv_heads, heads // kv_heads * length)](
         work, out, *out.stride()[:3], kv_heads, length, splits, parts,

@@ -38,7 +38,7 @@ def _row_block_products(X, W, V, M, row0, N, k0, K: tl.constexpr, K_PART: tl.con
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
     """float32 (BLOCK_M, BLOCK_N) blocks of x W^T and, where GATED, of x V^T, for the weights' rows row0 + [0,
     BLOCK_N) and columns k0 + [0, K_PART); K_PART a multiple of BLOCK_K. Both weights are read in the same loop
-    (twice the bytes in flight). Under PDL (steps of at most 16 tokens) the first tiles are read before the wait for
+    (twice the bytes in flight). Under PDL (steps of at most 32 tokens) the first tiles are read before the wait for
     x: one more tile in shared memory, which the smallest x leaves room for."""
     rows = tl.arange(0, BLOCK_M)
     cols = row0 + tl.arange(0, BLOCK_N)
