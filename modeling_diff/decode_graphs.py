@@ -10,7 +10,8 @@ per shape as CUDA graphs, cut where the cache is (vLLM's piecewise graphs):
     embeddings, RoPE's cos and sin (eager; copied into the graphs' inputs)
     graph 0:      layer 0's norm, projections, RoPE                         -> q, k, v (and V2's lambda_proj(x))
     eager:        layer 0's cache.update and decode-kernel attention (`decode_heads`) -> heads, in graph 1's input
-    graph i:      layer i-1's o_proj, add + norm, MLP, add; layer i's norm, projections, RoPE
+    graph i:      layer i-1's o_proj, add + norm, MLP, add; layer i's norm, projections, RoPE (where down_proj
+                  does not add the residual in its pass, the add is in the pass of layer i's norm)
     eager:        layer i's cache.update and attention ...
     graph L:      layer L-1's o_proj ... MLP, add; the final norm          -> the last hidden state (a copy)
 
