@@ -1465,6 +1465,34 @@ def test_hidden_states_asked_for_are_the_layers_sums_where_the_adds_are_deferred
         assert rel_err(logits[real], outputs[0].logits[real]) < TOL
 
 
+@torch.no_grad()
+def test_a_hook_on_a_decoder_layer_sees_its_sum_and_no_add_is_deferred(monkeypatch):
+    """A forward hook on one decoder layer: the model's loop calls every layer as a module (nothing deferred), the
+    hook sees the layer's own output, residual + update, equal to eager's; without the hook the adds are deferred
+    again and the logits are the same."""
+    import modeling_diff.modeling_diff_llama as modeling
+
+    deferred = []
+    defers = modeling.defers_residual_adds
+    monkeypatch.setattr(modeling, "defers_residual_adds", lambda layers: (lambda d: deferred.append(d) or d)(
+        defers(layers)))
+    eager, fast = model_pair("dex", FAST)
+    ids, mask = padded_batch(eager.config.vocab_size, batch=17, length=6)
+    seen = {}
+    handles = [model.model.layers[0].register_forward_hook(
+        lambda module, args, out, name=name: seen.__setitem__(name, out)) for name, model in (("eager", eager),
+                                                                                             ("fast", fast))]
+    logits = [model(ids, attention_mask=mask).logits for model in (eager, fast)]
+    assert deferred == [False, False]  # eager's loop asks too
+    real = mask.bool()
+    assert rel_err(seen["fast"][real], seen["eager"][real]) < TOL
+    assert rel_err(logits[1][real], logits[0][real]) < TOL
+    for handle in handles:
+        handle.remove()
+    unhooked = fast(ids, attention_mask=mask).logits
+    assert deferred[-1] is True and rel_err(unhooked[real], logits[0][real]) < TOL
+
+
 def test_decoding_steps_with_a_hook_on_the_mlp_show_it_the_mlps_own_output():
     """The residual add joins down_proj's last pass only where nothing watches the MLP: with a forward hook on it,
     the hook runs in every step and sees mlp(x), not residual + mlp(x), and the logits stay eager's."""
