@@ -1439,18 +1439,24 @@ def test_a_step_that_declines_the_decode_kernel_after_the_projections_wrote_the_
     assert len(marked) == steps.shape[1] * eager.config.num_hidden_layers  # layer 0's too
 
 
-@torch.no_grad()
-def test_hidden_states_asked_for_are_the_layers_sums_where_the_adds_are_deferred(monkeypatch):
-    """Without gradients the model's loop leaves each layer's last residual add to the next norm's pass
-    (`defers_residual_adds`); where hidden states are asked for, transformers records each layer's output through
-    a hook, and then the layers run as modules and return their sums: every hidden state equals eager's, and the
-    last hidden state (the final norm's) does with and without them."""
+def recorded_deferrals(monkeypatch) -> list[bool]:
+    """The model loops' decisions to defer the residual adds (`defers_residual_adds`), one a forward, in order."""
     import modeling_diff.modeling_diff_llama as modeling
 
     deferred = []
     defers = modeling.defers_residual_adds
     monkeypatch.setattr(modeling, "defers_residual_adds", lambda layers: (lambda d: deferred.append(d) or d)(
         defers(layers)))
+    return deferred
+
+
+@torch.no_grad()
+def test_hidden_states_asked_for_are_the_layers_sums_where_the_adds_are_deferred(monkeypatch):
+    """Without gradients the model's loop leaves each layer's last residual add to the next norm's pass
+    (`defers_residual_adds`); where hidden states are asked for, transformers records each layer's output through
+    a hook, and then the layers run as modules and return their sums: every hidden state equals eager's, and the
+    last hidden state (the final norm's) does with and without them."""
+    deferred = recorded_deferrals(monkeypatch)
     eager, fast = model_pair("v1", FAST)
     ids, mask = padded_batch(eager.config.vocab_size, batch=17, length=6)
     plain = fast(ids, attention_mask=mask).logits
@@ -1470,12 +1476,7 @@ def test_a_hook_on_a_decoder_layer_sees_its_sum_and_no_add_is_deferred(monkeypat
     """A forward hook on one decoder layer: the model's loop calls every layer as a module (nothing deferred), the
     hook sees the layer's own output, residual + update, equal to eager's; without the hook the adds are deferred
     again and the logits are the same."""
-    import modeling_diff.modeling_diff_llama as modeling
-
-    deferred = []
-    defers = modeling.defers_residual_adds
-    monkeypatch.setattr(modeling, "defers_residual_adds", lambda layers: (lambda d: deferred.append(d) or d)(
-        defers(layers)))
+    deferred = recorded_deferrals(monkeypatch)
     eager, fast = model_pair("dex", FAST)
     ids, mask = padded_batch(eager.config.vocab_size, batch=17, length=6)
     seen = {}
