@@ -169,8 +169,8 @@ class DiffLlamaDecoderLayer(GradientCheckpointingLayer):
                         **kwargs: Unpack[TransformersKwargs]):
         """The layer's output as (residual, update), their sum; update None where a kernel's pass made the sum.
         `pending`: the layer before's update not yet added to hidden_states (None: nothing pending), added in the
-        input norm's pass (`DiffLlamaModel.forward` defers it in decoding steps where down_proj runs on cuBLAS:
-        one launch a layer fewer)."""
+        input norm's pass (`DiffLlamaModel.forward` hands it on without gradients, `defers_residual_adds`: one
+        launch a layer fewer where down_proj runs on cuBLAS, steps of more than 16 tokens and prefill)."""
         residual, hidden_states = self.before_attention(hidden_states, pending)
         hidden_states, _ = self.self_attn(
             hidden_states=hidden_states,

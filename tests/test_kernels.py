@@ -1526,16 +1526,16 @@ def test_dependent_launch_only_where_it_exists(monkeypatch):
             return 0
 
     assert not _triton.dependent_launch(torch.zeros(1), 1)
-    for hip, capability, tokens, enabled, expected in [
-        (None, (9, 0), 1, True, True), (None, (9, 0), 32, True, True), (None, (9, 0), 33, True, False),
-        (None, (8, 0), 1, True, False), ("6.2", (9, 4), 1, True, False), (None, (10, 0), 1, False, False),
+    # (hip, capability, tokens, the decode kernel's tokens, PDL_ENABLED, expected for both)
+    for hip, capability, tokens, decode_tokens, enabled, expected in [
+        (None, (9, 0), 1, 1, True, True), (None, (9, 0), 32, 16, True, True), (None, (9, 0), 33, 17, True, False),
+        (None, (8, 0), 1, 1, True, False), ("6.2", (9, 4), 1, 1, True, False), (None, (10, 0), 1, 1, False, False),
     ]:
         _triton._has_dependent_launch.cache_clear()
         monkeypatch.setattr(torch.version, "hip", hip)
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index, capability=capability: capability)
         monkeypatch.setattr(_triton, "PDL_ENABLED", enabled)
         assert _triton.dependent_launch(FakeCuda(), tokens) is expected
-        decode_tokens = 16 if tokens == 32 else 17 if tokens == 33 else tokens  # the decode kernel's bound
         assert _triton.dependent_launch(FakeCuda(), decode_tokens, _triton.DECODE_PDL_MAX_TOKENS) is expected
     _triton._has_dependent_launch.cache_clear()
 
@@ -1549,8 +1549,8 @@ def test_dependent_launches_change_no_bit_of_a_decoding_step(monkeypatch):
     from modeling_diff.kernels import _triton
 
     _, fast = model_pair("dex", FAST)
-    for batch, length in ((None, 40), (17, 6)):
-        ids, mask = padded_batch(fast.config.vocab_size, length=length, **({"batch": batch} if batch else {}))
+    for batch, length in ((2, 40), (17, 6)):
+        ids, mask = padded_batch(fast.config.vocab_size, batch=batch, length=length)
         steps = torch.randint(3, fast.config.vocab_size, (ids.shape[0], 4), device=DEVICE)
         with torch.no_grad():
             for cache_class in (DynamicCache, StaticCache):
