@@ -71,7 +71,7 @@ from transformers import DiffLlamaForCausalLM as HFDiffLlamaForCausalLM
 from transformers.models.llama import modeling_llama
 
 from modeling_diff import DiffLlamaForCausalLM, apply_liger_kernel_to_diff_llama, preset_config
-from modeling_diff.kernels import apply_rope, rms_norm
+from modeling_diff.kernels import apply_rope, greedy_tokens, rms_norm
 
 MODELS = ("llama", "llama-fused", "llama-liger", "hf-diffllama", "v1", "v2", "dex", "v1-liger", "v2-liger", "dex-liger")
 DEFAULT_MODELS = ("llama", "llama-fused", "hf-diffllama", "v1", "v2", "dex")  # Liger's: name them (liger-kernel)
@@ -213,8 +213,9 @@ def bench_prefill(model, batch, seq, repeats):
 
 class DecodingSteps:
     """Prefill `cache` with a random prompt, fed in chunks of `chunk_tokens` tokens per forward (batch x chunk
-    length); each call is then one greedy decoding step. The step reads and updates only device tensors, so it can
-    be replayed as a CUDA graph; `rewind()` takes a DynamicCache back to the prompt."""
+    length); each call is then one greedy decoding step, its argmax through `greedy_tokens` for every model (as
+    generate()'s graph chooses). The step reads and updates only device tensors, so it can be replayed as a CUDA
+    graph; `rewind()` takes a DynamicCache back to the prompt."""
 
     @torch.no_grad()
     def __init__(self, model, cache, batch: int, prompt_len: int, chunk_tokens: int):
@@ -228,7 +229,7 @@ class DecodingSteps:
     @torch.no_grad()
     def __call__(self):
         logits = self.model(self.token, position_ids=self.position, past_key_values=self.cache, use_cache=True).logits
-        self.token.copy_(logits[:, -1].argmax(-1, keepdim=True))
+        greedy_tokens(logits[:, -1], out=self.token[:, 0], owner=self)  # argmax in one launch, as generate()'s graph
         self.position.add_(1)
 
     def rewind(self):

@@ -12,6 +12,9 @@ process:
 - `rotary`: the step's cos and sin in one launch (`kernels/rope.rope_cos_sin`; off: transformers' rotary embedding);
 - `deferred_add`: the MLP's residual add in the next norm's pass where down_proj runs on cuBLAS (more than
   `projection.SPLIT_MAX_TOKENS` tokens; `modeling_diff_llama.defers_residual_adds`; off: a launch of its own).
+- `greedy`: the step's argmax in one launch (`kernels/greedy.greedy_tokens`; off: torch.argmax).
+- `step_mask`: a StaticCache step's mask in one launch (`kernels/masks.static_step_mask`; off: transformers'
+  `create_causal_mask`).
 
     python benchmarks/decode_variants.py [--seq 2048] [--batch 1 32] [--models v1 v2 dex] [--out $OUT/variants.json]
     python benchmarks/decode_variants.py --variants default --partial 128,4,3,2 64,4,3,4   # the decode kernel's launch
@@ -41,6 +44,7 @@ import json
 import torch
 from tqdm import tqdm
 
+import bench
 import modeling_diff.diff_attention as attention
 import modeling_diff.modeling_diff_llama as modeling
 from bench import (
@@ -57,19 +61,25 @@ def _cache_update(cache, layer_idx, key, value):
     return cache.update(key, value, layer_idx)
 
 
-def _no_layer(*args):  # no StaticCache layer for the projections to write into
+def _nothing(*args):  # a lookup that finds nothing: no StaticCache layer to write into, no mask made
     return None
+
+
+def _torch_argmax(scores, out, owner):
+    return torch.argmax(scores, -1, out=out)
 
 
 # feature -> the (object, attribute, value) that turn it off
 FEATURES = {
     "pdl": [(_triton, "PDL_ENABLED", False)],
     "split": [(attention, "split_linear_applies", _no_split), (modeling, "split_linear_applies", _no_split)],
-    "cache_write": [(attention, "update_cache", _cache_update), (attention, "projection_cache_layer", _no_layer)],
-    "projection_write": [(attention, "projection_cache_layer", _no_layer)],
+    "cache_write": [(attention, "update_cache", _cache_update), (attention, "projection_cache_layer", _nothing)],
+    "projection_write": [(attention, "projection_cache_layer", _nothing)],
     "rotated": [(attention, "rotated_projections_apply", _no_split)],
     "rotary": [(modeling, "rope_cos_sin_applies", _no_split)],
     "deferred_add": [(modeling, "defers_residual_adds", _no_split)],
+    "greedy": [(bench, "greedy_tokens", _torch_argmax)],
+    "step_mask": [(modeling, "static_step_mask", _nothing)],
 }
 VARIANTS = ["default", *FEATURES]
 

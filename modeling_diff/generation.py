@@ -20,6 +20,8 @@ import weakref
 import torch
 from transformers import GenerationConfig, StaticCache
 
+from .kernels import greedy_tokens
+
 STOP_CHECK_EVERY = 16  # replays between two looks at "all rows finished?" (each one a synchronisation)
 
 # GenerationConfig fields that may differ from their defaults here: the lengths and special tokens, which this path
@@ -103,12 +105,11 @@ class GreedyStepGraph:
     def choose(self, scores: torch.Tensor) -> None:
         """Record the greedy choice of the scores (B, V) of the last position, as transformers' greedy search with
         its minimum-length processors and EOS stopping makes it, and set up the next step's inputs."""
-        scores = scores.float()
         if self.eos.numel():
             suppressed = self.generated < self.min_generated  # (1,)
             eos_scores = scores.index_select(1, self.eos)
             scores = scores.index_copy(1, self.eos, torch.where(suppressed, float("-inf"), eos_scores))
-        chosen = scores.argmax(-1)  # (B,)
+        chosen = greedy_tokens(scores, owner=self)  # (B,): argmax in one launch (the model's dtype: the same order)
         if self.eos.numel():
             chosen = torch.where(self.unfinished, chosen, self.pad)
             self.unfinished &= ~torch.isin(chosen, self.eos)

@@ -38,7 +38,7 @@ from .diff_attention import ATTENTION_CLASSES, DexAttention, DexLambda, Differen
 from .kernels import (
     add_rms_norm, add_rms_norm_applies, gated_projection, gated_projection_applies, resolve, rms_norm,
     rms_norm_kernel_applies, rope_cos_sin, rope_cos_sin_applies, runs_own_forward, silu_mul, silu_mul_applies,
-    split_linear, split_linear_applies, swiglu_mlp, swiglu_mlp_applies, uses_fast_kernels,
+    split_linear, split_linear_applies, static_step_mask, swiglu_mlp, swiglu_mlp_applies, uses_fast_kernels,
 )
 
 # "cache" (transformers > 5.17) or "past_key_values" (5.17): the keyword of masks and model outputs.
@@ -357,13 +357,16 @@ class DiffLlamaModel(DiffLlamaPreTrainedModel):
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
             position_ids = position_ids.unsqueeze(0)
 
-        causal_mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            **{CACHE_KWARG: cache},
-        )
+        # a step into a StaticCache without padding: transformers' mask in one launch; else transformers'
+        causal_mask = static_step_mask(self.config, inputs_embeds, attention_mask, cache)
+        if causal_mask is None:
+            causal_mask = create_causal_mask(
+                config=self.config,
+                inputs_embeds=inputs_embeds,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                **{CACHE_KWARG: cache},
+            )
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)  # (B, L, d) each
         graphed = decode_step(self, hidden_states, position_embeddings, causal_mask, cache, kwargs)

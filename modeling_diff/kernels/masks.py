@@ -8,9 +8,20 @@ empty. A single query (a decoding step) sees every key. With a mask, the mask de
 The Triton kernels take this as one number, the causal offset: query i sees keys n <= i + offset. With a mask
 they use the bottom-right offset S - L, which never hides a key the mask shows (a query's position is at most
 S - L + i) and bounds the keys a query block has to visit.
+
+`static_step_mask` makes transformers' mask of a step into a StaticCache without a padding mask in one launch.
 """
 
+import weakref
+
 import torch
+from transformers.cache_utils import Cache, StaticLayer
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+STEP_MASK_MAX_TOKENS = 64  # query tokens of a step whose mask `static_step_mask` makes
+
+# A StaticLayer -> {L: (L, S) int64 j - i}: key j is visible to query i of a step where j - i <= the layer's length
+_KEY_OFFSETS: "weakref.WeakKeyDictionary[StaticLayer, dict[int, torch.Tensor]]" = weakref.WeakKeyDictionary()
 
 
 def kernel_mask(mask: torch.Tensor | None, placeholder: torch.Tensor):
@@ -33,3 +44,44 @@ def causal_offset(length: int, kv_length: int, has_mask: bool) -> int:
     if has_mask or length == 1:
         return kv_length - length
     return 0
+
+
+def _key_offsets(layer: StaticLayer, length: int) -> torch.Tensor | None:
+    """(L, S) j - i for the layer's S keys, made once per layer and step length outside CUDA graph captures (a
+    capture would record its making, not keep it); None where it would be made inside one."""
+    per_length = _KEY_OFFSETS.setdefault(layer, {})
+    offsets = per_length.get(length)
+    if offsets is None:
+        device = layer.keys.device
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        keys = torch.arange(layer.keys.shape[2], device=device)
+        offsets = per_length[length] = keys[None, :] - torch.arange(length, device=device)[:, None]
+    return offsets
+
+
+def static_step_mask(config, inputs_embeds: torch.Tensor, attention_mask, cache: Cache | None) -> torch.Tensor | None:
+    """transformers' `create_causal_mask` for a step of L <= STEP_MASK_MAX_TOKENS tokens into a StaticCache without
+    a padding mask, for an implementation with SDPA's boolean mask: (B, 1, L, S), True where key j <= t + i, t the
+    cache's length before the step, in one comparison. transformers' `sdpa_mask` builds it from aranges and adds:
+    about eight launches, 9 us of a 0.85 ms graph-replayed step at batch 1 on the H200 (benchmarks/RESULTS.md).
+    None where that does not hold: padding, other caches or layers (sliding windows), other mask functions,
+    torch.compile (Inductor fuses transformers'), or a CUDA graph capture before the step's first eager run."""
+    if attention_mask is not None or cache is None or torch.compiler.is_compiling():
+        return None
+    batch, length = inputs_embeds.shape[:2]
+    layers = getattr(cache, "layers", ())
+    if not (0 < length <= STEP_MASK_MAX_TOKENS and layers and getattr(cache, "is_compileable", False)):
+        return None
+    if ALL_MASK_ATTENTION_FUNCTIONS.get(config._attn_implementation) is not sdpa_mask:
+        return None
+    first = layers[0]
+    if not all(type(layer) is StaticLayer and layer.is_initialized for layer in layers):
+        return None
+    if first.keys.device != inputs_embeds.device or first.cumulative_length.numel() != 1:
+        return None
+    offsets = _key_offsets(first, length)
+    if offsets is None:
+        return None
+    visible = offsets <= first.cumulative_length.reshape(())  # (L, S)
+    return visible[None, None].expand(batch, 1, length, offsets.shape[1])

@@ -1,0 +1,86 @@
+"""The decoding step's greedy choice (`kernels/greedy.py`) against torch.argmax: the same tokens for every row, ties
+(the first index), NaN (the largest value, its first index), infinities, rows of -inf, any vocabulary size; the
+ticket counters back at zero after each launch; everything the kernel does not take goes to torch.argmax."""
+
+import pytest
+import torch
+
+import modeling_diff.kernels.greedy as greedy
+from modeling_diff.kernels import greedy_tokens
+from modeling_diff.kernels._triton import tickets_of
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BLOCK = greedy.BLOCK
+
+
+def launched(monkeypatch) -> list:
+    """The launches of the kernel from now on (the kernel is still run)."""
+    calls, kernel = [], greedy._greedy_tokens
+    monkeypatch.setattr(greedy, "_greedy_tokens", type("Counted", (), {
+        "__getitem__": lambda self, grid: (calls.append(grid), kernel[grid])[1],
+    })())
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows, vocab", [(1, 3 * BLOCK + 17), (3, BLOCK), (2, 5), (5, 2 * BLOCK - 1)])
+def test_the_tokens_are_torch_argmax(rows, vocab, dtype, monkeypatch):
+    torch.manual_seed(rows * vocab)
+    scores = torch.randn(rows, vocab, device=DEVICE).to(dtype)
+    calls = launched(monkeypatch)
+    assert torch.equal(greedy_tokens(scores), torch.argmax(scores, -1))
+    assert calls == [(rows, -(-vocab // BLOCK))]  # one launch: a program per BLOCK scores of a row
+    assert not tickets_of(greedy.greedy_tokens, greedy.MAX_ROWS, scores.device).any()
+
+
+def test_ties_nan_and_infinities_as_torch_argmax(monkeypatch):
+    """Each row is a case torch.argmax decides by its rule: ties across and within parts (the first index), NaN
+    above +inf (the first NaN), a row of -inf (index 0), +inf in two parts, -0.0 equal to 0.0."""
+    vocab = 3 * BLOCK
+    scores = torch.randn(7, vocab, device=DEVICE)
+    scores[0, [BLOCK + 5, 2 * BLOCK + 1, 2 * BLOCK + 2]] = 9.0  # a tie across parts and within one
+    scores[1, [2 * BLOCK - 1, BLOCK + 3]] = float("nan")
+    scores[1, 0] = float("inf")
+    scores[2] = float("-inf")
+    scores[3, [BLOCK, 2 * BLOCK + 7]] = float("inf")
+    scores[4] = -1.0
+    scores[4, [10, BLOCK + 1]] = torch.tensor([-0.0, 0.0])
+    scores[5, vocab - 1] = float("nan")  # the last score of the last part
+    scores[6, :] = 0.5  # every score equal
+    calls = launched(monkeypatch)
+    assert greedy_tokens(scores).tolist() == torch.argmax(scores.cpu(), -1).tolist()
+    assert calls
+
+
+def test_out_receives_the_tokens_in_a_view(monkeypatch):
+    """`out` may be a strided view of a graph's buffer (bench.py's (B, 1) token column); it is written in place."""
+    scores = torch.randn(3, 2 * BLOCK + 3, device=DEVICE, dtype=torch.bfloat16)
+    buffer = torch.full((3, 2), -1, dtype=torch.long, device=DEVICE)
+    calls = launched(monkeypatch)
+    tokens = greedy_tokens(scores, out=buffer[:, 1])
+    assert tokens.data_ptr() == buffer[:, 1].data_ptr() and calls
+    assert buffer[:, 1].tolist() == torch.argmax(scores, -1).tolist() and buffer[:, 0].tolist() == [-1] * 3
+
+
+def test_a_bad_out_is_refused():
+    scores = torch.randn(2, 10, device=DEVICE)
+    for out in (torch.zeros(3, dtype=torch.long), torch.zeros(2, dtype=torch.int32)):
+        with pytest.raises(ValueError, match="out must be int64 of shape"):
+            greedy_tokens(scores, out=out.to(DEVICE))
+
+
+@pytest.mark.parametrize("case", ["float64", "gradients", "one_dim", "strided", "rows"])
+def test_what_the_kernel_does_not_take_goes_to_torch_argmax(case, monkeypatch):
+    scores = torch.randn(3, 40, device=DEVICE)
+    if case == "float64":
+        scores = scores.double()
+    elif case == "gradients":
+        scores.requires_grad_()
+    elif case == "one_dim":
+        scores = scores[0]
+    elif case == "strided":
+        scores = scores.t()
+    else:
+        monkeypatch.setattr(greedy, "MAX_ROWS", 2)
+    calls = launched(monkeypatch)
+    assert torch.equal(greedy_tokens(scores), torch.argmax(scores, -1)) and not calls
