@@ -20,7 +20,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 STEP_MASK_MAX_TOKENS = 64  # query tokens of a step whose mask `static_step_mask` makes
 
-# A StaticLayer -> {L: (L, S) int64 j - i}: key j is visible to query i of a step where j - i <= the layer's length
+# A StaticLayer -> {L: (L, S) int32 j - i}: key j is visible to query i of a step where j - i <= the layer's length
 _KEY_OFFSETS: "weakref.WeakKeyDictionary[StaticLayer, dict[int, torch.Tensor]]" = weakref.WeakKeyDictionary()
 
 
@@ -55,8 +55,8 @@ def _key_offsets(layer: StaticLayer, length: int) -> torch.Tensor | None:
         device = layer.keys.device
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
-        keys = torch.arange(layer.keys.shape[2], device=device)
-        offsets = per_length[length] = keys[None, :] - torch.arange(length, device=device)[:, None]
+        keys = torch.arange(layer.keys.shape[2], dtype=torch.int32, device=device)
+        offsets = per_length[length] = keys[None, :] - torch.arange(length, dtype=torch.int32, device=device)[:, None]
     return offsets
 
 
@@ -78,10 +78,12 @@ def static_step_mask(config, inputs_embeds: torch.Tensor, attention_mask, cache:
     first = layers[0]
     if not all(type(layer) is StaticLayer and layer.is_initialized for layer in layers):
         return None
-    if first.keys.device != inputs_embeds.device or first.cumulative_length.numel() != 1:
+    length_held = first.cumulative_length
+    if not (isinstance(length_held, torch.Tensor) and length_held.numel() == 1 and length_held.device == first.keys.device
+            and first.keys.device == inputs_embeds.device):
         return None
     offsets = _key_offsets(first, length)
     if offsets is None:
         return None
-    visible = offsets <= first.cumulative_length.reshape(())  # (L, S)
+    visible = offsets <= length_held.reshape(())  # (L, S)
     return visible[None, None].expand(batch, 1, length, offsets.shape[1])
