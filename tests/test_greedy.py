@@ -44,7 +44,7 @@ def test_ties_nan_and_infinities_as_torch_argmax(monkeypatch):
     scores[2] = float("-inf")
     scores[3, [BLOCK, 2 * BLOCK + 7]] = float("inf")
     scores[4] = -1.0
-    scores[4, [10, BLOCK + 1]] = torch.tensor([-0.0, 0.0])
+    scores[4, [10, BLOCK + 1]] = torch.tensor([-0.0, 0.0], device=DEVICE)
     scores[5, vocab - 1] = float("nan")  # the last score of the last part
     scores[6, :] = 0.5  # every score equal
     calls = launched(monkeypatch)
