@@ -19,7 +19,7 @@ if TRITON_AVAILABLE:
     from .triton_greedy import _greedy_tokens
 
 BLOCK = 1024  # scores a program
-MAX_ROWS = 1024  # rows a launch: one ticket each, allocated once a device
+MAX_ROWS = 1024  # rows a launch: one ticket each, allocated once per owner and device
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 

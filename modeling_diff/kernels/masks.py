@@ -64,7 +64,7 @@ def static_step_mask(config, inputs_embeds: torch.Tensor, attention_mask, cache:
     """transformers' `create_causal_mask` for a step of L <= STEP_MASK_MAX_TOKENS tokens into a StaticCache without
     a padding mask, for an implementation with SDPA's boolean mask: (B, 1, L, S), True where key j <= t + i, t the
     cache's length before the step, in one comparison. transformers' `sdpa_mask` builds it from aranges and adds:
-    about eight launches, 9 us of a 0.85 ms graph-replayed step at batch 1 on the H200 (benchmarks/RESULTS.md).
+    about eight launches, 6-8 us of a 0.81-0.89 ms graph-replayed step at batch 1 on the H200 (benchmarks/RESULTS.md).
     None where that does not hold: padding, other caches or layers (sliding windows), other mask functions,
     torch.compile (Inductor fuses transformers'), or a CUDA graph capture before the step's first eager run."""
     if attention_mask is not None or cache is None or torch.compiler.is_compiling():
@@ -78,9 +78,9 @@ def static_step_mask(config, inputs_embeds: torch.Tensor, attention_mask, cache:
     first = layers[0]
     if not all(type(layer) is StaticLayer and layer.is_initialized for layer in layers):
         return None
-    length_held = first.cumulative_length
-    if not (isinstance(length_held, torch.Tensor) and length_held.numel() == 1 and length_held.device == first.keys.device
-            and first.keys.device == inputs_embeds.device):
+    length_held = first.cumulative_length  # t, on the device
+    if not (isinstance(length_held, torch.Tensor) and length_held.numel() == 1
+            and length_held.device == first.keys.device == inputs_embeds.device):
         return None
     offsets = _key_offsets(first, length)
     if offsets is None:
