@@ -524,6 +524,21 @@ def test_kernel_mask_views_a_bool_mask_without_a_copy():
     assert kernel_mask(None, mask) == (mask, (0, 0, 0))
 
 
+def test_kernel_mask_traced_outside_dynamo_converts_a_bool_mask():
+    """Traced with fake tensors outside Dynamo, as Inductor traces the decode op's implementation, a bool mask is
+    converted, not viewed: Inductor before torch 2.13 cannot lower the bool -> uint8 bit view (and there
+    `is_compiling()` is False), which failed the compiled StaticCache step on the H200's torch 2.11."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from modeling_diff.kernels.masks import kernel_mask
+
+    mask = torch.rand(2, 1, 3, 7, device=DEVICE) > 0.5
+    graph = make_fx(lambda m: kernel_mask(m, m)[0], tracing_mode="fake")(mask)
+    targets = {node.target for node in graph.graph.nodes if node.op == "call_function"}
+    assert torch.ops.aten.view.dtype not in targets and targets  # a conversion (_to_copy), no bit view
+    assert torch.equal(graph(mask), mask.to(torch.uint8))
+
+
 @pytest.mark.parametrize("batch, length, cos_batch", [(1, 1, 1), (4, 1, 4), (2, 3, 1), (16, 1, 16), (32, 1, 32)])
 def test_rotated_projections_match_the_products_and_transformers_rope(batch, length, cos_batch):
     """q, k, v (and V2's lambda_proj) of a step as split products, summed and rotated in one pass: each x W^T, with
