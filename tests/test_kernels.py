@@ -526,8 +526,8 @@ def test_kernel_mask_views_a_bool_mask_without_a_copy():
 
 def test_kernel_mask_traced_outside_dynamo_converts_a_bool_mask():
     """Traced with fake tensors outside Dynamo, as Inductor traces the decode op's implementation, a bool mask is
-    converted, not viewed: Inductor before torch 2.13 cannot lower the bool -> uint8 bit view (and there
-    `is_compiling()` is False), which failed the compiled StaticCache step on the H200's torch 2.11."""
+    converted, not viewed: the H200's torch 2.11 failed to lower the bool -> uint8 bit view in the compiled
+    StaticCache step (tests/test_compile.py), and `is_compiling()` need not be set in such a trace."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from modeling_diff.kernels.masks import kernel_mask

@@ -28,10 +28,11 @@ def kernel_mask(mask: torch.Tensor | None, placeholder: torch.Tensor):
     """(tensor, (batch, query, key) strides) for a kernel: the bool mask (B or 1, 1, L, S) as uint8, batch stride 0
     when broadcast over the batch; without a mask, `placeholder` and zero strides (the kernels do not read it).
     Eagerly the bytes are viewed as uint8 (a decoding step asks this of every layer, and a copy was a kernel of
-    2.8 us a layer on the H200); traced they are copied, since Inductor before torch 2.13 cannot lower a bool ->
-    uint8 view (a no-op on a uint8 mask). Traced means under Dynamo (`is_compiling`) or a traced tensor: Inductor
-    traces the decode op's implementation (`triton_decode.decode_attention_op`) with fake tensors, and before
-    torch 2.13 `is_compiling()` is False there (the H200's torch 2.11 failed tests/test_compile.py on it)."""
+    2.8 us a layer on the H200); traced they are copied (a no-op on a uint8 mask): the H200's torch 2.11 failed
+    to lower the bool -> uint8 bit view ("torch.bool is not supported by torch.iinfo", tests/test_compile.py).
+    Traced means under Dynamo (`is_compiling`) or a tensor that is not a plain one: Inductor traces the decode
+    op's implementation (`triton_decode.decode_attention_op`) with fake tensors, where `is_compiling()` need not
+    be set (torch 2.13 sets it for the whole compile session and lowers the view)."""
     if mask is None:
         return placeholder, (0, 0, 0)
     if mask.dtype == torch.bool and type(mask) is torch.Tensor and not torch.compiler.is_compiling():
