@@ -62,6 +62,13 @@ def test_out_receives_the_tokens_in_a_view(monkeypatch):
     assert buffer[:, 1].tolist() == torch.argmax(scores, -1).tolist() and buffer[:, 0].tolist() == [-1] * 3
 
 
+def test_rows_apart_in_memory(monkeypatch):
+    """The last position's scores of (B, L, V) logits: rows L x V apart, as a model's output gives them."""
+    logits = torch.randn(3, 4, 2 * BLOCK + 9, device=DEVICE, dtype=torch.bfloat16)
+    calls = launched(monkeypatch)
+    assert torch.equal(greedy_tokens(logits[:, -1]), torch.argmax(logits[:, -1], -1)) and calls
+
+
 def test_a_bad_out_is_refused():
     scores = torch.randn(2, 10, device=DEVICE)
     for out in (torch.zeros(3, dtype=torch.long), torch.zeros(2, dtype=torch.int32)):
