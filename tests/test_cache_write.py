@@ -7,7 +7,7 @@ import torch
 from transformers.cache_utils import DynamicCache, StaticCache, StaticLayer, StaticSlidingWindowLayer
 
 from modeling_diff.kernels import _triton, cache_write
-from modeling_diff.kernels.cache_write import _static_layer, static_cache_write_applies, update_cache
+from modeling_diff.kernels.cache_write import plain_static_layer, static_cache_write_applies, update_cache
 
 from conftest import tiny_config
 
@@ -45,7 +45,7 @@ def test_the_write_equals_transformers_update(batch, heads, length, dk, dv, tran
     layer = fast.layers[0]
     for _ in range(2):
         key, value = step(batch, heads, length, dk, dv, transposed)
-        assert static_cache_write_applies(_static_layer(fast, 0), key, value)
+        assert static_cache_write_applies(plain_static_layer(fast, 0), key, value)
         expected = reference.update(key, value, 0)
         got = update_cache(fast, 0, key, value)
         assert got[0] is layer.keys and got[1] is layer.values
@@ -110,23 +110,23 @@ def test_other_caches_and_layers_take_cache_update(monkeypatch):
     monkeypatch.setattr(StaticLayer, "update", lambda self, *a, **kw: calls.append(1) or update(self, *a, **kw))
     _, fast = prefilled_caches(max_cache_len=48)
     key, value = step()
-    assert _static_layer(DynamicCache(), 0) is None
-    assert _static_layer(StaticCache(config=tiny_config("v2", num_hidden_layers=1), max_cache_len=8), 0) is None
+    assert plain_static_layer(DynamicCache(), 0) is None
+    assert plain_static_layer(StaticCache(config=tiny_config("v2", num_hidden_layers=1), max_cache_len=8), 0) is None
 
     class Logged(StaticCache):
         def update(self, *args, **kwargs):
             return super().update(*args, **kwargs)
 
-    assert _static_layer(Logged(config=tiny_config("v2", num_hidden_layers=1), max_cache_len=8), 0) is None
+    assert plain_static_layer(Logged(config=tiny_config("v2", num_hidden_layers=1), max_cache_len=8), 0) is None
     sliding = StaticSlidingWindowLayer(max_cache_len=48, sliding_window=4)
     sliding.update(key, value)  # initialized
     windowed = prefilled_caches(max_cache_len=48)[1]
     windowed.layers[0] = sliding
-    assert _static_layer(windowed, 0) is None
+    assert plain_static_layer(windowed, 0) is None
     fast.offloading = True
-    assert _static_layer(fast, 0) is None
+    assert plain_static_layer(fast, 0) is None
     fast.offloading = False
-    layer = _static_layer(fast, 0)
+    layer = plain_static_layer(fast, 0)
     assert layer is not None
     assert not static_cache_write_applies(layer, key.requires_grad_(), value)
     key = key.detach()

@@ -41,7 +41,7 @@ MAX_TOKENS = 64  # new tokens (batch x length) of a step the kernel takes, as th
 BLOCK_ELEMENTS = 4096  # about this many elements of keys and values per program
 
 
-def _static_layer(cache: Cache, layer_idx: int) -> StaticLayer | None:
+def plain_static_layer(cache: Cache, layer_idx: int) -> StaticLayer | None:
     """The cache's layer `layer_idx` where the kernel may stand in for `cache.update`: transformers' own update, no
     offloading, an initialized plain StaticLayer; else None."""
     if type(cache).update is not Cache.update or getattr(cache, "offloading", False) or layer_idx >= len(cache.layers):
@@ -106,7 +106,7 @@ def projection_cache_layer(cache: Cache | None, layer_idx: int, x: torch.Tensor,
     """The StaticCache layer into which the projections of x (B, L, hidden) may store the step's keys and values
     (key_width and value_width columns: whole heads of the layer's), else None: the layer's side of
     `static_cache_write_applies` (`_layer_takes`), on what the projections will produce."""
-    layer = _static_layer(cache, layer_idx) if cache is not None else None
+    layer = plain_static_layer(cache, layer_idx) if cache is not None else None
     if layer is None or not eager_kernels_run_on(x) or x.dim() != 3:
         return None
     keys, values = layer.keys, layer.values
@@ -129,7 +129,7 @@ def mark_written(layer: StaticLayer, key: torch.Tensor) -> None:
 def written_layer(cache: Cache, layer_idx: int, key: torch.Tensor) -> StaticLayer | None:
     """The layer, where the projections that produced `key` stored it (and its values) there (`mark_written`): the
     step takes the layer's tensors, and its length is the decode kernel's to advance. Else None."""
-    layer = _static_layer(cache, layer_idx)
+    layer = plain_static_layer(cache, layer_idx)
     if layer is None or key._base is None or _WRITTEN.get(layer) is not key._base:
         return None
     del _WRITTEN[layer]
@@ -138,7 +138,7 @@ def written_layer(cache: Cache, layer_idx: int, key: torch.Tensor) -> StaticLaye
 
 def update_cache(cache: Cache, layer_idx: int, key: torch.Tensor, value: torch.Tensor):
     """cache.update(key, value, layer_idx), through the kernel where it applies (see the module docstring)."""
-    layer = _static_layer(cache, layer_idx)
+    layer = plain_static_layer(cache, layer_idx)
     if static_cache_write_applies(layer, key, value):
         return write_static_cache(layer, key, value)
     return cache.update(key, value, layer_idx)

@@ -18,6 +18,8 @@ import torch
 from transformers.cache_utils import Cache, StaticLayer
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from .cache_write import plain_static_layer
+
 STEP_MASK_MAX_TOKENS = 64  # query tokens of a step whose mask `static_step_mask` makes
 
 # A StaticLayer -> {L: (L, S) int32 j - i}: key j is visible to query i of a step where j - i <= the layer's length
@@ -68,19 +70,20 @@ def static_step_mask(config, inputs_embeds: torch.Tensor, attention_mask, cache:
     a padding mask, for an implementation with SDPA's boolean mask: (B, 1, L, S), True where key j <= t + i, t the
     cache's length before the step, in one comparison. transformers' `sdpa_mask` builds it from aranges and adds:
     about eight launches, 6-8 us of a 0.81-0.89 ms graph-replayed step at batch 1 on the H200 (benchmarks/RESULTS.md).
-    None where that does not hold: padding, other caches or layers (sliding windows), other mask functions,
+    None where that does not hold: padding, other caches or layers (sliding windows, an update of their own,
+    offloading: `cache_write.plain_static_layer`), other mask functions,
     torch.compile (Inductor fuses transformers'), or a CUDA graph capture before the step's first eager run."""
     if attention_mask is not None or cache is None or torch.compiler.is_compiling():
         return None
     batch, length = inputs_embeds.shape[:2]
     layers = getattr(cache, "layers", ())
-    if not (0 < length <= STEP_MASK_MAX_TOKENS and layers and getattr(cache, "is_compileable", False)):
+    if not (0 < length <= STEP_MASK_MAX_TOKENS and layers):
         return None
     if ALL_MASK_ATTENTION_FUNCTIONS.get(config._attn_implementation) is not sdpa_mask:
         return None
+    if any(plain_static_layer(cache, layer_idx) is None for layer_idx in range(len(layers))):
+        return None  # every layer an initialized plain StaticLayer, transformers' update, no offloading
     first = layers[0]
-    if not all(type(layer) is StaticLayer and layer.is_initialized for layer in layers):
-        return None
     length_held = first.cumulative_length  # t, on the device
     if not (isinstance(length_held, torch.Tensor) and length_held.numel() == 1
             and length_held.device == first.keys.device == inputs_embeds.device):
