@@ -362,6 +362,39 @@ def test_swiglu_mlp_keeps_one_activation_fewer_than_llama_mlp():
         assert rel_err(got, want) < TOL
 
 
+def test_swiglu_mlp_backward_is_one_activation_pass(monkeypatch):
+    """The backward computes the product again in the pass that makes da and db (gate(x) and up(x) read once): one
+    activation launch in the backward and none of the forward's; without down_proj's gradient it does not write the
+    product."""
+    from modeling_diff.kernels import swiglu
+
+    launches = []
+
+    class Counted:  # kernel[grid](...) as Triton's, the launch recorded with its constants
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append((self.name, kwargs.get("RECOMPUTE")))
+                return self.kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(swiglu, "_swiglu_fwd", Counted("fwd", swiglu._swiglu_fwd))
+    monkeypatch.setattr(swiglu, "_swiglu_bwd", Counted("bwd", swiglu._swiglu_bwd))
+    torch.manual_seed(9)
+    mlp = swiglu_mlp_module()
+    x = rand(B, L, mlp.hidden_size, grad=True)
+    out = mlp(x)
+    assert launches == [("fwd", None)]
+    out.sum().backward()
+    assert launches == [("fwd", None), ("bwd", True)]
+    mlp.down_proj.requires_grad_(False)
+    launches.clear()
+    mlp(x).sum().backward()
+    assert launches == [("fwd", None), ("bwd", False)]
+
+
 def test_swiglu_mlp_backward_runs_twice_and_skips_frozen_weights():
     """A graph kept with retain_graph=True runs backward again to the same gradients (the backward writes only its
     own buffers), and with frozen weights (PEFT's LoRA elsewhere in the model) only x gets a gradient."""

@@ -2,12 +2,13 @@
 
 transformers' LlamaMLP computes down(silu(gate(x)) * up(x)), and autograd keeps four (tokens x intermediate)
 tensors of it for the backward: gate(x), silu(gate(x)), up(x) and the product c (the input of down_proj); Liger's
-SwiGLU MLP keeps three: gate(x), up(x) and c. c is one elementwise pass from gate(x) and up(x), so `swiglu_mlp`
-keeps x, gate(x) and up(x) and computes c again in the backward (`triton_swiglu.py`), just before down_proj's
-weight gradient needs it. In the ~1.1B benchmark (MLP 8192) that is 128 MiB per layer per 8192 tokens less than
-Liger's: 2 GiB of a 2K x 4 step, 16 GiB of a 64K sequence (benchmarks/RESULTS.md). The arithmetic and its
-rounding are LlamaMLP's; the backward writes only buffers of its own, so a graph kept with `retain_graph=True` can
-be run backward again.
+SwiGLU MLP keeps three: gate(x), up(x) and c. c is elementwise in gate(x) and up(x), so `swiglu_mlp` keeps x,
+gate(x) and up(x) and computes c again in the backward's activation pass (`triton_swiglu.py`), which reads them for
+da and db anyway; down_proj's weight gradient follows that pass. In the ~1.1B benchmark (MLP 8192) that is 128 MiB
+per layer per 8192 tokens less than Liger's: 2 GiB of a 2K x 4 step, 16 GiB of a 64K sequence
+(benchmarks/RESULTS.md); the backward holds c, dc (then da) and db of one layer at once, one such buffer more than a
+backward that recomputes c before dc exists. The arithmetic and its rounding are LlamaMLP's; the backward writes
+only buffers of its own, so a graph kept with `retain_graph=True` can be run backward again.
 
     swiglu_mlp(x (..., hidden), w_gate (I, hidden), w_up (I, hidden), w_down (hidden, I)) -> (..., hidden)
 """
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._modules import is_plain_linear, recomputed_linear_backward
+from ._modules import is_plain_linear
 from ._triton import TRITON_AVAILABLE, cdiv, eager_kernels_run_on, needs_grad
 
 if TRITON_AVAILABLE:
@@ -62,13 +63,16 @@ class _SwiGLUMLP(torch.autograd.Function):
     def backward(ctx, grad_out):
         rows, w_gate, w_up, w_down, gate, up = ctx.saved_tensors
         need_x, need_gate, need_up, need_down = ctx.needs_input_grad
-        grad_product, grad_w_down, _ = recomputed_linear_backward(  # c again for down_proj's weight
-            grad_out, w_down, lambda: _silu_mul(gate, up), need_down, need_bias=False
-        )  # (T, I): dc, then da in place
+        grad_rows = grad_out.reshape(-1, grad_out.shape[-1])  # (T, hidden)
+        grad_product = grad_rows.mm(w_down)  # (T, I): dc, then da in place
         grad_up = torch.empty_like(up)
+        # c again for down_proj's weight gradient, in the same pass as da and db: gate(x) and up(x) read once
+        product = torch.empty_like(gate) if need_down else grad_up  # (T, I); not written where not needed
         _swiglu_bwd[(cdiv(gate.numel(), BLOCK),)](
-            gate, up, grad_product, grad_product, grad_up, gate.numel(), BLOCK=BLOCK
+            gate, up, grad_product, grad_product, grad_up, product, gate.numel(), BLOCK=BLOCK, RECOMPUTE=need_down
         )
+        grad_w_down = grad_rows.t().mm(product) if need_down else None
+        del product
         grad_gate = grad_product
         grad_x = None
         if need_x:
@@ -94,7 +98,9 @@ class _SiLUMul(torch.autograd.Function):
     def backward(ctx, grad_c):
         a, b = ctx.saved_tensors
         grad_a, grad_b = torch.empty_like(a), torch.empty_like(b)
-        _swiglu_bwd[(cdiv(a.numel(), BLOCK),)](a, b, grad_c.contiguous(), grad_a, grad_b, a.numel(), BLOCK=BLOCK)
+        _swiglu_bwd[(cdiv(a.numel(), BLOCK),)](
+            a, b, grad_c.contiguous(), grad_a, grad_b, grad_b, a.numel(), BLOCK=BLOCK, RECOMPUTE=False
+        )
         return grad_a, grad_b
 
 
