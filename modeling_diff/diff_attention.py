@@ -523,17 +523,21 @@ class DexAttention(_LlamaLayoutAttention):
 
     def o_proj_with_operator(self, attn_output: torch.Tensor) -> torch.Tensor:
         """o_proj(O - lambda_h f_D(O)) as one linear map of O (..., h * d). o_proj reads head h's output through its
-        columns W_h (hidden, d), and f_D is linear, f_D(O_h) = O_h F with F = f_D(I):
-        (O_h - lambda_h O_h F) W_h^T = O_h (W_h - lambda_h W_h F^T)^T. So training keeps no copy of the operator's
-        output for o_proj's backward: o_proj reads the attention's output, which the attention keeps anyway."""
+        columns W_h (hidden, d), and f_D is linear, f_D(O_h) = O_h F with F = f_D(I) (d, d):
+        (O_h - lambda_h O_h F) W_h^T = O_h (W_h^T - lambda_h F W_h^T). So training keeps no copy of the operator's
+        output for o_proj's backward: o_proj reads the attention's output, which the attention keeps anyway. The
+        folded weight is one batched product over the heads, W_h^T + (-lambda_h F) W_h^T in float32 rounded once
+        (`torch.baddbmm`), made in the (h * d, hidden) layout that o_proj's product reads as it is; its backward is
+        two batched products and a sum, where elementwise scaling would take seven passes over the weight."""
         d = self.head_dim
         eye = torch.eye(d, dtype=attn_output.dtype, device=attn_output.device)
         t_over_T = anneal_fraction(self.anneal_step, self.config.anneal_steps)
         head_lambda = self.dex_lambda.per_head(t_over_T, self.head_mask).to(attn_output.dtype)  # (h,)
-        weight = self.o_proj.weight.view(self.o_proj.out_features, -1, d)  # (hidden, h, d): W_h of every head
         # f_D(I) through the module, so that PEFT's trained copy applies
-        weight = weight - head_lambda[:, None] * torch.matmul(weight, self.dex_proj(eye).T)
-        return F.linear(attn_output, weight.flatten(1), self.o_proj.bias)
+        operator = -head_lambda[:, None, None] * self.dex_proj(eye)  # (h, d, d): -lambda_h F
+        weight_t = self.o_proj.weight.t().view(-1, d, self.o_proj.out_features)  # (h, d, hidden): W_h^T, a view
+        folded_t = torch.baddbmm(weight_t, operator, weight_t)  # (h, d, hidden), contiguous
+        return F.linear(attn_output, folded_t.view(-1, self.o_proj.out_features).t(), self.o_proj.bias)
 
     def decode_applies(self, implementation, query, key, value, attention_mask, kwargs) -> bool:
         """Whether `decode_heads` takes this step: f_D a plain Parameter or PEFT's trained copy (a LoRA-adapted f_D
