@@ -28,9 +28,10 @@ def anneal_state(model: nn.Module) -> dict[str, float]:
     if not annealed:
         return {}
     first = annealed[0]
+    fraction = anneal_fraction(first.anneal_step, first.config.anneal_steps)  # None: annealing off
     state = {
         "anneal_step": first.anneal_step.item(),
-        "anneal_fraction": anneal_fraction(first.anneal_step, first.config.anneal_steps).clamp(max=1.0).item(),
+        "anneal_fraction": 1.0 if fraction is None else fraction.clamp(max=1.0).item(),
     }
     if dex:
         state["dex_lambda"] = torch.cat([m.current_lambda() for m in dex]).mean().item()

@@ -44,10 +44,11 @@ def layer_lambda_init(config: DiffLlamaConfig, layer_idx: int) -> float:
     return config.lambda_init if config.lambda_init is not None else depth_lambda_init(layer_idx)
 
 
-def anneal_fraction(anneal_step: torch.Tensor, anneal_steps: int) -> torch.Tensor:
-    """t / T as a float32 scalar tensor (t the integer `anneal_step` buffer); 1 when annealing is off (T = 0)."""
+def anneal_fraction(anneal_step: torch.Tensor, anneal_steps: int) -> torch.Tensor | None:
+    """t / T as a float32 scalar tensor (t the integer `anneal_step` buffer); None when annealing is off (T = 0),
+    where the schedule's factor is 1 and its arithmetic is left out (a few launches a layer: host work in training)."""
     if anneal_steps == 0:
-        return torch.ones_like(anneal_step, dtype=torch.float32)
+        return None
     return anneal_step.float() / anneal_steps
 
 
@@ -148,12 +149,15 @@ class DexLambda(nn.Module):
             state_dict[key] = state_dict[key].reshape(1)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
-    def forward(self, t_over_T: torch.Tensor) -> torch.Tensor:
-        """The layer's lambda(t), a float32 tensor of shape (1,)."""
+    def forward(self, t_over_T: torch.Tensor | None) -> torch.Tensor:
+        """The layer's lambda(t), a float32 tensor of shape (1,); lambda_learn where annealing is off (t_over_T None,
+        `anneal_fraction`), exactly what the formula gives at a = 1."""
+        if t_over_T is None:
+            return self.lambda_learn.float()
         a = t_over_T.clamp(max=1.0)
         return (1 - a) * t_over_T * self.lambda_init + a * self.lambda_learn.float()
 
-    def per_head(self, t_over_T: torch.Tensor, head_mask: torch.Tensor) -> torch.Tensor:
+    def per_head(self, t_over_T: torch.Tensor | None, head_mask: torch.Tensor) -> torch.Tensor:
         """lambda(t) on this rank's selected heads (head_mask (h,): 1.0 where selected), 0 elsewhere: (h_local,)."""
         return self.forward(t_over_T) * head_mask[self.head_slice].float()
 
@@ -441,8 +445,10 @@ class DiffAttentionV2(_LlamaLayoutAttention):
 
     def noise_weight(self, noise_logits: torch.Tensor) -> torch.Tensor:
         """Per-token, per-pair weight of the noise head from lambda_proj(x) (B, L, h): (B, L, h)."""
-        fraction = anneal_fraction(self.anneal_step, self.config.anneal_steps).clamp(max=1.0)
-        return torch.sigmoid(noise_logits) * fraction.to(noise_logits.dtype)
+        fraction = anneal_fraction(self.anneal_step, self.config.anneal_steps)
+        if fraction is None:  # annealing off: f = 1
+            return torch.sigmoid(noise_logits)
+        return torch.sigmoid(noise_logits) * fraction.clamp(max=1.0).to(noise_logits.dtype)
 
     def project(self, implementation, hidden_states, position_embeddings, cache=None):
         """Llama's projections and RoPE, and side = (lambda_proj(x) (B, L, h),)."""
@@ -526,7 +532,7 @@ class DexAttention(_LlamaLayoutAttention):
         columns W_h (hidden, d), and f_D is linear, f_D(O_h) = O_h F with F = f_D(I) (d, d):
         (O_h - lambda_h O_h F) W_h^T = O_h (W_h^T - lambda_h F W_h^T). So training keeps no copy of the operator's
         output for o_proj's backward: o_proj reads the attention's output, which the attention keeps anyway. The
-        folded weight is one batched product over the heads, W_h^T + (-lambda_h F) W_h^T in float32 rounded once
+        folded weight is one batched product over the heads, W_h^T - (lambda_h F) W_h^T in float32 rounded once
         (`torch.baddbmm`), made in the (h * d, hidden) layout that o_proj's product reads as it is; its backward is
         two batched products and a sum, where elementwise scaling would take seven passes over the weight."""
         d = self.head_dim
@@ -534,9 +540,9 @@ class DexAttention(_LlamaLayoutAttention):
         t_over_T = anneal_fraction(self.anneal_step, self.config.anneal_steps)
         head_lambda = self.dex_lambda.per_head(t_over_T, self.head_mask).to(attn_output.dtype)  # (h,)
         # f_D(I) through the module, so that PEFT's trained copy applies
-        operator = -head_lambda[:, None, None] * self.dex_proj(eye)  # (h, d, d): -lambda_h F
+        operator = head_lambda[:, None, None] * self.dex_proj(eye)  # (h, d, d): lambda_h F
         weight_t = self.o_proj.weight.t().view(-1, d, self.o_proj.out_features)  # (h, d, hidden): W_h^T, a view
-        folded_t = torch.baddbmm(weight_t, operator, weight_t)  # (h, d, hidden), contiguous
+        folded_t = torch.baddbmm(weight_t, operator, weight_t, alpha=-1)  # (h, d, hidden), contiguous
         return F.linear(attn_output, folded_t.view(-1, self.o_proj.out_features).t(), self.o_proj.bias)
 
     def decode_applies(self, implementation, query, key, value, attention_mask, kwargs) -> bool:
