@@ -20,7 +20,7 @@
 - `decode.py`: split-KV attention for decoding steps, one read of the KV cache per step, with each mode's
   differential term in its reduce (`triton_decode.py`).
 - `greedy.py`: the greedy choice of a decoding step, argmax over each row's scores, in one launch
-  (`triton_greedy.py`), with generate()'s step bookkeeping (EOS, the recorded tokens, the next input) in it.
+  (`triton_greedy.py`).
 - `masks.py`: what the kernels take of transformers' attention mask, and a StaticCache step's mask in one
   comparison where transformers' takes about eight launches.
 - `attention.py`: the attention implementations `"diff_triton"` (chosen automatically for `sdpa` on CUDA) and
@@ -40,7 +40,7 @@ from .cache_write import mark_written, projection_cache_layer, update_cache, wri
 from .combine import v1_combine, v2_combine, v2_combine_projected
 from .decode import DexCombine, V1Combine, V2Combine, combined_decode_applies, combined_decode_attention
 from .flash_diff import flash_diff_applies, flash_diff_attention
-from .greedy import greedy_step, greedy_tokens
+from .greedy import greedy_tokens
 from .masks import static_step_mask
 from .projection import (
     gated_projection, gated_projection_applies, linear_maps, rotated_projections, rotated_projections_apply,
@@ -55,8 +55,7 @@ register()
 __all__ = [
     "DIFF_TRITON", "FUSED_DIFF", "DexCombine", "V1Combine", "V2Combine", "add_rms_norm", "add_rms_norm_applies",
     "apply_rope", "combined_decode_applies", "combined_decode_attention", "diff_triton_attention_forward",
-    "flash_diff_applies", "flash_diff_attention", "gated_projection", "gated_projection_applies", "greedy_step",
-    "greedy_tokens",
+    "flash_diff_applies", "flash_diff_attention", "gated_projection", "gated_projection_applies", "greedy_tokens",
     "has_extra_options", "is_plain_linear", "linear_maps", "mark_written", "projection_cache_layer", "resolve",
     "rms_norm", "rms_norm_kernel_applies", "rope_cos_sin", "rope_cos_sin_applies", "rotated_projections",
     "rotated_projections_apply", "silu_mul", "silu_mul_applies", "runs_own_forward", "split_linear",
