@@ -541,7 +541,7 @@ class DexAttention(_LlamaLayoutAttention):
         head_lambda = self.dex_lambda.per_head(t_over_T, self.head_mask).to(attn_output.dtype)  # (h,)
         # f_D(I) through the module, so that PEFT's trained copy applies
         operator = head_lambda[:, None, None] * self.dex_proj(eye)  # (h, d, d): lambda_h F
-        weight_t = self.o_proj.weight.t().reshape(-1, d, self.o_proj.out_features)  # (h, d, hidden): W_h^T, a view
+        weight_t = self.o_proj.weight.t().reshape(-1, d, self.o_proj.out_features)  # (h, d, hidden): W_h^T (a view of the weight)
         folded_t = torch.baddbmm(weight_t, operator, weight_t, alpha=-1)  # (h, d, hidden), contiguous
         return F.linear(attn_output, folded_t.view(-1, self.o_proj.out_features).t(), self.o_proj.bias)
 
