@@ -58,8 +58,8 @@ def _renamed_cache_kwarg(forward):
 
 class DiffLlamaRMSNorm(LlamaRMSNorm):
     """transformers' LlamaRMSNorm (same weight, same arithmetic); on the project's fast implementations (`sdpa` on
-    CUDA, `diff_triton`, `fused_diff`) one Triton pass forward and one backward (`kernels/rmsnorm.py`); in
-    decoding steps the decoder layer's residual add before it joins its pass (`add_and_norm`)."""
+    CUDA, `diff_triton`, `fused_diff`) one Triton pass forward and one backward (`kernels/rmsnorm.py`); the decoder
+    layer's residual add before it joins its pass (`add_and_norm`)."""
 
     def __init__(self, config: DiffLlamaConfig):
         super().__init__(config.hidden_size, eps=config.rms_norm_eps)
@@ -80,10 +80,10 @@ ADD_FUSED_NORMS = (DiffLlamaRMSNorm, LlamaRMSNorm)
 
 
 def add_and_norm(norm: nn.Module, residual: torch.Tensor, update: torch.Tensor, config: DiffLlamaConfig):
-    """(residual + update, norm of it): one Triton pass without gradients (decoding, inference) on the fast
-    implementations, where `norm` is a LlamaRMSNorm without hooks and without a forward of its instance (Liger's
-    instance patch binds one); the add, then the norm's forward, otherwise. The config (its attention
-    implementation) is read last: training leaves at the gradient check."""
+    """(residual + update, norm of it): one Triton pass (and in training one backward pass, the residual stream's
+    gradient added in the norm's) on the fast implementations, where `norm` is a LlamaRMSNorm without hooks and
+    without a forward of its instance (Liger's instance patch binds one); the add, then the norm's forward,
+    otherwise. The config (its attention implementation) is read last: most calls leave at the type checks."""
     if (
         type(norm) in ADD_FUSED_NORMS
         and runs_own_forward(norm)
@@ -169,8 +169,9 @@ class DiffLlamaDecoderLayer(GradientCheckpointingLayer):
                         **kwargs: Unpack[TransformersKwargs]):
         """The layer's output as (residual, update), their sum; update None where a kernel's pass made the sum.
         `pending`: the layer before's update not yet added to hidden_states (None: nothing pending), added in the
-        input norm's pass (`DiffLlamaModel.forward` hands it on without gradients, `defers_residual_adds`: one
-        launch a layer fewer where down_proj runs on cuBLAS, steps of more than 16 tokens and prefill)."""
+        input norm's pass (`DiffLlamaModel.forward` hands it on, `defers_residual_adds`: one launch a layer fewer
+        where down_proj runs on cuBLAS, steps of more than 16 tokens, prefill and training, and in training one
+        gradient sum fewer)."""
         residual, hidden_states = self.before_attention(hidden_states, pending)
         hidden_states, _ = self.self_attn(
             hidden_states=hidden_states,
@@ -189,7 +190,7 @@ class DiffLlamaDecoderLayer(GradientCheckpointingLayer):
         return add_and_norm(self.input_layernorm, hidden_states, pending, self.config)
 
     def after_attention(self, residual: torch.Tensor, attn_output: torch.Tensor):
-        """residual + attention, its norm (one pass in decoding steps), and the MLP -> (residual, update) as
+        """residual + attention, its norm (one pass on the fast implementations), and the MLP -> (residual, update) as
         `residual_stream` gives them: in decoding steps where the MLP is ours without hooks or a forward of its
         instance (Liger's and PEFT's modules, and hooks, see the MLP's own output) the residual add in down_proj's
         last pass where it is split (update None), else left to the caller."""
@@ -208,11 +209,14 @@ class DiffLlamaDecoderLayer(GradientCheckpointingLayer):
 
 def defers_residual_adds(layers) -> bool:
     """Whether the model's loop may hand each layer's last residual add to the next layer's input norm
-    (`residual_stream`): without gradients, where every layer is ours as built and called plainly, with no hooks
-    (transformers records hidden states through hooks: the layers' outputs are then the sums), no forward bound on
-    the instance and no compiled call."""
-    return not torch.is_grad_enabled() and all(
+    (`residual_stream`): where every layer is ours as built and called plainly, with no hooks (transformers records
+    hidden states through hooks: the layers' outputs are then the sums; FSDP2's wrapped layers are of another
+    class), no forward bound on the instance, no compiled call and, in training, no gradient checkpointing (which
+    replays the layer's call)."""
+    recording = torch.is_grad_enabled()
+    return all(
         type(layer) is DiffLlamaDecoderLayer and runs_own_forward(layer) and layer._compiled_call_impl is None
+        and not (recording and layer.gradient_checkpointing and layer.training)
         for layer in layers
     )
 

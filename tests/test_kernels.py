@@ -234,8 +234,7 @@ def test_rms_norm_kernel_forward_and_gradients_match_the_formula(width):
 
 
 def test_add_rms_norm_matches_the_add_then_the_formula():
-    """residual + update (rounded to the dtype) and LlamaRMSNorm of it, in one pass; not where gradients are
-    recorded or the shapes differ."""
+    """residual + update (rounded to the dtype) and LlamaRMSNorm of it, in one pass; not where the shapes differ."""
     from modeling_diff.kernels.rmsnorm import add_rms_norm, add_rms_norm_applies
 
     torch.manual_seed(5)
@@ -245,7 +244,6 @@ def test_add_rms_norm_matches_the_add_then_the_formula():
         assert add_rms_norm_applies(residual, update, norm.weight)
         total, normed = add_rms_norm(residual, update, norm.weight, norm.variance_epsilon)
         assert not add_rms_norm_applies(residual, update[:, :1], norm.weight)
-    assert not add_rms_norm_applies(residual, update, norm.weight)  # the weight records gradients
     expected = residual + update
     x = expected.float()
     reference = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)).to(DTYPE)
@@ -274,6 +272,34 @@ def test_add_rms_norm_matches_the_add_then_the_formula():
             total, normed = add_and_norm(module, residual, update, config)
             assert torch.equal(total, expected) and rel_err(normed, module(expected)) < TOL
     assert seen == ["hook", "hook", "other", "other", "patch", "patch"]
+
+
+@pytest.mark.parametrize("sum_used", [True, False])
+def test_add_rms_norm_gradients_match_the_formula(sum_used):
+    """In training the sum and its norm are one node: the gradient of residual and of update is the sum's own
+    gradient (the residual stream's; none where the sum is not used further, as before the final norm) plus the
+    norm's, and the weight's is the norm's; against the formula in float64, rows not a multiple of the backward's."""
+    from modeling_diff.kernels.rmsnorm import add_rms_norm, add_rms_norm_applies
+
+    torch.manual_seed(6)
+    width = 2048 if GPU else 48
+    norm = Norm(width)
+    residual, update = rand(B, L + 17, width, grad=True), rand(B, L + 17, width, grad=True)
+    grad_total, grad_y = rand(*residual.shape), rand(*residual.shape)
+    assert add_rms_norm_applies(residual, update, norm.weight)
+    total, normed = add_rms_norm(residual, update, norm.weight, norm.variance_epsilon)
+    outputs, grad_outputs = ((total, normed), (grad_total, grad_y)) if sum_used else ((normed,), (grad_y,))
+    grads = torch.autograd.grad(outputs, (residual, update, norm.weight), grad_outputs)
+
+    r64, u64, w64 = (t.detach().double().requires_grad_() for t in (residual, update, norm.weight))
+    x64 = r64 + u64
+    ref = w64 * x64 / torch.sqrt((x64 * x64).mean(-1, keepdim=True) + norm.variance_epsilon)
+    ref_outputs = (x64, ref) if sum_used else (ref,)
+    ref_grads = torch.autograd.grad(ref_outputs, (r64, u64, w64), tuple(g.double() for g in grad_outputs))
+    assert rel_err(normed, ref) < TOL
+    for got, want in zip(grads, ref_grads):
+        assert got.shape == want.shape and got.dtype == DTYPE
+        assert rel_err(got, want) < TOL
 
 
 def test_rms_norm_and_rope_kernels_take_zero_tokens():
@@ -1305,11 +1331,14 @@ def test_fast_path_forward_and_gradients_equal_eager(mode, implementation, monke
     import modeling_diff.kernels.rope as rope
     import modeling_diff.modeling_diff_llama as modeling
 
-    kernel_calls, rope_calls, norm_calls, mlp_calls = [], [], [], []
+    kernel_calls, rope_calls, norm_calls, add_norm_calls, mlp_calls = [], [], [], [], []
     kernel, rotate, norm, mlp = attention.flash_diff_attention, rope._rotate, modeling.rms_norm, modeling.swiglu_mlp
+    add_norm = modeling.add_rms_norm
     monkeypatch.setattr(attention, "flash_diff_attention", lambda *a, **k: kernel_calls.append(1) or kernel(*a, **k))
     monkeypatch.setattr(rope, "_rotate", lambda *a, **k: rope_calls.append(1) or rotate(*a, **k))
     monkeypatch.setattr(modeling, "rms_norm", lambda *a: norm_calls.append(1) or norm(*a))
+    monkeypatch.setattr(modeling, "add_rms_norm", lambda *a: add_norm_calls.append(1) or add_norm(*a))
+    deferred = recorded_deferrals(monkeypatch)
     monkeypatch.setattr(modeling, "swiglu_mlp", lambda *a: mlp_calls.append(1) or mlp(*a))
     eager, fast = model_pair(mode, implementation)
     on_kernel = mode == "v1" or (mode == "v2" and implementation == "fused_diff")
@@ -1329,7 +1358,10 @@ def test_fast_path_forward_and_gradients_equal_eager(mode, implementation, monke
     assert len(kernel_calls) == (2 * eager.config.num_hidden_layers if on_kernel else 0)
     layers = eager.config.num_hidden_layers
     assert len(rope_calls) == 2 * 2 * layers  # two steps: q and k in one launch, forward and backward
-    assert len(norm_calls) == 2 * (2 * layers + 1)  # two steps: two norms per layer and the final one
+    # two steps: the first layer's input norm alone; every other norm (two a layer and the final one) with the
+    # residual add before it, the model's loop handing each layer's last add on (`defers_residual_adds`)
+    assert len(norm_calls) == 2 and len(add_norm_calls) == 2 * 2 * layers
+    assert deferred == [True] * 4  # eager's loop asks too (its adds and norms then run as two ops each)
     assert len(mlp_calls) == 2 * layers  # two steps, one MLP per layer
 
 

@@ -180,9 +180,14 @@ def test_loss_is_shifted_cross_entropy_and_logits_to_keep(mode):
 
 @pytest.mark.parametrize("implementation", ["eager", "diff_triton"])
 @pytest.mark.parametrize("mode", MODES)
-def test_gradient_checkpointing_gives_the_same_gradients(mode, implementation):
+def test_gradient_checkpointing_gives_the_same_gradients(mode, implementation, monkeypatch):
     """Also on the fast paths, whose autograd nodes recompute what they do not keep (the MLP's product, V2's
-    combined heads) and where DEX's operator is folded into o_proj (80 tokens > hidden 64)."""
+    combined heads) and where DEX's operator is folded into o_proj (80 tokens > hidden 64). Checkpointed layers are
+    called as modules (their call is what is replayed): no residual add is handed to the next layer."""
+    import modeling_diff.modeling_diff_llama as modeling
+
+    deferred, defers = [], modeling.defers_residual_adds
+    monkeypatch.setattr(modeling, "defers_residual_adds", lambda layers: deferred.append(defers(layers)) or deferred[-1])
     ids = torch.randint(3, 97, (2, 40 if mode == "dex" else 8))
     grads = []
     for checkpointing in (False, True):
@@ -191,6 +196,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(mode, implementation):
             model.gradient_checkpointing_enable()
         model(ids, labels=ids).loss.backward()
         grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert deferred == [True, False]
     assert grads[0].keys() == grads[1].keys()
     for name in grads[0]:
         torch.testing.assert_close(grads[0][name], grads[1][name], msg=name)

@@ -4,9 +4,9 @@ LlamaRMSNorm (Zhang & Sennrich, arXiv 1910.07467) runs as about six elementwise 
 the hidden states, and autograd keeps two of those copies for the backward. The kernel (`triton_rmsnorm.py`)
 reads and writes the hidden states once, keeps only the input and one float32 per row for the backward, and
 rounds where LlamaRMSNorm does (the normalized states to the input dtype before the weight). The decoder's norms
-take it on the project's fast paths (`modeling_diff_llama.DiffLlamaRMSNorm`). Without gradients (decoding steps),
-`add_rms_norm` also takes the residual add before the post-attention norm into the same pass: one launch a layer
-fewer.
+take it on the project's fast paths (`modeling_diff_llama.DiffLlamaRMSNorm`). `add_rms_norm` also takes the
+decoder's residual add before a norm into the same pass, and in training its backward adds the residual stream's
+gradient in the norm's backward pass: the add's kernel forward and the gradients' sum backward are not launched.
 """
 
 import torch
@@ -30,47 +30,76 @@ def rms_norm_kernel_applies(hidden_states: torch.Tensor, weight: torch.Tensor) -
     )
 
 
-def _forward(x: torch.Tensor, weight: torch.Tensor, eps: float, save: bool):
-    """x (..., N) contiguous -> (y of x's shape, rstd (rows,) float32 only where `save`: for the backward).
-    The rows are x's leading dims flattened, N apart; no reshape or view: decoding steps are bound by host work."""
+def _forward(x: torch.Tensor, weight: torch.Tensor, eps: float, save: bool, residual: torch.Tensor | None = None):
+    """x (..., N) contiguous -> (residual + x where `residual` is given (the norm is then of that sum) else None,
+    y of x's shape, rstd (rows,) float32 only where `save`: for the backward). The rows are x's leading dims
+    flattened, N apart; no reshape or view: decoding steps are bound by host work."""
     width = x.shape[-1]
     rows = x.numel() // width
+    total = None if residual is None else torch.empty_like(residual)
     y = torch.empty(x.shape, dtype=promoted_dtype(weight.dtype, x.dtype), device=x.device)
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device) if save else None
     pdl = not save and dependent_launch(x, rows)  # decoding steps
-    _rms_norm_fwd[(rows,)](x, weight, y, y if rstd is None else rstd, x, x, rows, width, eps,
-                           BLOCK_N=next_power_of_2(width), SAVE=save, ADD=False, PDL=pdl, launch_pdl=pdl)
-    return y, rstd
+    _rms_norm_fwd[(rows,)](x, weight, y, y if rstd is None else rstd, x if residual is None else residual,
+                           x if total is None else total, rows, width, eps, BLOCK_N=next_power_of_2(width),
+                           SAVE=save, ADD=residual is not None, PDL=pdl, launch_pdl=pdl)
+    return total, y, rstd
+
+
+def _backward(x, weight, rstd, grad_y, grad_sum, need_weight: bool):
+    """-> (x's gradient, plus `grad_sum` where given (x's gradient from its other uses), in x's dtype; the weight's
+    where `need_weight`)."""
+    width = x.shape[-1]
+    rows = x.numel() // width
+    programs = cdiv(rows, BACKWARD_ROWS)
+    grad_x = torch.empty_like(x)
+    grad_parts = torch.empty(programs, width, dtype=torch.float32, device=x.device)
+    grad_sum = None if grad_sum is None else grad_sum.contiguous()
+    _rms_norm_bwd[(programs,)](
+        x, weight, rstd, grad_y.contiguous(), grad_x if grad_sum is None else grad_sum, grad_x, grad_parts, rows,
+        width, BLOCK_N=next_power_of_2(width), ROWS=BACKWARD_ROWS, ADD=grad_sum is not None,
+    )
+    return grad_x, grad_parts.sum(0).to(weight.dtype) if need_weight else None
 
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
-        y, rstd = _forward(x, weight, eps, save=True)
+        _, y, rstd = _forward(x, weight, eps, save=True)
         ctx.save_for_backward(x, weight, rstd)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
         x, weight, rstd = ctx.saved_tensors
-        width = x.shape[-1]
-        rows = x.numel() // width
-        programs = cdiv(rows, BACKWARD_ROWS)
-        grad_x = torch.empty_like(x)
-        grad_parts = torch.empty(programs, width, dtype=torch.float32, device=x.device)
-        _rms_norm_bwd[(programs,)](
-            x, weight, rstd, grad_y.contiguous(), grad_x, grad_parts, rows, width,
-            BLOCK_N=next_power_of_2(width), ROWS=BACKWARD_ROWS,
-        )
-        return grad_x, grad_parts.sum(0).to(weight.dtype), None
+        return *_backward(x, weight, rstd, grad_y, None, ctx.needs_input_grad[1]), None
+
+
+class _AddRMSNorm(torch.autograd.Function):
+    """(residual + update, the norm of it) as one node: the backward's gradient of both inputs is the sum's own
+    gradient (from the residual stream: None where the sum is not used further) plus the norm's, in one pass."""
+
+    @staticmethod
+    def forward(ctx, residual, update, weight, eps):
+        total, y, rstd = _forward(update, weight, eps, save=True, residual=residual)
+        ctx.save_for_backward(total, weight, rstd)
+        ctx.set_materialize_grads(False)
+        return total, y
+
+    @staticmethod
+    def backward(ctx, grad_total, grad_y):
+        total, weight, rstd = ctx.saved_tensors
+        if grad_y is None:  # the norm's output unused: the add's backward alone
+            return grad_total, grad_total, None, None
+        grad, grad_weight = _backward(total, weight, rstd, grad_y, grad_total, ctx.needs_input_grad[2])
+        return grad, grad, grad_weight, None
 
 
 def add_rms_norm_applies(residual: torch.Tensor, update: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `add_rms_norm` takes the sum and its norm in one pass: no gradients (decoding, inference), two
-    contiguous plain tensors of one shape and dtype, and the norm's kernel applies."""
+    """Whether `add_rms_norm` takes the sum and its norm in one pass: two contiguous plain tensors of one shape and
+    dtype, and the norm's kernel applies."""
     return (
-        not needs_grad(residual, update, weight)
-        and type(update) is torch.Tensor
+        type(update) is torch.Tensor
         and residual.shape == update.shape and residual.dtype == update.dtype
         and residual.is_contiguous() and update.is_contiguous()
         and rms_norm_kernel_applies(residual, weight)
@@ -79,15 +108,11 @@ def add_rms_norm_applies(residual: torch.Tensor, update: torch.Tensor, weight: t
 
 def add_rms_norm(residual: torch.Tensor, update: torch.Tensor, weight: torch.Tensor, eps: float):
     """(residual + update, LlamaRMSNorm of it) in one pass (check `add_rms_norm_applies` first): the decoder layer's
-    residual add and the norm after it, the sum rounded to the dtype as `residual + update` rounds it."""
-    width = residual.shape[-1]
-    rows = residual.numel() // width
-    total = torch.empty_like(residual)
-    y = torch.empty(residual.shape, dtype=promoted_dtype(weight.dtype, residual.dtype), device=residual.device)
-    pdl = dependent_launch(residual, rows)
-    _rms_norm_fwd[(rows,)](update, weight, y, y, residual, total, rows, width, eps,
-                           BLOCK_N=next_power_of_2(width), SAVE=False, ADD=True, PDL=pdl, launch_pdl=pdl)
-    return total, y
+    residual add and the norm after it, the sum rounded to the dtype as `residual + update` rounds it. Where
+    gradients are recorded, one node whose backward is one pass too (`_AddRMSNorm`)."""
+    if needs_grad(residual, update, weight):
+        return _AddRMSNorm.apply(residual, update, weight, eps)
+    return _forward(update, weight, eps, save=False, residual=residual)[:2]
 
 
 def rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -95,4 +120,4 @@ def rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> t
     x = hidden_states.contiguous()
     if needs_grad(x, weight):
         return _RMSNorm.apply(x, weight, eps)
-    return _forward(x, weight, eps, save=False)[0]  # decoding: no autograd node to build
+    return _forward(x, weight, eps, save=False)[1]  # decoding: no autograd node to build

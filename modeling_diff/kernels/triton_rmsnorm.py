@@ -5,6 +5,7 @@ Imported only when triton is installed (see `kernels/rmsnorm.py` for the referen
     forward   r = rsqrt(mean(x^2) + eps),  n = x r rounded to x's dtype,  y = w n
               (x = res + update rounded to the dtype, written too, where a residual add comes first)
     backward  dx = r (g - n mean(g n)), g = dy w (n in float32);  dw = sum over rows of dy n
+              (plus the gradient of the sum x, where the sum is used beyond the norm: the residual stream's)
 """
 
 # In a try block because transformers' remote-code loader requires every *unguarded* import of a Hub export's
@@ -43,8 +44,10 @@ def _rms_norm_fwd(X, W, Y, Rstd, Res, Sum, R, N, eps, BLOCK_N: tl.constexpr, SAV
 
 
 @triton.jit(do_not_specialize=["R"])
-def _rms_norm_bwd(X, W, Rstd, DY, DX, DWpart, R, N, BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
+def _rms_norm_bwd(X, W, Rstd, DY, DSum, DX, DWpart, R, N, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+                  ADD: tl.constexpr):
     # ROWS rows per program; each program writes its partial dw (N,) in float32 to DWpart, the caller sums them.
+    # Where ADD, DSum (R, N) is x's gradient from its other uses (the residual stream's), added to dx before rounding.
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     ok = cols < N
@@ -60,5 +63,7 @@ def _rms_norm_bwd(X, W, Rstd, DY, DX, DWpart, R, N, BLOCK_N: tl.constexpr, ROWS:
         dw += dy * n.to(X.dtype.element_ty).to(tl.float32)
         g = dy * w
         dx = rstd * (g - n * (tl.sum(g * n, axis=0) / N))
+        if ADD:
+            dx += tl.load(DSum + row * N + cols, mask=live, other=0.0).to(tl.float32)
         tl.store(DX + row * N + cols, dx.to(DX.dtype.element_ty), mask=live)
     tl.store(DWpart + pid * N + cols, dw, mask=ok)
