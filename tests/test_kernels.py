@@ -569,6 +569,49 @@ def test_projections_of_a_decoding_step_match_the_formula(tokens, monkeypatch):
     assert len(launches) == launched
 
 
+def test_training_projections_are_one_node_whose_gradients_match_each_layers(monkeypatch):
+    """In training the plain q, k, v (and a biased layer) of one input are one autograd node: outputs and every
+    gradient as each layer's own F.linear gives them, with an output left unused and a frozen weight; x's gradient
+    is summed in the products (no add kernel: counted on the CPU as the ops autograd runs). A LoRA-wrapped layer,
+    autocast or a single layer keep the layers' own forward."""
+    import modeling_diff.kernels.projection as projection
+    from peft import LoraConfig, get_peft_model
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    torch.manual_seed(4)
+    hidden = 256 if GPU else 32
+    layers = [linear_layer(hidden, n) for n in (hidden, hidden // 4, hidden // 4)] + [linear_layer(hidden, 8, bias=True)]
+    layers[2].weight.requires_grad_(False)
+    x = rand(3, 70, hidden, grad=True)  # more rows than a decoding step's
+    grad_outputs = [rand(3, 70, layer.out_features) for layer in layers]
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    ops = []
+    outputs = projection.linear_maps(x, *layers, fused=True)
+    assert type(outputs[0].grad_fn).__name__ == "_SharedInputLinearsBackward" and len({o.grad_fn for o in outputs}) == 1
+    with Ops():
+        grads = torch.autograd.grad(outputs[:3], [x] + [p for layer in layers for p in layer.parameters()
+                                                     if p.requires_grad], grad_outputs[:3], allow_unused=True)
+    assert not [op for op in ops if op.startswith("add.")]  # mm and addmm only
+    plain = [layer(x) for layer in layers]
+    references = torch.autograd.grad(plain[:3], [x] + [p for layer in layers for p in layer.parameters()
+                                                       if p.requires_grad], grad_outputs[:3], allow_unused=True)
+    for got, want in zip(outputs, plain):
+        assert rel_err(got, want) < TOL
+    for got, want in zip(grads, references):
+        assert (got is None) == (want is None) and (got is None or rel_err(got, want) < TOL)
+    wrapped = get_peft_model(torch.nn.Sequential(linear_layer(hidden, 8)), LoraConfig(target_modules=["0"], r=2))
+    for others in ((layers[0], wrapped.base_model.model[0]), (layers[0],)):
+        assert not any(type(o.grad_fn).__name__ == "_SharedInputLinearsBackward"
+                       for o in projection.linear_maps(x, *others, fused=True))
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        assert type(projection.linear_maps(x, *layers, fused=True)[0].grad_fn).__name__ != "_SharedInputLinearsBackward"
+
+
 def test_kernel_mask_views_a_bool_mask_without_a_copy():
     """Eagerly a bool mask reaches the kernels as its own bytes viewed as uint8 (no copy kernel per layer and step),
     a broadcast batch with stride 0; other dtypes are converted."""

@@ -3,7 +3,10 @@
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from ._triton import needs_grad
 
 
 def runs_own_forward(module: nn.Module) -> bool:
@@ -32,3 +35,46 @@ def recomputed_linear_backward(grad_out: torch.Tensor, weight: torch.Tensor, rec
     grad_weight = grad_rows.t().mm(recompute().view(grad_rows.shape[0], weight.shape[1])) if need_weight else None
     grad_bias = grad_rows.sum(0) if need_bias else None
     return grad_rows.mm(weight), grad_weight, grad_bias
+
+
+def shared_input_linears_apply(x: torch.Tensor, linears) -> bool:
+    """Whether `shared_input_linears` takes the layers: two or more plain Linear layers (`is_plain_linear`) of x's
+    dtype, gradients recorded, and no autocast (whose casts the backward's products would have to repeat)."""
+    return (
+        len(linears) >= 2
+        and not torch.is_autocast_enabled(x.device.type)
+        and all(is_plain_linear(layer) and layer.weight.dtype == x.dtype for layer in linears)
+        and needs_grad(x, *(p for layer in linears for p in (layer.weight, layer.bias)))
+    )
+
+
+def shared_input_linears(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
+    """(layer(x) for each of `linears`), F.linear each, as one autograd node (check `shared_input_linears_apply`).
+    Autograd would sum x's gradients from the layers with an add kernel each (two a layer for q, k and v, on a
+    (tokens x hidden) tensor); this node's backward sums them in cuBLAS's epilogue (addmm into the first)."""
+    return _SharedInputLinears.apply(x, *(p for layer in linears for p in (layer.weight, layer.bias)))
+
+
+class _SharedInputLinears(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, *params):  # params: weight, bias (or None) of each layer
+        weights, biases = params[0::2], params[1::2]
+        ctx.save_for_backward(x, *weights)
+        ctx.set_materialize_grads(False)
+        return tuple(F.linear(x, weight, bias) for weight, bias in zip(weights, biases))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
+        rows = x.reshape(-1, x.shape[-1])  # (T, in)
+        grad_x, params_grads = None, []
+        for i, (grad, weight) in enumerate(zip(grads, weights)):
+            if grad is None:  # an output not used
+                params_grads += (None, None)
+                continue
+            grad_rows = grad.reshape(-1, grad.shape[-1])  # (T, out)
+            if ctx.needs_input_grad[0]:
+                grad_x = grad_rows.mm(weight) if grad_x is None else grad_x.addmm_(grad_rows, weight)
+            params_grads.append(grad_rows.t().mm(rows) if ctx.needs_input_grad[1 + 2 * i] else None)
+            params_grads.append(grad_rows.sum(0) if ctx.needs_input_grad[2 + 2 * i] else None)
+        return None if grad_x is None else grad_x.view(x.shape), *params_grads

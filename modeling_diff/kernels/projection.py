@@ -31,7 +31,7 @@ import functools
 import torch
 from torch import nn
 
-from ._modules import is_plain_linear
+from ._modules import is_plain_linear, shared_input_linears, shared_input_linears_apply
 from ._triton import (
     TRITON_AVAILABLE, TRITON_INTERPRETING, cdiv, dependent_launch, eager_kernels_run_on, next_power_of_2,
     shared_memory, tickets_of,
@@ -169,10 +169,13 @@ def launch_split_linear(rows, weight, y, residual, block_n: int, step: int, spli
 def linear_maps(x: torch.Tensor, *linears: nn.Linear, fused: bool) -> tuple[torch.Tensor, ...]:
     """(layer(x) for each of `linears`): with `fused` (the caller is on a fast implementation), the products of two or
     more plain layers in one launch (per MAX_WEIGHTS) where the kernel takes x, a plain layer alone split along K
-    (`split_linear`); every other layer through its own forward.
+    (`split_linear`), and in training plain layers as one autograd node (`shared_input_linears`); every other layer
+    through its own forward.
     The kernel's outputs are contiguous blocks of one buffer (decoding steps are bound by host work: one
     allocation, one split), viewed with x's leading dims."""
     if not (fused and few_rows_apply(x)):
+        if fused and shared_input_linears_apply(x, linears):  # training: one node, x's gradients summed by cuBLAS
+            return shared_input_linears(x, linears)
         return tuple(layer(x) for layer in linears)
     read = [layer for layer in linears if kernel_reads(layer, x)]
     if len(read) == 1 and len(linears) == 1 and split_linear_applies(x, read[0]):  # a weight alone: split along K
