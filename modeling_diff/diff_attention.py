@@ -28,8 +28,8 @@ from transformers.utils import TransformersKwargs
 from .configuration import DiffLlamaConfig
 from .kernels import (
     DIFF_TRITON, FUSED_DIFF, DexCombine, V1Combine, V2Combine, apply_rope, combined_decode_applies,
-    combined_decode_attention, flash_diff_applies, flash_diff_attention, has_extra_options, is_plain_linear,
-    linear_maps, mark_written, projection_cache_layer, resolve, rotated_projections, rotated_projections_apply,
+    combined_decode_attention, dex_folded_weight, flash_diff_applies, flash_diff_attention, has_extra_options,
+    is_plain_linear, linear_maps, mark_written, projection_cache_layer, resolve, rotated_projections, rotated_projections_apply,
     split_linear, split_linear_applies, update_cache, uses_fast_kernels, v1_combine, v2_combine_projected,
     written_layer,
 )
@@ -530,20 +530,15 @@ class DexAttention(_LlamaLayoutAttention):
     def o_proj_with_operator(self, attn_output: torch.Tensor) -> torch.Tensor:
         """o_proj(O - lambda_h f_D(O)) as one linear map of O (..., h * d). o_proj reads head h's output through its
         columns W_h (hidden, d), and f_D is linear, f_D(O_h) = O_h F with F = f_D(I) (d, d):
-        (O_h - lambda_h O_h F) W_h^T = O_h (W_h^T - lambda_h F W_h^T). So training keeps no copy of the operator's
-        output for o_proj's backward: o_proj reads the attention's output, which the attention keeps anyway. The
-        folded weight is one batched product over the heads, W_h^T - (lambda_h F) W_h^T in float32 rounded once
-        (`torch.baddbmm`), made in the (h * d, hidden) layout that o_proj's product reads as it is; its backward is
-        two batched products and a sum, where elementwise scaling would take seven passes over the weight."""
-        d = self.head_dim
-        eye = torch.eye(d, dtype=attn_output.dtype, device=attn_output.device)
+        (O_h - lambda_h O_h F) W_h^T = O_h (W_h - W_h (lambda_h F)^T)^T. So training keeps no copy of the
+        operator's output for o_proj's backward: o_proj reads the attention's output, which the attention keeps
+        anyway. The folded weight is made in o_proj's own layout (`kernels.combine.dex_folded_weight`)."""
+        eye = torch.eye(self.head_dim, dtype=attn_output.dtype, device=attn_output.device)
         t_over_T = anneal_fraction(self.anneal_step, self.config.anneal_steps)
         head_lambda = self.dex_lambda.per_head(t_over_T, self.head_mask).to(attn_output.dtype)  # (h,)
         # f_D(I) through the module, so that PEFT's trained copy applies
         operator = head_lambda[:, None, None] * self.dex_proj(eye)  # (h, d, d): lambda_h F
-        weight_t = self.o_proj.weight.t().reshape(-1, d, self.o_proj.out_features)  # (h, d, hidden): W_h^T (a view of the weight)
-        folded_t = torch.baddbmm(weight_t, operator, weight_t, alpha=-1)  # (h, d, hidden), contiguous
-        return F.linear(attn_output, folded_t.view(-1, self.o_proj.out_features).t(), self.o_proj.bias)
+        return F.linear(attn_output, dex_folded_weight(self.o_proj.weight, operator), self.o_proj.bias)
 
     def decode_applies(self, implementation, query, key, value, attention_mask, kwargs) -> bool:
         """Whether `decode_heads` takes this step: f_D a plain Parameter or PEFT's trained copy (a LoRA-adapted f_D

@@ -580,7 +580,8 @@ def test_training_projections_are_one_node_whose_gradients_match_each_layers(mon
 
     torch.manual_seed(4)
     hidden = 256 if GPU else 32
-    layers = [linear_layer(hidden, n) for n in (hidden, hidden // 4, hidden // 4)] + [linear_layer(hidden, 8, bias=True)]
+    widths = (hidden, hidden // 4, hidden // 4)
+    layers = [linear_layer(hidden, n) for n in widths] + [linear_layer(hidden, 8, bias=True)]
     layers[2].weight.requires_grad_(False)
     x = rand(3, 70, hidden, grad=True)  # more rows than a decoding step's
     grad_outputs = [rand(3, 70, layer.out_features) for layer in layers]
@@ -1406,6 +1407,31 @@ def test_fast_path_forward_and_gradients_equal_eager(mode, implementation, monke
     assert len(norm_calls) == 2 and len(add_norm_calls) == 2 * 2 * layers
     assert deferred == [True] * 4  # eager's loop asks too (its adds and norms then run as two ops each)
     assert len(mlp_calls) == 2 * layers  # two steps, one MLP per layer
+
+
+def test_dex_folded_weight_and_its_gradients_match_the_formula():
+    """W'_h = W_h - W_h G_h^T on each head's columns of o_proj's weight, and the gradients of W and G, against the
+    formula written per head in float64; a gradient that arrives transposed; under autocast the fold is made in
+    the weight's dtype."""
+    from modeling_diff.kernels import dex_folded_weight
+
+    torch.manual_seed(8)
+    hidden, h, d = (2048, 32, 64) if GPU else (24, 4, 8)
+    weight = (rand(hidden, h * d) * 0.05).requires_grad_()
+    operator = (rand(h, d, d) * 0.1).requires_grad_()
+    grad_out = rand(h * d, hidden).t()  # (hidden, h * d), not contiguous
+    folded = dex_folded_weight(weight, operator)
+    grads = torch.autograd.grad(folded, (weight, operator), grad_out)
+
+    w64, g64 = (t.detach().double().requires_grad_() for t in (weight, operator))
+    reference = torch.cat([w64[:, i * d:(i + 1) * d] - w64[:, i * d:(i + 1) * d] @ g64[i].T for i in range(h)], 1)
+    reference_grads = torch.autograd.grad(reference, (w64, g64), grad_out.double())
+    assert folded.shape == weight.shape and folded.is_contiguous() and folded.dtype == DTYPE
+    for got, want in zip((folded, *grads), (reference, *reference_grads)):
+        assert rel_err(got, want) < TOL
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        float_weight = weight.detach().float().requires_grad_()
+        assert dex_folded_weight(float_weight, operator).dtype == torch.float32
 
 
 @pytest.mark.parametrize("dex_heads", [None, [[0, 3], [1]]])

@@ -187,7 +187,8 @@ def test_gradient_checkpointing_gives_the_same_gradients(mode, implementation, m
     import modeling_diff.modeling_diff_llama as modeling
 
     deferred, defers = [], modeling.defers_residual_adds
-    monkeypatch.setattr(modeling, "defers_residual_adds", lambda layers: deferred.append(defers(layers)) or deferred[-1])
+    monkeypatch.setattr(modeling, "defers_residual_adds",
+                        lambda layers: deferred.append(defers(layers)) or deferred[-1])
     ids = torch.randint(3, 97, (2, 40 if mode == "dex" else 8))
     grads = []
     for checkpointing in (False, True):

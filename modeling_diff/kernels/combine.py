@@ -6,6 +6,9 @@ The attention call returns, for every differential head i, the pair of head outp
 - V1 (DIFF Transformer, arXiv 2410.05258, Eq. 3): `(1 - lambda_init) * subln(attn[2i] - lambda * attn[2i+1])`.
 - V2 (unilm Diff-Transformer-V2): `attn[2i] - w[..., i] * attn[2i+1]`, w the per-token noise weight.
 
+DEX's operator (arXiv 2505.16333) is linear in a head's output, O_h - O_h G_h with G_h = lambda_h f_D(I), so in
+training it is folded into o_proj's weight instead (`dex_folded_weight`, called by `DexAttention`).
+
 The references are the definition (and the path on CPU and under torch.compile, where Inductor fuses them);
 on CUDA the Triton kernels do each combine in one pass forward and one pass backward. In training, V2's combine
 and o_proj are one autograd node (`v2_combine_projected`), which keeps no combined output.
@@ -210,3 +213,46 @@ def v2_combine_projected(attn: torch.Tensor, weight: torch.Tensor, o_proj: nn.Mo
     if _fused(attn) and is_plain_linear(o_proj) and needs_grad(attn, weight, o_proj.weight):
         return v2_combine_projection_triton(attn, weight, o_proj)
     return o_proj(v2_combine(attn, weight).flatten(-2))
+
+
+def _heads(matrix: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """(rows, h * d) -> the (h, rows, d) view of each head's columns."""
+    return matrix.view(matrix.shape[0], -1, head_dim).transpose(0, 1)
+
+
+def _minus_heads_product(matrix: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """matrix (rows, h * d), right (h, d, d) -> M_h - M_h right_h for every head's columns M_h, in matrix's layout:
+    one batched product that writes the (h, rows, d) view of its output (cuBLAS takes the head stride d and row
+    stride h * d as they are), matrix copied in first, accumulated in float32 and rounded once."""
+    out = torch.empty_like(matrix)
+    heads = _heads(matrix, right.shape[-1])
+    torch.baddbmm(heads, heads, right, alpha=-1, out=_heads(out, right.shape[-1]))
+    return out
+
+
+class _DexFoldedWeight(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, weight, operator):
+        ctx.save_for_backward(weight, operator)
+        return _minus_heads_product(weight, operator.transpose(1, 2))
+
+    @staticmethod
+    def backward(ctx, grad):
+        weight, operator = ctx.saved_tensors
+        grad = grad.contiguous()
+        # W'_h = W_h - W_h G_h^T: dW_h = dW'_h - dW'_h G_h and dG_h = -dW'_h^T W_h (d, d)
+        grad_weight = _minus_heads_product(grad, operator) if ctx.needs_input_grad[0] else None
+        grad_operator = None
+        if ctx.needs_input_grad[1]:
+            d = operator.shape[-1]
+            grad_heads = _heads(grad, d).transpose(1, 2)  # (h, d, hidden)
+            grad_operator = torch.baddbmm(operator, grad_heads, _heads(weight, d), beta=0, alpha=-1)
+        return grad_weight, grad_operator
+
+
+def dex_folded_weight(weight: torch.Tensor, operator: torch.Tensor) -> torch.Tensor:
+    """o_proj's weight W (hidden, h * d), head h's columns W_h (hidden, d), and DEX's operator G (h, d, d), G_h =
+    lambda_h f_D(I) -> W' with W'_h = W_h - W_h G_h^T (hidden, h * d): o_proj(O - O G) = O W'^T per head. In W's
+    layout, so that o_proj's product reads it as it is and its gradient needs no transposed copy; forward and
+    backward a batched product each (and the operator's gradient one more). G is taken in W's dtype."""
+    return _DexFoldedWeight.apply(weight, operator.to(weight.dtype))
