@@ -1432,6 +1432,10 @@ def test_dex_folded_weight_and_its_gradients_match_the_formula():
     with torch.autocast(DEVICE, dtype=torch.bfloat16):
         float_weight = weight.detach().float().requires_grad_()
         assert dex_folded_weight(float_weight, operator).dtype == torch.float32
+    # a weight that is not contiguous (a transposed view, as some loading paths give) folds to the same
+    transposed = weight.detach().t().contiguous().t().requires_grad_()
+    assert not transposed.is_contiguous()
+    assert torch.equal(dex_folded_weight(transposed, operator), folded)
 
 
 @pytest.mark.parametrize("dex_heads", [None, [[0, 3], [1]]])

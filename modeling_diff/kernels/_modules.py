@@ -73,8 +73,9 @@ class _SharedInputLinears(torch.autograd.Function):
         grad_x = None
         if ctx.needs_input_grad[0]:
             for i in sorted(range(len(weights)), key=lambda i: weights[i].shape[0]):  # the widest last
-                if grad_rows[i] is not None:  # None: an output not used
-                    grad_x = grad_rows[i].mm(weights[i]) if grad_x is None else grad_x.addmm_(grad_rows[i], weights[i])
+                grad, weight = grad_rows[i], weights[i]
+                if grad is not None:  # None: an output not used
+                    grad_x = grad.mm(weight) if grad_x is None else grad_x.addmm_(grad, weight)
         params_grads = []
         for i, grad in enumerate(grad_rows):
             params_grads.append(grad.t().mm(rows) if grad is not None and ctx.needs_input_grad[1 + 2 * i] else None)

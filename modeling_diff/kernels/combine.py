@@ -233,6 +233,7 @@ def _minus_heads_product(matrix: torch.Tensor, right: torch.Tensor) -> torch.Ten
 class _DexFoldedWeight(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight, operator):
+        weight = weight.contiguous()  # the heads' view needs it (a copy only for a weight that is not)
         ctx.save_for_backward(weight, operator)
         return _minus_heads_product(weight, operator.transpose(1, 2))
 
