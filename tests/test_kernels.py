@@ -462,8 +462,9 @@ def test_silu_mul_matches_the_formula_and_keeps_its_inputs_only():
 
 
 def test_swiglu_mlp_leaves_other_calls_to_the_projections_own_forward():
-    """Inference, autocast, a bias, another activation, a LoRA-wrapped or hooked projection: not the MLP's node (the
-    projections' own forward, and `silu_mul` for the activation where it applies)."""
+    """Inference, autocast to another dtype than the MLP's, a bias, another activation, a LoRA-wrapped or hooked
+    projection: not the MLP's node (the projections' own forward, and `silu_mul` for the activation where it
+    applies). Autocast to the MLP's own dtype (a bf16 model under Trainer's `bf16=True`) keeps it."""
     from peft import LoraConfig, get_peft_model
 
     mlp = swiglu_mlp_module()
@@ -471,8 +472,11 @@ def test_swiglu_mlp_leaves_other_calls_to_the_projections_own_forward():
     assert swiglu_mlp_applies(mlp, x)
     with torch.no_grad():
         assert not swiglu_mlp_applies(mlp, x)
-    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+    with torch.autocast(DEVICE, dtype=torch.float16 if DTYPE == torch.bfloat16 else torch.bfloat16):
         assert not swiglu_mlp_applies(mlp, x)
+    bf16_mlp = swiglu_mlp_module().to(torch.bfloat16)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        assert swiglu_mlp_applies(bf16_mlp, x.detach().bfloat16().requires_grad_())
     assert not swiglu_mlp_applies(swiglu_mlp_module(mlp_bias=True), x)
     assert not swiglu_mlp_applies(swiglu_mlp_module(hidden_act="gelu"), x)
     lora = get_peft_model(swiglu_mlp_module(), LoraConfig(target_modules=["up_proj"], r=2)).base_model.model
@@ -573,7 +577,7 @@ def test_training_projections_are_one_node_whose_gradients_match_each_layers(mon
     """In training the plain q, k, v (and a biased layer) of one input are one autograd node: outputs and every
     gradient as each layer's own F.linear gives them, with an output left unused and a frozen weight; x's gradient
     is summed in the products (no add kernel: counted on the CPU as the ops autograd runs). A LoRA-wrapped layer,
-    autocast or a single layer keep the layers' own forward."""
+    autocast to another dtype or a single layer keep the layers' own forward."""
     import modeling_diff.kernels.projection as projection
     from peft import LoraConfig, get_peft_model
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -609,8 +613,12 @@ def test_training_projections_are_one_node_whose_gradients_match_each_layers(mon
     for others in ((layers[0], wrapped.base_model.model[0]), (layers[0],)):
         assert not any(type(o.grad_fn).__name__ == "_SharedInputLinearsBackward"
                        for o in projection.linear_maps(x, *others, fused=True))
-    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+    with torch.autocast(DEVICE, dtype=torch.float16 if DTYPE == torch.bfloat16 else torch.bfloat16):
         assert type(projection.linear_maps(x, *layers, fused=True)[0].grad_fn).__name__ != "_SharedInputLinearsBackward"
+    bf16_layers = [copy.deepcopy(layer).bfloat16() for layer in layers[:3]]
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):  # a bf16 model under Trainer's bf16=True: the node
+        outputs = projection.linear_maps(x.detach().bfloat16().requires_grad_(), *bf16_layers, fused=True)
+        assert type(outputs[0].grad_fn).__name__ == "_SharedInputLinearsBackward"
 
 
 def test_kernel_mask_views_a_bool_mask_without_a_copy():
@@ -1436,6 +1444,35 @@ def test_dex_folded_weight_and_its_gradients_match_the_formula():
     transposed = weight.detach().t().contiguous().t().requires_grad_()
     assert not transposed.is_contiguous()
     assert torch.equal(dex_folded_weight(transposed, operator), folded)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_bf16_model_under_bf16_autocast_keeps_the_training_nodes(mode, monkeypatch):
+    """Trainer's `bf16=True` runs the forward under bf16 autocast (accelerate wraps it); for a bf16 model that casts
+    nothing, so the MLP's node and the q, k, v node still apply, and loss and gradients equal the same step without
+    autocast within bf16's rounding."""
+    import modeling_diff.kernels.projection as projection
+    import modeling_diff.modeling_diff_llama as modeling
+
+    mlp_calls, projection_calls = [], []
+    mlp, shared = modeling.swiglu_mlp, projection.shared_input_linears
+    monkeypatch.setattr(modeling, "swiglu_mlp", lambda *a: mlp_calls.append(1) or mlp(*a))
+    monkeypatch.setattr(projection, "shared_input_linears", lambda *a: projection_calls.append(1) or shared(*a))
+    overrides = {} if GPU else dict(head_dim=16)
+    model = tiny_model(mode, attn_implementation=FAST, **overrides).to(DEVICE, torch.bfloat16).train()
+    ids = torch.randint(3, model.config.vocab_size, (2, 24), device=DEVICE)
+    losses, grads = [], []
+    for autocast in (False, True):
+        model.zero_grad()
+        with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
+            losses.append(model(ids, labels=ids).loss)
+        losses[-1].backward()
+        grads.append([p.grad.float() for p in model.parameters() if p.grad is not None])
+    layers = model.config.num_hidden_layers
+    assert len(mlp_calls) == len(projection_calls) == 2 * layers
+    assert abs(losses[1].item() - losses[0].item()) < 2e-2 * abs(losses[0].item())
+    for with_autocast, without in zip(grads[1], grads[0]):
+        assert without.norm() == 0 or rel_err(with_autocast, without) < 5e-2
 
 
 @pytest.mark.parametrize("dex_heads", [None, [[0, 3], [1]]])

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._triton import needs_grad
+from ._triton import autocast_keeps, needs_grad
 
 
 def runs_own_forward(module: nn.Module) -> bool:
@@ -39,10 +39,10 @@ def recomputed_linear_backward(grad_out: torch.Tensor, weight: torch.Tensor, rec
 
 def shared_input_linears_apply(x: torch.Tensor, linears) -> bool:
     """Whether `shared_input_linears` takes the layers: two or more plain Linear layers (`is_plain_linear`) of x's
-    dtype, gradients recorded, and no autocast (whose casts the backward's products would have to repeat)."""
+    dtype, gradients recorded, and no autocast to another dtype (whose casts the backward would have to repeat)."""
     return (
         len(linears) >= 2
-        and not torch.is_autocast_enabled(x.device.type)
+        and autocast_keeps(x.dtype, x.device.type)
         and all(is_plain_linear(layer) and layer.weight.dtype == x.dtype for layer in linears)
         and needs_grad(x, *(p for layer in linears for p in (layer.weight, layer.bias)))
     )

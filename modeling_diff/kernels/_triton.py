@@ -100,6 +100,13 @@ def needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+def autocast_keeps(dtype: torch.dtype, device_type: str) -> bool:
+    """Whether autocast leaves the products of tensors of `dtype` as they are on this device type: it is off, or it
+    casts to `dtype` (a bf16 model under Trainer's `bf16=True`, which runs the forward under autocast). A node that
+    runs its products itself then computes what the modules' own forward would."""
+    return not torch.is_autocast_enabled(device_type) or torch.get_autocast_dtype(device_type) == dtype
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._modules import is_plain_linear
-from ._triton import TRITON_AVAILABLE, cdiv, eager_kernels_run_on, needs_grad
+from ._triton import TRITON_AVAILABLE, autocast_keeps, cdiv, eager_kernels_run_on, needs_grad
 
 if TRITON_AVAILABLE:
     from .triton_swiglu import _swiglu_bwd, _swiglu_fwd
@@ -28,14 +28,15 @@ BLOCK = 1024  # elements per program
 
 def swiglu_mlp_applies(mlp: nn.Module, x: torch.Tensor) -> bool:
     """Whether an MLP with LlamaMLP's `gate_proj`, `up_proj`, `down_proj` and silu can run as `swiglu_mlp`: a call
-    that records gradients, on the kernels' devices, no autocast (it casts each op's inputs; the module path
-    keeps its behaviour), and three plain bias-free Linear layers without hooks (not PEFT's LoRA layers, a
-    tensor-parallel or offloading wrapper, or a quantized layer: they take the module path)."""
+    that records gradients, on the kernels' devices, no autocast to another dtype than x's (it casts each op's
+    inputs; the module path keeps its behaviour), and three plain bias-free Linear layers of x's dtype without
+    hooks (not PEFT's LoRA layers, a tensor-parallel or offloading wrapper, or a quantized layer: they take the
+    module path)."""
     projections = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
     return (
         torch.is_grad_enabled()  # first: decoding steps (no gradients) are bound by host work
         and eager_kernels_run_on(x)
-        and not torch.is_autocast_enabled(x.device.type)
+        and autocast_keeps(x.dtype, x.device.type)
         and mlp.config.hidden_act in ("silu", "swish")
         and all(is_plain_linear(p) and p.bias is None and p.weight.dtype == x.dtype for p in projections)
         and type(x) is torch.Tensor
