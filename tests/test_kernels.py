@@ -300,6 +300,13 @@ def test_add_rms_norm_gradients_match_the_formula(sum_used):
     for got, want in zip(grads, ref_grads):
         assert got.shape == want.shape and got.dtype == DTYPE
         assert rel_err(got, want) < TOL
+    # a NaN in one row of the update stays in that row, forward and backward
+    poisoned = update.detach().clone()
+    poisoned[0, 1] = float("nan")
+    total, normed = add_rms_norm(residual, poisoned, norm.weight, norm.variance_epsilon)
+    grad = torch.autograd.grad(normed, residual, grad_y)[0]
+    for out in (total, normed, grad):
+        assert out[0, 1].isnan().all() and not out[0, 0].isnan().any() and not out[1].isnan().any()
 
 
 def test_rms_norm_and_rope_kernels_take_zero_tokens():
@@ -313,6 +320,18 @@ def test_rms_norm_and_rope_kernels_take_zero_tokens():
     q_out, k_out = apply_rope(query, key, cos, cos, fused=True)
     q_out.sum().backward()
     assert q_out.shape == query.shape and k_out.shape == key.shape and query.grad.shape == query.shape
+    # the training nodes of the residual add with its norm, and of q, k, v
+    from modeling_diff.kernels import add_rms_norm
+    from modeling_diff.kernels._modules import shared_input_linears
+
+    weight.grad = None
+    total, normed = add_rms_norm(x, rand(0, 3, 32), weight, 1e-6)
+    (total.sum() + normed.sum()).backward()
+    assert normed.shape == x.shape and torch.equal(weight.grad, torch.zeros_like(weight))
+    layers = [linear_layer(32, 8), linear_layer(32, 4, bias=True)]
+    outputs = shared_input_linears(x, layers)
+    sum(out.sum() for out in outputs).backward()
+    assert [out.shape[-1] for out in outputs] == [8, 4] and not layers[1].bias.grad.any()
 
 
 def swiglu_mlp_module(hidden=64 if GPU else 32, intermediate=8192 if GPU else 40, **overrides):
