@@ -1494,6 +1494,33 @@ def test_a_bf16_model_under_bf16_autocast_keeps_the_training_nodes(mode, monkeyp
         assert without.norm() == 0 or rel_err(with_autocast, without) < 5e-2
 
 
+def test_trainer_bf16_on_a_bf16_model_takes_the_training_nodes(tmp_path, monkeypatch):
+    """Through Trainer's own path: `TrainingArguments(bf16=True)` on a bf16 model runs each forward under bf16
+    autocast (accelerate), and the MLP's node and the q, k, v node run in every layer of every step."""
+    from transformers import Trainer, TrainingArguments
+
+    import modeling_diff.kernels.projection as projection
+    import modeling_diff.modeling_diff_llama as modeling
+
+    seen = []  # (node, autocast on) per call
+    mlp, shared = modeling.swiglu_mlp, projection.shared_input_linears
+    monkeypatch.setattr(modeling, "swiglu_mlp", lambda *a: seen.append(("mlp", torch.is_autocast_enabled(
+        DEVICE))) or mlp(*a))
+    monkeypatch.setattr(projection, "shared_input_linears", lambda *a: seen.append(("qkv", torch.is_autocast_enabled(
+        DEVICE))) or shared(*a))
+    overrides = {} if GPU else dict(head_dim=16)
+    model = tiny_model("dex", attn_implementation=FAST, **overrides).to(DEVICE, torch.bfloat16)
+    ids = torch.randint(3, model.config.vocab_size, (4, 16))
+    data = [{"input_ids": x, "labels": x} for x in ids]
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=not GPU, bf16=True, report_to=[], save_strategy="no",
+                             disable_tqdm=True, logging_strategy="no", dataloader_num_workers=0, max_steps=2,
+                             per_device_train_batch_size=2, learning_rate=1e-3)
+    loss = Trainer(model=model, args=args, train_dataset=data).train().training_loss
+    layers = model.config.num_hidden_layers
+    assert math.isfinite(loss)
+    assert sorted(seen) == [("mlp", True)] * (2 * layers) + [("qkv", True)] * (2 * layers)
+
+
 @pytest.mark.parametrize("dex_heads", [None, [[0, 3], [1]]])
 def test_dex_operator_folded_into_o_proj_equals_eager(dex_heads, monkeypatch):
     """With more tokens than o_proj has rows, the fast path folds DEX's operator into o_proj's weight: forward and
