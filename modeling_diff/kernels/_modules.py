@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._triton import autocast_keeps, needs_grad
+from ._triton import needs_grad, product_dtype
 
 
 def runs_own_forward(module: nn.Module) -> bool:
@@ -38,14 +38,18 @@ def recomputed_linear_backward(grad_out: torch.Tensor, weight: torch.Tensor, rec
 
 
 def shared_input_linears_apply(x: torch.Tensor, linears) -> bool:
-    """Whether `shared_input_linears` takes the layers: two or more plain Linear layers (`is_plain_linear`) of x's
-    dtype, gradients recorded, and no autocast to another dtype (whose casts the backward would have to repeat)."""
+    """Whether `shared_input_linears` takes the layers: two or more plain Linear layers (`is_plain_linear`),
+    gradients recorded, and x and the parameters in one dtype, or autocast's (`product_dtype`)."""
     return (
         len(linears) >= 2
-        and autocast_keeps(x.dtype, x.device.type)
-        and all(is_plain_linear(layer) and layer.weight.dtype == x.dtype for layer in linears)
-        and needs_grad(x, *(p for layer in linears for p in (layer.weight, layer.bias)))
+        and all(is_plain_linear(layer) for layer in linears)
+        and product_dtype(x, *_parameters(linears)) is not None
+        and needs_grad(x, *_parameters(linears))
     )
+
+
+def _parameters(linears) -> list[torch.Tensor]:
+    return [p for layer in linears for p in (layer.weight, layer.bias) if p is not None]
 
 
 def shared_input_linears(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
@@ -53,8 +57,11 @@ def shared_input_linears(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
     Autograd would sum x's gradients from the layers with an add kernel each (two a layer for q, k and v, on a
     (tokens x hidden) tensor); this node's backward sums them in cuBLAS's epilogue (addmm into the sum so far),
     the widest layer's product last: reading the sum costs a product of more FLOPs least (on the H200 the
-    accumulating form of k's and v's narrow products took 45 us a call against 16 for the plain one)."""
-    return _SharedInputLinears.apply(x, *(p for layer in linears for p in (layer.weight, layer.bias)))
+    accumulating form of k's and v's narrow products took 45 us a call against 16 for the plain one). Under autocast
+    x and the parameters are cast first, as F.linear would cast them (`product_dtype`)."""
+    dtype = product_dtype(x, *_parameters(linears))
+    cast = [None if p is None else p.to(dtype) for layer in linears for p in (layer.weight, layer.bias)]
+    return _SharedInputLinears.apply(x.to(dtype), *cast)
 
 
 class _SharedInputLinears(torch.autograd.Function):

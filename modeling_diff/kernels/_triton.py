@@ -100,11 +100,17 @@ def needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def autocast_keeps(dtype: torch.dtype, device_type: str) -> bool:
-    """Whether autocast leaves the products of tensors of `dtype` as they are on this device type: it is off, or it
-    casts to `dtype` (a bf16 model under Trainer's `bf16=True`, which runs the forward under autocast). A node that
-    runs its products itself then computes what the modules' own forward would."""
-    return not torch.is_autocast_enabled(device_type) or torch.get_autocast_dtype(device_type) == dtype
+def product_dtype(x: torch.Tensor, *weights: torch.Tensor) -> torch.dtype | None:
+    """The dtype that F.linear's products of x with `weights` run in: x's where autocast is off and every weight has
+    it; autocast's where it is on and x and every weight are float32 or of that dtype (Trainer's `bf16=True` runs
+    the forward under bf16 autocast: it casts nothing of a bf16 model, and a float32 model's weights and
+    activations to bf16); None otherwise. A node that runs its products itself casts its inputs to it first (as
+    autocast would), and then computes what the modules' own forward would."""
+    device_type = x.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return x.dtype if all(w.dtype == x.dtype for w in weights) else None
+    dtype = torch.get_autocast_dtype(device_type)
+    return dtype if all(t.dtype in (dtype, torch.float32) for t in (x, *weights)) else None
 
 
 def cdiv(a: int, b: int) -> int:

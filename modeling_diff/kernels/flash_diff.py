@@ -22,7 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._modules import is_plain_linear, recomputed_linear_backward
-from ._triton import TRITON_AVAILABLE, TRITON_INTERPRETING, cdiv, eager_kernels_run_on, is_power_of_2, needs_grad
+from ._triton import (
+    TRITON_AVAILABLE, TRITON_INTERPRETING, cdiv, eager_kernels_run_on, is_power_of_2, needs_grad, product_dtype,
+)
 from .combine import v1_combine_backward, v1_combine_rows, v2_combine_backward, v2_combine_rows
 from .masks import causal_offset, kernel_mask
 
@@ -36,11 +38,13 @@ MIN_QUERY_TOKENS = 16  # fewer new tokens without gradients: a decoding step, fo
 
 
 def flash_diff_applies(query, key, value, mask, dropout: float) -> bool:
-    """Shapes and options the kernel covers; the modules take their plain path for everything else."""
+    """Shapes, dtypes and options the kernel covers; the modules take their plain path for everything else (a float32
+    model under autocast: RoPE's float32 cos and sin leave q and k in float32 and v in autocast's dtype)."""
     dims = (query.shape[-1], value.shape[-1])
     return (
         eager_kernels_run_on(query)
         and (query.dtype in (torch.bfloat16, torch.float16) or TRITON_INTERPRETING)
+        and query.dtype == key.dtype == value.dtype
         and dropout == 0.0
         and (needs_grad(query, key, value) or query.shape[1] >= MIN_QUERY_TOKENS)
         and all(n >= 16 and is_power_of_2(n) for n in dims)
@@ -91,7 +95,9 @@ def _combined_rows(pairs, mu, norm_weight, eps, norm_scale):
 
 class _FlashDiff(torch.autograd.Function):
     """With o_proj's weight (and bias), o_proj of the combined heads: then the combined heads are not kept for
-    o_proj's weight gradient (the backward computes them again from the pairs, one elementwise pass)."""
+    o_proj's weight gradient (the backward computes them again from the pairs, one elementwise pass). o_proj's
+    product runs in the weight's dtype (the caller casts it to the dtype F.linear would use under autocast), the
+    combined heads cast to it, and their gradient cast back, as autocast's casts do."""
 
     @staticmethod
     def forward(ctx, query, key, value, mask, mu, norm_weight, eps, norm_scale, scale, o_weight, o_bias):
@@ -101,7 +107,7 @@ class _FlashDiff(torch.autograd.Function):
         ctx.eps, ctx.norm_scale, ctx.scale = eps, norm_scale, scale
         if o_weight is None:
             return y
-        return F.linear(y.flatten(-2), o_weight, o_bias)  # (B, L, hidden)
+        return F.linear(y.flatten(-2).to(o_weight.dtype), o_weight, o_bias)  # (B, L, hidden)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -113,10 +119,11 @@ class _FlashDiff(torch.autograd.Function):
             grad_rows = grad_out.reshape(-1, dv)
         else:  # the combined heads again, for o_proj's weight
             grad_rows, grad_o_weight, grad_o_bias = recomputed_linear_backward(
-                grad_out, o_weight, lambda: _combined_rows(pairs, mu, norm_weight, ctx.eps, ctx.norm_scale),
+                grad_out, o_weight,
+                lambda: _combined_rows(pairs, mu, norm_weight, ctx.eps, ctx.norm_scale).to(o_weight.dtype),
                 *ctx.needs_input_grad[9:11],
             )
-            grad_rows = grad_rows.view(-1, dv)  # (R, DV): the gradient of the combined heads
+            grad_rows = grad_rows.view(-1, dv).to(query.dtype)  # (R, DV): the gradient of the combined heads
         if norm_weight is not None:  # V1: through subln and lambda to g = dO1 (dO2 = -lambda g)
             grad_o1, grad_mu, grad_norm, delta = v1_combine_backward(
                 pairs, mu, norm_weight, rstd, grad_rows, ctx.norm_scale, for_flash=True
@@ -173,9 +180,12 @@ def flash_diff_attention(query, key, value, mask, mu, scale: float, norm: nn.Mod
     mu = mu.float() if norm is not None else mu.contiguous()
     inputs = (query, key, value, mu, norm_weight)
     if needs_grad(*inputs, None if o_proj is None else o_proj.weight):
-        if o_proj is not None and is_plain_linear(o_proj):
+        o_params = () if o_proj is None else [p for p in (o_proj.weight, o_proj.bias) if p is not None]
+        dtype = o_proj is not None and is_plain_linear(o_proj) and product_dtype(query, *o_params)
+        if dtype:  # o_proj's product in F.linear's dtype (autocast's, where it casts)
+            o_bias = None if o_proj.bias is None else o_proj.bias.to(dtype)
             return _FlashDiff.apply(
-                query, key, value, mask, mu, norm_weight, eps, norm_scale, scale, o_proj.weight, o_proj.bias
+                query, key, value, mask, mu, norm_weight, eps, norm_scale, scale, o_proj.weight.to(dtype), o_bias
             )
         y = _FlashDiff.apply(query, key, value, mask, mu, norm_weight, eps, norm_scale, scale, None, None)
     else:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._modules import is_plain_linear
-from ._triton import TRITON_AVAILABLE, autocast_keeps, cdiv, eager_kernels_run_on, needs_grad
+from ._triton import TRITON_AVAILABLE, cdiv, eager_kernels_run_on, needs_grad, product_dtype
 
 if TRITON_AVAILABLE:
     from .triton_swiglu import _swiglu_bwd, _swiglu_fwd
@@ -28,17 +28,16 @@ BLOCK = 1024  # elements per program
 
 def swiglu_mlp_applies(mlp: nn.Module, x: torch.Tensor) -> bool:
     """Whether an MLP with LlamaMLP's `gate_proj`, `up_proj`, `down_proj` and silu can run as `swiglu_mlp`: a call
-    that records gradients, on the kernels' devices, no autocast to another dtype than x's (it casts each op's
-    inputs; the module path keeps its behaviour), and three plain bias-free Linear layers of x's dtype without
-    hooks (not PEFT's LoRA layers, a tensor-parallel or offloading wrapper, or a quantized layer: they take the
-    module path)."""
+    that records gradients, on the kernels' devices, x and the weights in one dtype or autocast's (`product_dtype`:
+    the node casts them first, as F.linear would), and three plain bias-free Linear layers without hooks (not PEFT's
+    LoRA layers, a tensor-parallel or offloading wrapper, or a quantized layer: they take the module path)."""
     projections = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
     return (
         torch.is_grad_enabled()  # first: decoding steps (no gradients) are bound by host work
         and eager_kernels_run_on(x)
-        and autocast_keeps(x.dtype, x.device.type)
         and mlp.config.hidden_act in ("silu", "swish")
-        and all(is_plain_linear(p) and p.bias is None and p.weight.dtype == x.dtype for p in projections)
+        and all(is_plain_linear(p) and p.bias is None for p in projections)
+        and product_dtype(x, *(p.weight for p in projections)) is not None
         and type(x) is torch.Tensor
         and needs_grad(x, *(p.weight for p in projections))
     )
@@ -84,8 +83,10 @@ class _SwiGLUMLP(torch.autograd.Function):
 
 
 def swiglu_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-    """LlamaMLP's forward in training (check `swiglu_mlp_applies` first); see the module docstring."""
-    return _SwiGLUMLP.apply(x, w_gate, w_up, w_down)
+    """LlamaMLP's forward in training (check `swiglu_mlp_applies` first); see the module docstring. Under autocast
+    x and the weights are cast first, as F.linear would cast them (`product_dtype`)."""
+    dtype = product_dtype(x, w_gate, w_up, w_down)
+    return _SwiGLUMLP.apply(x.to(dtype), w_gate.to(dtype), w_up.to(dtype), w_down.to(dtype))
 
 
 class _SiLUMul(torch.autograd.Function):
