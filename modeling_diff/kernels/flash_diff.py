@@ -181,8 +181,8 @@ def flash_diff_attention(query, key, value, mask, mu, scale: float, norm: nn.Mod
     inputs = (query, key, value, mu, norm_weight)
     if needs_grad(*inputs, None if o_proj is None else o_proj.weight):
         o_params = () if o_proj is None else [p for p in (o_proj.weight, o_proj.bias) if p is not None]
-        dtype = o_proj is not None and is_plain_linear(o_proj) and product_dtype(query, *o_params)
-        if dtype:  # o_proj's product in F.linear's dtype (autocast's, where it casts)
+        dtype = product_dtype(query, *o_params) if o_proj is not None and is_plain_linear(o_proj) else None
+        if dtype is not None:  # o_proj's product in F.linear's dtype (autocast's, where it casts)
             o_bias = None if o_proj.bias is None else o_proj.bias.to(dtype)
             return _FlashDiff.apply(
                 query, key, value, mask, mu, norm_weight, eps, norm_scale, scale, o_proj.weight.to(dtype), o_bias
