@@ -40,15 +40,14 @@ def recomputed_linear_backward(grad_out: torch.Tensor, weight: torch.Tensor, rec
 def shared_input_linears_apply(x: torch.Tensor, linears) -> bool:
     """Whether `shared_input_linears` takes the layers: two or more plain Linear layers (`is_plain_linear`),
     gradients recorded, and x and the parameters in one dtype, or autocast's (`product_dtype`)."""
-    return (
-        len(linears) >= 2
-        and all(is_plain_linear(layer) for layer in linears)
-        and product_dtype(x, *_parameters(linears)) is not None
-        and needs_grad(x, *_parameters(linears))
-    )
+    if len(linears) < 2 or not all(is_plain_linear(layer) for layer in linears):
+        return False
+    params = linear_parameters(linears)
+    return product_dtype(x, *params) is not None and needs_grad(x, *params)
 
 
-def _parameters(linears) -> list[torch.Tensor]:
+def linear_parameters(linears) -> list[torch.Tensor]:
+    """The weights and biases (where there are) of Linear layers, in order."""
     return [p for layer in linears for p in (layer.weight, layer.bias) if p is not None]
 
 
@@ -59,7 +58,7 @@ def shared_input_linears(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
     the widest layer's product last: reading the sum costs a product of more FLOPs least (on the H200 the
     accumulating form of k's and v's narrow products took 45 us a call against 16 for the plain one). Under autocast
     x and the parameters are cast first, as F.linear would cast them (`product_dtype`)."""
-    dtype = product_dtype(x, *_parameters(linears))
+    dtype = product_dtype(x, *linear_parameters(linears))
     cast = [None if p is None else p.to(dtype) for layer in linears for p in (layer.weight, layer.bias)]
     return _SharedInputLinears.apply(x.to(dtype), *cast)
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._modules import is_plain_linear, recomputed_linear_backward
+from ._modules import is_plain_linear, linear_parameters, recomputed_linear_backward
 from ._triton import (
     TRITON_AVAILABLE, TRITON_INTERPRETING, cdiv, eager_kernels_run_on, is_power_of_2, needs_grad, product_dtype,
 )
@@ -180,8 +180,8 @@ def flash_diff_attention(query, key, value, mask, mu, scale: float, norm: nn.Mod
     mu = mu.float() if norm is not None else mu.contiguous()
     inputs = (query, key, value, mu, norm_weight)
     if needs_grad(*inputs, None if o_proj is None else o_proj.weight):
-        o_params = () if o_proj is None else [p for p in (o_proj.weight, o_proj.bias) if p is not None]
-        dtype = product_dtype(query, *o_params) if o_proj is not None and is_plain_linear(o_proj) else None
+        in_node = o_proj is not None and is_plain_linear(o_proj)
+        dtype = product_dtype(query, *linear_parameters([o_proj])) if in_node else None
         if dtype is not None:  # o_proj's product in F.linear's dtype (autocast's, where it casts)
             o_bias = None if o_proj.bias is None else o_proj.bias.to(dtype)
             return _FlashDiff.apply(
