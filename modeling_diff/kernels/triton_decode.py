@@ -285,8 +285,8 @@ def _decode_reduce_combined(
         tl.debug_barrier()  # every thread's partial stored before the ticket's release (CUTLASS's split-K semaphore)
         ticket = OTickets + token * tl.num_programs(2) + tl.program_id(2)
         if tl.atomic_add(ticket, 1, sem="acq_rel") == HEADS - 1:
-            y = _summed_partials(OParts, token * n_out + o_rows, o_ok, tokens * n_out, HEADS, dtype)
-            tl.store(Out + token * n_out + o_rows, y.to(dtype), mask=o_ok)
+            summed = _summed_partials(OParts, token * n_out + o_rows, o_ok, tokens * n_out, HEADS, dtype)
+            tl.store(Out + token * n_out + o_rows, summed.to(dtype), mask=o_ok)
             tl.store(ticket, 0)
     else:
         tl.store(Out + b * sob + t * sol + head * soh + dv, out.to(dtype))
