@@ -4,8 +4,6 @@ process:
 - `pdl`: programmatic dependent launch (`kernels/_triton.PDL_ENABLED`);
 - `split`: o_proj / down_proj split along their input (`kernels/projection.split_linear`; off: cuBLAS and the
   residual add, as before it);
-- `projected_reduce`: o_proj in the decode kernel's reduce at one token (`kernels/decode.projected_decode_applies`;
-  off: o_proj after it, split along its input where `split` is on);
 - `cache_write`: the StaticCache write in one launch, in the projections' launch where they split
   (`kernels/cache_write.py`; off: transformers' `Cache.update`);
 - `projection_write`: the StaticCache write in the projections' launch (off: in a launch of its own);
@@ -25,9 +23,8 @@ process:
 kernel (`kernels/triton_decode.py`; its default is 64,4,3,2, with 4 stages and 3 programs a multiprocessor in steps of
 at most 16 tokens, and 128 keys a tile there for V1's 2d-wide values; BLOCK_N sets both widths).
 `--constants MODULE.NAME=VALUE[+MODULE.NAME=VALUE...] ...` adds one per set of the kernels' launch rules, MODULE one of
-`_triton`, `decode`, `projection`, `triton_decode` (e.g.
-`projection.SPLIT_MAX_TOKENS=32+_triton.DECODE_PDL_MAX_TOKENS=32`: the split products, and the decode kernel's
-few-token launch with PDL, at batch 32).
+`_triton`, `projection`, `triton_decode` (e.g. `projection.SPLIT_MAX_TOKENS=32+_triton.DECODE_PDL_MAX_TOKENS=32`:
+the split products, and the decode kernel's few-token launch with PDL, at batch 32).
 `--gated BLOCK_N,BLOCK_K,WARPS,STAGES ...` adds one per launch configuration of the MLP's gate and up
 (`kernels/projection.py`'s GATED_FEW_TOKENS / GATED_MORE_TOKENS, both set); `--split BLOCK_N,STEP,PARTS ...` one per
 launch configuration of the products split along K (SPLIT_FEW_TOKENS / SPLIT_MORE_TOKENS, both set: q, k, v,
@@ -53,7 +50,7 @@ import modeling_diff.modeling_diff_llama as modeling
 from bench import (
     MODELS, bench_static_decode, build, copy_bandwidth, decode_work, kernels_patched, warm_up_gpu, write_atomically,
 )
-from modeling_diff.kernels import _triton, cache_write, decode, projection, rmsnorm, rope, triton_decode
+from modeling_diff.kernels import _triton, cache_write, projection, rmsnorm, rope, triton_decode
 
 
 def _no_split(*args):  # a dispatch predicate that declines
@@ -76,7 +73,6 @@ def _torch_argmax(scores, out, owner):
 FEATURES = {
     "pdl": [(_triton, "PDL_ENABLED", False)],
     "split": [(attention, "split_linear_applies", _no_split), (modeling, "split_linear_applies", _no_split)],
-    "projected_reduce": [(attention, "projected_decode_applies", _no_split)],
     "cache_write": [(attention, "update_cache", _cache_update), (attention, "projection_cache_layer", _nothing)],
     "projection_write": [(attention, "projection_cache_layer", _nothing)],
     "rotated": [(attention, "rotated_projections_apply", _no_split)],
@@ -131,7 +127,7 @@ def split_variant(config: str) -> str:
     return name
 
 
-CONSTANT_MODULES = {"_triton": _triton, "decode": decode, "projection": projection, "triton_decode": triton_decode}
+CONSTANT_MODULES = {"_triton": _triton, "projection": projection, "triton_decode": triton_decode}
 # --pdl-more-tokens's kernels -> the modules whose launches they are (each imports `dependent_launch` by name)
 PDL_KERNELS = {"decode": (triton_decode,), "norm": (rmsnorm, rope), "projection": (projection, cache_write)}
 

@@ -29,9 +29,9 @@ from .configuration import DiffLlamaConfig
 from .kernels import (
     DIFF_TRITON, FUSED_DIFF, DexCombine, V1Combine, V2Combine, apply_rope, combined_decode_applies,
     combined_decode_attention, dex_folded_weight, flash_diff_applies, flash_diff_attention, has_extra_options,
-    is_plain_linear, linear_maps, mark_written, projected_decode_applies, projection_cache_layer, resolve,
-    rotated_projections, rotated_projections_apply, split_linear, split_linear_applies, update_cache,
-    uses_fast_kernels, v1_combine, v2_combine_projected, written_layer,
+    is_plain_linear, linear_maps, mark_written, projection_cache_layer, resolve, rotated_projections,
+    rotated_projections_apply, split_linear, split_linear_applies, update_cache, uses_fast_kernels, v1_combine,
+    v2_combine_projected, written_layer,
 )
 
 
@@ -251,20 +251,10 @@ class _DiffAttentionBase(nn.Module, metaclass=abc.ABCMeta):
         """The mode's differential term for the decode kernel's reduce (V1Combine, V2Combine or DexCombine); side as
         `project` gives it. Each mode defines it."""
 
-    def decode_output(self, implementation, query, key, value, side, attention_mask, cache, kwargs):
-        """A decoding step's attention output (B, L, hidden): `decode_heads` and `output`, with o_proj in the decode
-        kernel's last launch where it takes it (`projected_decode_applies`: a step of one token); None, the cache
-        untouched, where `decode_heads` does not apply."""
-        o_proj = self.o_proj if projected_decode_applies(key, self.o_proj) else None
-        heads = self.decode_heads(implementation, query, key, value, side, attention_mask, cache, kwargs, o_proj=o_proj)
-        return heads if heads is None or o_proj is not None else self.output(heads)
-
-    def decode_heads(self, implementation, query, key, value, side, attention_mask, cache, kwargs, out=None,
-                     o_proj=None):
+    def decode_heads(self, implementation, query, key, value, side, attention_mask, cache, kwargs, out=None):
         """A decoding step through the decode kernel, the mode's differential term in its reduce
-        (`decode_combine`): the cache updated, -> the heads' outputs (B, L, h, dv) before o_proj, or with `o_proj`
-        (this layer's, where `projected_decode_applies`) its output (B, L, hidden) (in `out` where given); None, the
-        cache untouched, where it does not apply. Inputs as `project` gives them."""
+        (`decode_combine`): the cache updated, -> the heads' outputs (B, L, h, dv) before o_proj (in `out` where
+        given); None, the cache untouched, where it does not apply. Inputs as `project` gives them."""
         if not self.decode_applies(implementation, query, key, value, attention_mask, kwargs):
             return None
         advance = None
@@ -275,8 +265,7 @@ class _DiffAttentionBase(nn.Module, metaclass=abc.ABCMeta):
             else:
                 key, value = update_cache(cache, self.layer_idx, key, value)  # one launch into a StaticCache
         return combined_decode_attention(
-            self.decode_query(query), key, value, attention_mask, self.scaling, self.decode_combine(side), out, advance,
-            o_proj,
+            self.decode_query(query), key, value, attention_mask, self.scaling, self.decode_combine(side), out, advance
         )
 
     def combined_decode_applies(self, implementation, query, key, value, attention_mask, kwargs) -> bool:
@@ -368,11 +357,11 @@ class DiffAttentionV1(_DiffAttentionBase):
         query_states, key_states, value_states, _ = self.project(
             implementation, hidden_states, position_embeddings, cache
         )
-        attn_output = self.decode_output(
+        heads = self.decode_heads(
             implementation, query_states, key_states, value_states, (), attention_mask, cache, kwargs
         )
-        if attn_output is not None:  # a decoding step through the decode kernel: (B, L, hidden)
-            return attn_output, None
+        if heads is not None:  # (B, L, h, 2d), combined
+            return self.output(heads), None
         if cache is not None:
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
         if self.subln_is_plain() and self.flash_diff_applies(
@@ -476,11 +465,11 @@ class DiffAttentionV2(_LlamaLayoutAttention):
         query_states, key_states, value_states, side = self.project(
             implementation, hidden_states, position_embeddings, cache
         )
-        attn_output = self.decode_output(
+        heads = self.decode_heads(
             implementation, query_states, key_states, value_states, side, attention_mask, cache, kwargs
         )
-        if attn_output is not None:  # a decoding step through the decode kernel: (B, L, hidden)
-            return attn_output, None
+        if heads is not None:  # (B, L, h, d), combined
+            return self.output(heads), None
         if cache is not None:
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
         weight = self.noise_weight(side[0])  # (B, L, h) from lambda_proj(x)
@@ -572,11 +561,11 @@ class DexAttention(_LlamaLayoutAttention):
         query_states, key_states, value_states, _ = self.project(
             implementation, hidden_states, position_embeddings, cache
         )
-        attn_output = self.decode_output(
+        heads = self.decode_heads(
             implementation, query_states, key_states, value_states, (), attention_mask, cache, kwargs
         )
-        if attn_output is not None:  # a decoding step through the decode kernel: (B, L, hidden)
-            return attn_output, None
+        if heads is not None:  # (B, L, h, d), the operator applied
+            return self.output(heads), None
         if cache is not None:
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
         attn_output, attn_weights = self.attend(

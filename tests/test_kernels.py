@@ -1367,60 +1367,6 @@ def test_decode_attention_merges_many_splits(mode, heads, kv_heads, length, kv_l
         assert out[2].abs().max() == 0
 
 
-@pytest.mark.parametrize("mode,heads,kv_heads,length,kv_length,dqk", COMBINED_DECODE_CASES)
-@pytest.mark.parametrize("block_rows", [16, None])
-@torch.no_grad()
-def test_combined_decode_with_o_proj_in_its_reduce(mode, heads, kv_heads, length, kv_length, dqk, block_rows,
-                                                  monkeypatch):
-    """o_proj in the reduce's launch: o_proj of the heads' outputs, against the definitions' heads times the weight
-    (a batch of 3 with left padding, and a row that sees no key: its output is 0), o_proj's rows in blocks of 16 (a
-    last block cut short) or PROJECTED_TILE's; every ticket back to 0 after the launch; more tokens than the tickets
-    hold is an error naming the rule."""
-    from modeling_diff.kernels import _triton, combined_decode_attention, triton_decode
-
-    if not GPU:
-        monkeypatch.setattr(triton_decode, "shared_memory", lambda device: 1 << 20)
-    dv = 2 * dqk if mode == "v1" else dqk
-    if block_rows:
-        monkeypatch.setattr(triton_decode, "PROJECTED_TILE", block_rows * dv)
-    torch.manual_seed(11)
-    batch = 3
-    visible = causally_visible(length, kv_length, True).expand(batch, length, kv_length).clone()
-    visible[0, :, : kv_length // 2] = False
-    visible[2, 0] = False  # the first token of the third row sees no key
-    q, k, v, combine, ref = combined_decode_step(mode, heads, kv_heads, length, kv_length, dqk, visible, 40)
-    hidden = 40 if not GPU else 2048  # not a multiple of 16 on the CPU: the last block of rows cut short
-    o_proj = linear_layer(heads * dv, hidden)
-    out = combined_decode_attention(q, k, v, visible[:, None], 0.3, combine, o_proj=o_proj)
-    expected = ref.flatten(2) @ o_proj.weight.double().T  # (B, L, hidden)
-    assert out.shape == (batch, length, hidden) and out.dtype == DTYPE
-    assert rel_err(out, expected) < TOL
-    assert out[2, 0].abs().max() == 0
-    assert not _triton._TICKETS[id(o_proj)][o_proj.weight.device].any()
-    monkeypatch.setattr(triton_decode, "PROJECTED_TICKET_TOKENS", batch * length - 1)
-    with pytest.raises(ValueError, match="o_proj in the reduce: at most"):
-        combined_decode_attention(q, k, v, visible[:, None], 0.3, combine, o_proj=o_proj)
-
-
-def test_o_proj_goes_into_the_reduce_of_one_token_steps_only():
-    """`projected_decode_applies`: steps of PROJECTED_MAX_TOKENS tokens (one: measured at batch 1 on the H200), a
-    plain bias-free o_proj of the activations' dtype; not a layer with a hook, a bias, another dtype."""
-    from modeling_diff.kernels import decode
-
-    layer = linear_layer(64, 32)
-    key = rand(1, 2, 1, 16)
-    assert decode.PROJECTED_MAX_TOKENS == 1
-    assert decode.projected_decode_applies(key, layer)
-    assert not decode.projected_decode_applies(rand(2, 2, 1, 16), layer)  # two tokens: a batch of 2
-    assert not decode.projected_decode_applies(rand(1, 2, 2, 16), layer)  # two new tokens
-    assert not decode.projected_decode_applies(key.double(), layer)
-    handle = layer.register_forward_hook(lambda *args: None)
-    assert not decode.projected_decode_applies(key, layer)
-    handle.remove()
-    biased = linear_layer(64, 32, bias=True)
-    assert not decode.projected_decode_applies(key, biased)
-
-
 # ---- the model on the fast paths --------------------------------------------------------------------------
 
 
@@ -1936,35 +1882,6 @@ def test_lora_on_attention_only_keeps_the_mlp_node_and_the_dex_fold(monkeypatch)
         if grad.norm() > 0:
             bound = max(GRAD_TOL, 0.1 if GPU and "lambda" in name else 0)  # see the DEX fold test
             assert rel_err(grads[1][name], grad) < bound, name
-
-
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("cache_class", [DynamicCache, StaticCache])
-def test_one_token_steps_take_o_proj_in_the_decode_reduce(mode, cache_class, monkeypatch):
-    """At batch 1, each decoding step's o_proj runs in the decode kernel's reduce (`projected_decode_applies`): the
-    step's logits equal eager's, every layer's reduce launches with o_proj's blocks, and the projections' kernel runs
-    twice a layer (q, k, v; down_proj), not three times (o_proj's split products too). A LoRA-adapted o_proj keeps
-    its own forward."""
-    import modeling_diff.kernels.projection as projection
-    from modeling_diff.kernels import triton_decode
-
-    reduces, projections = [], []
-    monkeypatch.setattr(triton_decode, "_decode_reduce_combined",
-                        recording_launcher(reduces)(triton_decode._decode_reduce_combined))
-    monkeypatch.setattr(projection, "_projections", CountedKernel(projection._projections, projections))
-    eager, fast = model_pair(mode, FAST)
-    ids = torch.randint(3, eager.config.vocab_size, (1, 80), device=DEVICE)  # prefill: more rows than the kernels take
-    mask = torch.ones_like(ids)
-    steps = torch.randint(3, eager.config.vocab_size, (1, 3), device=DEVICE)
-    logits = [decode(model, cache_class, ids, mask, steps) for model in (eager, fast)]
-    assert rel_err(logits[1], logits[0]) < TOL
-    layer_steps = steps.shape[1] * eager.config.num_hidden_layers
-    assert len(reduces) == layer_steps and all(kwargs["BLOCK_O"] > 0 for _, kwargs in reduces)
-    assert len(projections) == 2 * layer_steps
-    fast.model.layers[0].self_attn.o_proj.register_forward_hook(lambda *args: None)  # e.g. a LoRA layer's
-    reduces.clear()
-    decode(fast, cache_class, ids, mask, steps[:, :1])
-    assert [kwargs["BLOCK_O"] > 0 for _, kwargs in reduces] == [False] + [True] * (eager.config.num_hidden_layers - 1)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -38,9 +38,7 @@ from .attention import (
 )
 from .cache_write import mark_written, projection_cache_layer, update_cache, written_layer
 from .combine import dex_folded_weight, v1_combine, v2_combine, v2_combine_projected
-from .decode import (
-    DexCombine, V1Combine, V2Combine, combined_decode_applies, combined_decode_attention, projected_decode_applies,
-)
+from .decode import DexCombine, V1Combine, V2Combine, combined_decode_applies, combined_decode_attention
 from .flash_diff import flash_diff_applies, flash_diff_attention
 from .greedy import greedy_tokens
 from .masks import static_step_mask
@@ -55,13 +53,13 @@ from .swiglu import silu_mul, silu_mul_applies, swiglu_mlp, swiglu_mlp_applies
 register()
 
 __all__ = [
-    "DIFF_TRITON", "DexCombine", "FUSED_DIFF", "V1Combine", "V2Combine", "add_rms_norm", "add_rms_norm_applies",
+    "DIFF_TRITON", "FUSED_DIFF", "DexCombine", "V1Combine", "V2Combine", "add_rms_norm", "add_rms_norm_applies",
     "apply_rope", "combined_decode_applies", "combined_decode_attention", "dex_folded_weight",
     "diff_triton_attention_forward", "flash_diff_applies", "flash_diff_attention", "gated_projection",
     "gated_projection_applies", "greedy_tokens", "has_extra_options", "is_plain_linear", "linear_maps",
-    "mark_written", "projected_decode_applies", "projection_cache_layer", "resolve", "rms_norm",
-    "rms_norm_kernel_applies", "rope_cos_sin", "rope_cos_sin_applies", "rotated_projections",
-    "rotated_projections_apply", "runs_own_forward", "silu_mul", "silu_mul_applies", "split_linear",
-    "split_linear_applies", "static_step_mask", "swiglu_mlp", "swiglu_mlp_applies", "triton_available",
-    "update_cache", "uses_fast_kernels", "v1_combine", "v2_combine", "v2_combine_projected", "written_layer",
+    "mark_written", "projection_cache_layer", "resolve", "rms_norm", "rms_norm_kernel_applies", "rope_cos_sin",
+    "rope_cos_sin_applies", "rotated_projections", "rotated_projections_apply", "silu_mul", "silu_mul_applies",
+    "runs_own_forward", "split_linear", "split_linear_applies", "static_step_mask", "swiglu_mlp",
+    "swiglu_mlp_applies", "triton_available", "update_cache", "uses_fast_kernels", "v1_combine", "v2_combine",
+    "v2_combine_projected", "written_layer",
 ]

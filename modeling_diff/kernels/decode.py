@@ -17,15 +17,11 @@ from typing import NamedTuple
 import torch
 
 from ._triton import TRITON_AVAILABLE, TRITON_INTERPRETING, eager_kernels_run_on, is_power_of_2, needs_grad
-from .projection import kernel_reads
 
 if TRITON_AVAILABLE:
     from .triton_decode import combined_decode_kernels, decode_attention_kernels, decode_attention_op
 
 MAX_GROUP_ROWS = 64  # query heads per kv head x query tokens that one program holds
-# Tokens of a step (batch x new tokens) whose o_proj runs in the reduce's launch, its weights read before the
-# reduce's wait (`triton_decode._decode_reduce_combined`'s BLOCK_O): each token's programs read the weights again.
-PROJECTED_MAX_TOKENS = 1
 
 
 def decode_kernel_applies(query, key, value, mask, dropout: float) -> bool:
@@ -96,24 +92,16 @@ def combined_decode_applies(query, key, value, mask, dropout: float) -> bool:
 
 
 def combined_decode_attention(query, key, value, mask, scale: float, combine, out=None,
-                              advance=None, o_proj=None) -> torch.Tensor:
+                              advance=None) -> torch.Tensor:
     """A decoding step of a differential layer in two launches: the maps of every query head, merged, and the
     mode's differential term (`combine`: V1Combine, V2Combine or DexCombine), whose coefficients (lambda, the
     noise weight) the kernel computes itself.
 
     query (B, Hq, L, DQ): V1 and V2 hold the maps of differential head i in query heads 2i and 2i+1 (V1's DQ wide,
     read against K1 and K2 of its 2 DQ wide key); key and value (B, H_KV, S, .); mask as `decode_attention`.
-    Returns the heads' outputs (B, L, h, DV), h = Hq / 2 (V1, V2) or Hq (DEX), or with `o_proj` (a Linear layer
-    of h DV inputs; check `projected_decode_applies` first) o_proj of them, (B, L, hidden), in the reduce's launch:
-    in `out` where given (contiguous, of that shape and query's dtype: the decoding graphs' input buffer), else in a
-    new tensor. `advance`: a StaticCache layer's length (int64, 1 element) that the step's projections did not
-    advance (`cache_write.written_layer`): the kernel adds the step's L tokens to it."""
+    Returns the heads' outputs (B, L, h, DV), h = Hq / 2 (V1, V2) or Hq (DEX): in `out` where given (contiguous, of
+    that shape and query's dtype: the decoding graphs' input buffer), else in a new tensor. `advance`: a StaticCache
+    layer's length (int64, 1 element) that the step's projections did not advance (`cache_write.written_layer`):
+    the kernel adds the step's L tokens to it."""
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
-    return combined_decode_kernels(query, key, value, mask, float(scale), combine, out, advance, o_proj)
-
-
-def projected_decode_applies(key: torch.Tensor, o_proj) -> bool:
-    """Whether o_proj of a decoding step's heads runs in the reduce's launch (`combined_decode_attention`'s o_proj):
-    steps of at most PROJECTED_MAX_TOKENS tokens (key (B, H_KV, L, .), the step's new keys), o_proj a plain
-    bias-free Linear of the activations' dtype (`projection.kernel_reads`). Ask `combined_decode_applies` too."""
-    return key.shape[0] * key.shape[2] <= PROJECTED_MAX_TOKENS and kernel_reads(o_proj, key)
+    return combined_decode_kernels(query, key, value, mask, float(scale), combine, out, advance)

@@ -20,10 +20,9 @@ import torch
 from torch.library import triton_op, wrap_triton
 
 from . import _triton  # DECODE_PDL_MAX_TOKENS read where used: one value for these kernels, set in one place
-from ._triton import TRITON_INTERPRETING, cdiv, dependent_launch, next_power_of_2, shared_memory, tickets_of
+from ._triton import TRITON_INTERPRETING, cdiv, dependent_launch, next_power_of_2, shared_memory
 from .masks import causal_offset, kernel_mask
 from .triton_combine import anneal_fraction, dex_lambda, differential_lambda, v1_combine_rows
-from .triton_projection import _summed_partials
 
 # In a try block because transformers' remote-code loader requires every *unguarded* import of a Hub export's
 # files to be installed; this module is imported only where triton is (see _triton.TRITON_AVAILABLE).
@@ -71,10 +70,6 @@ REDUCE_NUM_WARPS = 4
 # 4.13 TB/s). The plain reduce (`_decode_reduce`) was not measured with it and keeps REDUCE_NUM_WARPS.
 REDUCE_FEW_SPLITS = 4
 REDUCE_NUM_WARPS_FEW_SPLITS = 1
-# o_proj in the reduce's launch (`decode.projected_decode_applies`): about this many weights (o_proj's rows x a head's
-# DV columns) a program, and the most tokens of a step whose tickets a layer's o_proj holds.
-PROJECTED_TILE = 128 * 128
-PROJECTED_TICKET_TOKENS = 64
 
 
 @triton.jit
@@ -216,10 +211,8 @@ def _decode_reduce_combined(
     Part, Out, sob, sol, soh, H_KV, L, splits, parts,
     Logits, szb, szl, szh, NormW, eps, norm_scale, LambdaQ1, LambdaK1, LambdaQ2, LambdaK2,
     Operator, HeadMask, LambdaLearn, AnnealStep, anneal_steps, lambda_init, Length,
-    OWeight, OParts, OTickets, tokens, n_out,
     G: tl.constexpr, BLOCK_R: tl.constexpr, DV: tl.constexpr, MAX_SPLITS: tl.constexpr,
     MODE: tl.constexpr, ANNEALED: tl.constexpr, D_LAMBDA: tl.constexpr, ADVANCE: tl.constexpr, PDL: tl.constexpr,
-    HEADS: tl.constexpr, BLOCK_O: tl.constexpr,
 ):
     """The merge, then each mode's differential term on the merged head outputs (`decode.py`):
     MODE 0 (V1) pairs of query heads (2i, 2i+1) -> norm_scale * subln(O1 - lambda O2), lambda from its vectors;
@@ -227,46 +220,34 @@ def _decode_reduce_combined(
     MODE 2 (DEX) each head -> O - lambda(t) mask_h O W^T, W = Operator (DV, DV).
     A program per query row (DEX) or per pair (V1, V2: subln needs both maps of the pair).
     ADVANCE: the projections stored the step's keys and values into a StaticCache layer (`cache_write.py`); the
-    first program advances its length (int64) by L, after the wait: every kernel that read it has finished.
-    BLOCK_O > 0: o_proj in the same launch, Out (B, L, n_out) = o_proj(heads) for OWeight (n_out, HEADS DV). The
-    grid's third axis cuts o_proj's rows into blocks of BLOCK_O; program (., ., j) multiplies its head's output,
-    rounded to the dtype as the heads are, by the (BLOCK_O, DV) tile of its head's columns, read before the wait
-    (the weights are not the kernel before's), into float32 partials OParts (HEADS, tokens, n_out); the last of the
-    HEADS programs of a token's row block (a ticket each, OTickets) sums them and rounds once, as F.linear does."""
+    first program advances its length (int64) by L, after the wait: every kernel that read it has finished."""
     let_dependents_start(PDL)
+    wait_for_inputs(PDL)
     pid_bh = tl.program_id(0)
+    if ADVANCE:
+        if (pid_bh == 0) & (tl.program_id(1) == 0):
+            tl.store(Length, tl.load(Length) + L)
     b = pid_bh // H_KV
     kvh = pid_bh % H_KV
+    first_part = pid_bh * splits
     dv = tl.arange(0, DV)
     if MODE == 2:
         row = tl.program_id(1)  # the group's row g * L + t is query head g, token t
         t = row % L
         head = kvh * G + row // L
-    else:
-        pair = tl.program_id(1)  # (pair i, token t); the pair's rows are 2i * L + t and (2i + 1) * L + t
-        i = pair // L
-        t = pair % L
-        head = kvh * (G // 2) + i
-    if BLOCK_O > 0:
-        o_rows = tl.program_id(2) * BLOCK_O + tl.arange(0, BLOCK_O)
-        o_ok = o_rows < n_out
-        w_o = tl.load(OWeight + o_rows[:, None].to(tl.int64) * (HEADS * DV) + head * DV + dv[None, :],
-                      mask=o_ok[:, None], other=0.0)
-    wait_for_inputs(PDL)
-    if ADVANCE:
-        if (pid_bh == 0) & (tl.program_id(1) == 0) & (tl.program_id(2) == 0):
-            tl.store(Length, tl.load(Length) + L)
-    first_part = pid_bh * splits
-    if MODE == 2:
         o = _merge_splits(Part, parts, first_part, row, splits, BLOCK_R, DV, MAX_SPLITS)
         lam = dex_lambda(LambdaLearn, anneal_fraction(AnnealStep, anneal_steps, ANNEALED), lambda_init)
         lam_h = lam * tl.load(HeadMask + head).to(tl.float32)
         w = tl.load(Operator + dv[:, None] * DV + dv[None, :]).to(tl.float32)  # (DV, DV): W[j, k]
         out = o - lam_h * tl.sum(w * o[None, :], axis=1)  # (O W^T)_j = sum_k W[j, k] O_k
     else:
+        pair = tl.program_id(1)  # (pair i, token t); the pair's rows are 2i * L + t and (2i + 1) * L + t
+        i = pair // L
+        t = pair % L
         first = 2 * i * L + t
         o1 = _merge_splits(Part, parts, first_part, first, splits, BLOCK_R, DV, MAX_SPLITS)
         o2 = _merge_splits(Part, parts, first_part, first + L, splits, BLOCK_R, DV, MAX_SPLITS)
+        head = kvh * (G // 2) + i
         if MODE == 0:
             lam = differential_lambda(LambdaQ1, LambdaK1, LambdaQ2, LambdaK2, lambda_init, D_LAMBDA)
             y, _ = v1_combine_rows(o1[None, :], o2[None, :], lam, tl.load(NormW + dv).to(tl.float32), eps,
@@ -276,20 +257,7 @@ def _decode_reduce_combined(
             z = tl.load(Logits + b * szb + t * szl + head * szh).to(tl.float32)
             fraction = tl.minimum(anneal_fraction(AnnealStep, anneal_steps, ANNEALED), 1.0)
             out = o1 - tl.sigmoid(z) * fraction * o2
-    dtype = Out.dtype.element_ty
-    if BLOCK_O > 0:
-        token = b * L + t
-        x = out.to(dtype).to(tl.float32)  # o_proj's input: the head's output as stored without o_proj
-        tl.store(OParts + (head * tokens + token) * n_out + o_rows, tl.sum(w_o.to(tl.float32) * x[None, :], axis=1),
-                 mask=o_ok)
-        tl.debug_barrier()  # every thread's partial stored before the ticket's release (CUTLASS's split-K semaphore)
-        ticket = OTickets + token * tl.num_programs(2) + tl.program_id(2)
-        if tl.atomic_add(ticket, 1, sem="acq_rel") == HEADS - 1:
-            summed = _summed_partials(OParts, token * n_out + o_rows, o_ok, tokens * n_out, HEADS, dtype)
-            tl.store(Out + token * n_out + o_rows, summed.to(dtype), mask=o_ok)
-            tl.store(ticket, 0)
-    else:
-        tl.store(Out + b * sob + t * sol + head * soh + dv, out.to(dtype))
+    tl.store(Out + b * sob + t * sol + head * soh + dv, out.to(Out.dtype.element_ty))
 
 
 @functools.cache
@@ -420,30 +388,18 @@ def decode_attention_kernels(query, key, value, mask, scale: float, launcher=_pl
     return out
 
 
-def combined_decode_kernels(query, key, value, mask, scale: float, combine, out=None, advance=None,
-                            o_proj=None) -> torch.Tensor:
+def combined_decode_kernels(query, key, value, mask, scale: float, combine, out=None, advance=None) -> torch.Tensor:
     """The two launches of a decoding step with the differential term in the reduce (eager only); see
-    `decode.combined_decode_attention`, which defines `combine` (V1Combine, V2Combine or DexCombine), `out`,
-    `advance` and `o_proj`."""
+    `decode.combined_decode_attention`, which defines `combine` (V1Combine, V2Combine or DexCombine), `out` and
+    `advance`."""
     batch, q_heads, length, _ = query.shape
     kv_heads, v_dim = key.shape[1], value.shape[-1]
     mode = type(combine).MODE  # 0 V1, 1 V2, 2 DEX: the reduce kernel's MODE
     heads = q_heads if mode == 2 else q_heads // 2  # V1, V2: a head per pair of query heads
     groups = q_heads // kv_heads
     work, splits, parts, block_rows = _partial_softmaxes(query, key, value, mask, scale, _plain, advance)
-    tokens = batch * length
-    if o_proj is None:
-        shape, block_o, o_blocks = (batch, length, heads, v_dim), 0, 1
-    else:  # the reduce's third axis: o_proj's rows in blocks of about PROJECTED_TILE weights a program
-        if tokens > PROJECTED_TICKET_TOKENS:
-            raise ValueError(f"o_proj in the reduce: at most {PROJECTED_TICKET_TOKENS} tokens a step, got {tokens}")
-        weight = o_proj._parameters["weight"]  # (n_out, heads x v_dim)
-        shape, block_o = (batch, length, weight.shape[0]), max(16, PROJECTED_TILE // v_dim)
-        o_blocks = cdiv(weight.shape[0], block_o)
-        o_parts = torch.empty(heads, tokens, weight.shape[0], dtype=torch.float32, device=query.device)
-        tickets = tickets_of(o_proj, PROJECTED_TICKET_TOKENS * cdiv(weight.shape[0], 16), query.device)
     if out is None:
-        out = torch.empty(shape, dtype=query.dtype, device=query.device)
+        out = torch.empty(batch, length, heads, v_dim, dtype=query.dtype, device=query.device)
     unused = out  # a pointer the mode does not read
     logits, norm, vectors, dex = (unused, 0, 0, 0), (unused, 0.0, 1.0), (unused,) * 4, (unused,) * 3
     anneal, lambda_init, d_lambda = (unused, 1.0), 0.0, 16
@@ -457,25 +413,17 @@ def combined_decode_kernels(query, key, value, mask, scale: float, combine, out=
         else:
             dex = (combine.operator.contiguous(), combine.head_mask, combine.lambda_learn)
             lambda_init = combine.lambda_init
-    projection = (unused,) * 3 if o_proj is None else (weight, o_parts, tickets)
     # A program per query row (DEX) or pair of rows (V1, V2): the group's (heads / kv heads) x L outputs.
-    pdl = dependent_launch(query, tokens, _triton.DECODE_PDL_MAX_TOKENS)
+    pdl = dependent_launch(query, batch * length, _triton.DECODE_PDL_MAX_TOKENS)
     max_splits = next_power_of_2(splits)
-    try:
-        _decode_reduce_combined[(batch * kv_heads, heads // kv_heads * length, o_blocks)](
-            work, out, *out.stride()[:3], kv_heads, length, splits, parts,
-            *logits, *norm, *vectors, *dex, *anneal, lambda_init, out if advance is None else advance,
-            *projection, tokens, shape[-1],
-            G=groups, BLOCK_R=block_rows, DV=v_dim, MAX_SPLITS=max_splits,
-            MODE=mode, ANNEALED=mode != 0 and combine.anneal_steps > 0, D_LAMBDA=d_lambda, ADVANCE=advance is not None,
-            PDL=pdl, HEADS=heads, BLOCK_O=block_o,
-            num_warps=REDUCE_NUM_WARPS_FEW_SPLITS if max_splits <= REDUCE_FEW_SPLITS else REDUCE_NUM_WARPS,
-            launch_pdl=pdl,
-        )
-    except BaseException:  # a launch cut short (the interpreter's programs run one by one) leaves no ticket taken
-        if o_proj is not None:
-            tickets.zero_()
-        raise
+    _decode_reduce_combined[(batch * kv_heads, heads // kv_heads * length)](
+        work, out, *out.stride()[:3], kv_heads, length, splits, parts,
+        *logits, *norm, *vectors, *dex, *anneal, lambda_init, out if advance is None else advance,
+        G=groups, BLOCK_R=block_rows, DV=v_dim, MAX_SPLITS=max_splits,
+        MODE=mode, ANNEALED=mode != 0 and combine.anneal_steps > 0, D_LAMBDA=d_lambda, ADVANCE=advance is not None,
+        PDL=pdl, num_warps=REDUCE_NUM_WARPS_FEW_SPLITS if max_splits <= REDUCE_FEW_SPLITS else REDUCE_NUM_WARPS,
+        launch_pdl=pdl,
+    )
     return out
 
 
