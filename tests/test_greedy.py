@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import modeling_diff.kernels.greedy as greedy
-from modeling_diff.kernels import greedy_tokens
+from modeling_diff.kernels import greedy_step, greedy_tokens
 from modeling_diff.kernels._triton import tickets_of
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -91,3 +91,84 @@ def test_what_the_kernel_does_not_take_goes_to_torch_argmax(case, monkeypatch):
         monkeypatch.setattr(greedy, "MAX_ROWS", 2)
     calls = launched(monkeypatch)
     assert torch.equal(greedy_tokens(scores), torch.argmax(scores, -1)) and not calls
+
+
+class Owner:  # the object whose tickets a launch takes (weak-referenced)
+    pass
+
+
+def step_buffers(rows: int, slots: int, eos: list[int], generated: int, min_generated: int, cache_index: int,
+                 pad: int, generator: torch.Generator) -> dict:
+    """The buffers of `greedy_step` (as GreedyStepGraph keeps them) mid-generation: some rows finished, earlier
+    tokens recorded, random positions."""
+    long = dict(dtype=torch.long, device=DEVICE)
+    visible = torch.zeros(rows, 1, 1, slots, dtype=torch.bool, device=DEVICE)
+    visible[..., : cache_index + 1] = True
+    return dict(
+        token=torch.randint(0, 50, (rows, 1), generator=generator).to(**long),
+        position=torch.randint(0, slots, (rows, 1), generator=generator).to(**long),
+        visible=visible,
+        counters=torch.tensor([generated, min_generated, cache_index, pad], **long),
+        eos=torch.tensor(eos, **long),
+        unfinished=(torch.rand(rows, generator=generator) < 0.7).to(DEVICE),
+        chosen=torch.randint(0, 50, (rows, slots), generator=generator).to(**long),
+        alive=torch.ones(slots, dtype=torch.bool, device=DEVICE),
+    )
+
+
+def recorded(scores: torch.Tensor, b: dict, monkeypatch) -> dict:
+    """GreedyStepGraph.record, the kernel's reference, on a copy of the buffers b, its choice torch.argmax."""
+    from modeling_diff import generation
+    from modeling_diff.generation import GreedyStepGraph
+
+    monkeypatch.setattr(generation, "greedy_tokens", lambda scores, owner: torch.argmax(scores, -1))
+
+    steps = GreedyStepGraph.__new__(GreedyStepGraph)  # its buffers only: record reads no model
+    for name, tensor in b.items():
+        setattr(steps, "tokens" if name == "chosen" else name, tensor.clone())
+    steps.generated, steps.min_generated, steps.cache_index, steps.pad = (steps.counters[i:i + 1] for i in range(4))
+    steps.record(scores)
+    return {name: getattr(steps, "tokens" if name == "chosen" else name) for name in b}
+
+
+@pytest.mark.parametrize("eos", [[], [3], [3, 2 * BLOCK + 1, 7]])
+@pytest.mark.parametrize("suppressed", [True, False])
+def test_a_generation_step_in_the_choice_launch_is_its_torch_reference(eos, suppressed, monkeypatch):
+    """`greedy_step` against `GreedyStepGraph.record` (torch operations): the EOS ids' scores -inf while generated <
+    min_generated, the pad token on finished rows, an EOS chosen finishing its row, the token recorded, the next
+    input, position and mask slot, `alive` and the counters; over steps that choose EOS on some rows (the largest
+    score), with ties and NaN; one launch each, the tickets back at zero."""
+    generator = torch.Generator().manual_seed(len(eos) + suppressed)
+    rows, vocab, slots = 5, 2 * BLOCK + 40, 12
+    b = step_buffers(rows, slots, eos, 2, 4 if suppressed else 1, 6, pad=11, generator=generator)
+    owner, calls = Owner(), launched(monkeypatch)
+    for step in range(3):
+        scores = torch.randn(rows, vocab, generator=generator).to(DEVICE)
+        if eos:
+            scores[step % rows, eos[-1]] = 50.0  # an EOS is the largest score of one row
+            scores[(step + 1) % rows, eos[0]] = float("nan")  # NaN on an EOS: the row's choice unless suppressed
+        scores[(step + 2) % rows, [BLOCK - 1, BLOCK + 5]] = 60.0  # a tie across parts
+        want = recorded(scores, b, monkeypatch)
+        assert greedy_step(scores, **b, owner=owner)
+        for name in b:
+            assert torch.equal(b[name], want[name]), (step, name)
+    assert len(calls) == 3
+    assert not tickets_of(owner, greedy.MAX_ROWS + 1, scores.device).any()
+    assert b["counters"].tolist()[0] == 5 and b["visible"][..., 9].all()
+
+
+def test_a_generation_step_the_kernel_does_not_take_writes_nothing(monkeypatch):
+    """Buffers of another layout or dtype, or too many EOS ids: `greedy_step` returns False and writes nothing (the
+    caller's torch reference then runs)."""
+    generator = torch.Generator().manual_seed(0)
+    scores = torch.randn(2, 300, device=DEVICE)
+    calls = launched(monkeypatch)
+    for name, bad in [("token", lambda t: t.int()), ("visible", lambda t: t.long()),
+                      ("chosen", lambda t: t.t().contiguous().t()), ("eos", lambda t: torch.arange(65, device=DEVICE))]:
+        b = step_buffers(2, 8, [3], 1, 0, 3, pad=0, generator=generator)
+        b[name] = bad(b[name])
+        before = {k: v.clone() for k, v in b.items()}
+        assert not greedy_step(scores, **b, owner=Owner())
+        assert all(torch.equal(b[k], before[k]) for k in b)
+    assert not greedy_step(scores.double(), **step_buffers(2, 8, [3], 1, 0, 3, 0, generator), owner=Owner())
+    assert not calls

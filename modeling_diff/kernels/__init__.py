@@ -40,7 +40,7 @@ from .cache_write import mark_written, projection_cache_layer, update_cache, wri
 from .combine import dex_folded_weight, v1_combine, v2_combine, v2_combine_projected
 from .decode import DexCombine, V1Combine, V2Combine, combined_decode_applies, combined_decode_attention
 from .flash_diff import flash_diff_applies, flash_diff_attention
-from .greedy import greedy_tokens
+from .greedy import greedy_step, greedy_tokens
 from .masks import static_step_mask
 from .projection import (
     gated_projection, gated_projection_applies, linear_maps, rotated_projections, rotated_projections_apply,
@@ -56,7 +56,7 @@ __all__ = [
     "DIFF_TRITON", "FUSED_DIFF", "DexCombine", "V1Combine", "V2Combine", "add_rms_norm", "add_rms_norm_applies",
     "apply_rope", "combined_decode_applies", "combined_decode_attention", "dex_folded_weight",
     "diff_triton_attention_forward", "flash_diff_applies", "flash_diff_attention", "gated_projection",
-    "gated_projection_applies", "greedy_tokens", "has_extra_options", "is_plain_linear", "linear_maps",
+    "gated_projection_applies", "greedy_step", "greedy_tokens", "has_extra_options", "is_plain_linear", "linear_maps",
     "mark_written", "projection_cache_layer", "resolve", "rms_norm", "rms_norm_kernel_applies", "rope_cos_sin",
     "rope_cos_sin_applies", "rotated_projections", "rotated_projections_apply", "silu_mul", "silu_mul_applies",
     "runs_own_forward", "split_linear", "split_linear_applies", "static_step_mask", "swiglu_mlp",

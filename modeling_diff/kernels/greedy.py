@@ -1,6 +1,8 @@
 """The greedy choice of a decoding step: torch.argmax(scores, -1) in one launch (`triton_greedy.py`).
 
     greedy_tokens(scores (B, V), out=None) -> (B,) int64, the first index of each row's maximum (NaN the largest)
+    greedy_step(scores, *, token, position, visible, counters, eos, unfinished, chosen, alive, owner) -> bool:
+        the same choice and a greedy generation step's bookkeeping in the same launch (generate()'s graph)
 
 PyTorch reduces a row of a few tens of thousands of scores in one thread block: 10 us a step at batch 1 on the
 H200, the longest of a decoding step's small kernels (benchmarks/RESULTS.md), where the bytes take well under one.
@@ -19,7 +21,8 @@ if TRITON_AVAILABLE:
     from .triton_greedy import _greedy_tokens
 
 BLOCK = 1024  # scores a program
-MAX_ROWS = 1024  # rows a launch: one ticket each, allocated once per owner and device
+MAX_ROWS = 1024  # rows a launch: one ticket each (and one for a generation step), allocated once per owner and device
+MAX_EOS = 64  # EOS ids a generation step compares with each score
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -44,16 +47,69 @@ def greedy_tokens(scores: torch.Tensor, out: torch.Tensor | None = None, owner: 
     rows, vocab = scores.shape
     parts = cdiv(vocab, BLOCK)
     tokens = torch.empty(rows, dtype=torch.long, device=scores.device) if out is None else out
-    best = torch.empty(rows, parts, dtype=torch.float32, device=scores.device)
-    best_at = torch.empty(rows, parts, dtype=torch.int32, device=scores.device)
-    tickets = tickets_of(greedy_tokens if owner is None else owner, MAX_ROWS, scores.device)  # 0 between launches
-    pdl = dependent_launch(scores, rows)
+    best, best_at, tickets, pdl = _launch_buffers(scores, greedy_tokens if owner is None else owner)
+    unused = tokens  # the step's pointers, not read without STEP
     try:
         _greedy_tokens[(rows, parts)](
             scores, best, best_at, tickets, tokens, scores.stride(0), tokens.stride(0), vocab,
-            PARTS=parts, PARTS_POW2=next_power_of_2(parts), BLOCK=BLOCK, PDL=pdl, launch_pdl=pdl,
+            unused, unused, unused, unused, 0, unused, unused, unused, 0, 0, rows,
+            PARTS=parts, PARTS_POW2=next_power_of_2(parts), BLOCK=BLOCK, STEP=False, MAX_ROWS=MAX_ROWS, EOS=0,
+            EOS_POW2=1, ROWS_POW2=1, PDL=pdl, launch_pdl=pdl,
         )
     except BaseException:  # a launch cut short (the interpreter's programs run one by one) leaves no ticket taken
         tickets.zero_()
         raise
     return tokens
+
+
+def _launch_buffers(scores: torch.Tensor, owner: object):
+    """(each part's best score and its index, the owner's tickets: a row's and the step's, PDL or not)."""
+    rows, parts = scores.shape[0], cdiv(scores.shape[1], BLOCK)
+    best = torch.empty(rows, parts, dtype=torch.float32, device=scores.device)
+    best_at = torch.empty(rows, parts, dtype=torch.int32, device=scores.device)
+    tickets = tickets_of(owner, MAX_ROWS + 1, scores.device)  # 0 between launches
+    return best, best_at, tickets, dependent_launch(scores, rows)
+
+
+def _contiguous(*tensors: torch.Tensor) -> bool:
+    return all(t.is_contiguous() and type(t) is torch.Tensor for t in tensors)
+
+
+def greedy_step(scores: torch.Tensor, *, token: torch.Tensor, position: torch.Tensor, visible: torch.Tensor,
+                counters: torch.Tensor, eos: torch.Tensor, unfinished: torch.Tensor, chosen: torch.Tensor,
+                alive: torch.Tensor, owner: object) -> bool:
+    """A greedy generation step's choice and bookkeeping in the one launch of the choice, where the kernel applies;
+    -> whether it ran (else nothing is written: the caller runs its torch reference, `GreedyStepGraph.record`).
+    The buffers, B rows, S cache slots, E EOS ids: scores (B, V); token, position (B, 1) int64, the next step's input
+    and its position (+1); visible (B, 1, 1, S) bool, the next step's mask (slot cache_index + 1 set); counters (4,)
+    int64 = (generated, min_generated, cache_index, pad), generated and cache_index advanced; eos (E,) int64;
+    unfinished (B,) bool; chosen (B, S) int64, the token recorded at column generated; alive (S,) bool, whether any
+    row is unfinished after step `generated`. The EOS ids' scores count as -inf while generated < min_generated;
+    a finished row takes the pad token. `owner`: whose tickets (one per stream that launches it)."""
+    rows = scores.shape[0]
+    if not (
+        greedy_tokens_applies(scores)
+        and _contiguous(token, position, visible, counters, eos, unfinished, chosen, alive)
+        and token.shape == position.shape == (rows, 1) and visible.shape[:3] == (rows, 1, 1)
+        and counters.shape == (4,) and eos.dim() == 1 and eos.numel() <= MAX_EOS
+        and unfinished.shape == (rows,) and chosen.shape[0] == rows
+        and all(t.dtype == torch.long for t in (token, position, counters, eos, chosen))
+        and all(t.dtype == torch.bool for t in (visible, unfinished, alive))
+        and all(t.device == scores.device for t in (token, position, visible, counters, eos, unfinished, chosen, alive))
+    ):
+        return False
+    parts = cdiv(scores.shape[1], BLOCK)
+    best, best_at, tickets, pdl = _launch_buffers(scores, owner)
+    try:
+        _greedy_tokens[(rows, parts)](
+            scores, best, best_at, tickets, token, scores.stride(0), 1, scores.shape[1],
+            counters, eos, unfinished, chosen, chosen.stride(0), alive, position, visible, visible.stride(0),
+            visible.shape[-1], rows,
+            PARTS=parts, PARTS_POW2=next_power_of_2(parts), BLOCK=BLOCK, STEP=True, MAX_ROWS=MAX_ROWS,
+            EOS=eos.numel(), EOS_POW2=next_power_of_2(max(eos.numel(), 1)), ROWS_POW2=next_power_of_2(rows),
+            PDL=pdl, launch_pdl=pdl,
+        )
+    except BaseException:
+        tickets.zero_()
+        raise
+    return True
