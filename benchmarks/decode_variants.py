@@ -21,7 +21,8 @@ process:
 
 `--partial BLOCK_N,WARPS,STAGES,PROGRAMS_PER_SM ...` adds a variant per launch configuration of the split-KV decode
 kernel (`kernels/triton_decode.py`; its default is 64,4,3,2, with 4 stages and 3 programs a multiprocessor in steps of
-at most 16 tokens, and 128 keys a tile there for V1's 2d-wide values; BLOCK_N sets both widths).
+at most 16 tokens, and 128 keys a tile at 3 stages there for V1's 2d-wide values; BLOCK_N sets both widths, STAGES
+every step's).
 `--constants MODULE.NAME=VALUE[+MODULE.NAME=VALUE...] ...` adds one per set of the kernels' launch rules, MODULE one of
 `_triton`, `projection`, `triton_decode` (e.g. `projection.SPLIT_MAX_TOKENS=32+_triton.DECODE_PDL_MAX_TOKENS=32`:
 the split products, and the decode kernel's few-token launch with PDL, at batch 32).
@@ -87,7 +88,8 @@ VARIANTS = ["default", *FEATURES]
 # --partial's fields -> the constants each sets (STAGES: at every token count)
 PARTIAL_CONSTANTS = (
     ("PARTIAL_BLOCK_N", "PARTIAL_BLOCK_N_WIDE_FEW_TOKENS"), ("PARTIAL_NUM_WARPS",),
-    ("PARTIAL_NUM_STAGES", "PARTIAL_NUM_STAGES_FEW_TOKENS"), ("PROGRAMS_PER_SM", "PROGRAMS_PER_SM_FEW_TOKENS"),
+    ("PARTIAL_NUM_STAGES", "PARTIAL_NUM_STAGES_FEW_TOKENS", "PARTIAL_NUM_STAGES_WIDE_FEW_TOKENS"),
+    ("PROGRAMS_PER_SM", "PROGRAMS_PER_SM_FEW_TOKENS"),
 )
 
 

@@ -997,9 +997,10 @@ def test_decode_kernel_launch_in_steps_of_at_most_16_tokens():
 
 @pytest.mark.parametrize("device_shared_memory", [232448, 166912, 101376])  # H200 / H100, A100, most other GPUs
 def test_decode_kernel_tiles_fit_the_devices_shared_memory(device_shared_memory, monkeypatch):
-    """Keys a tile and stages of the split-KV kernel: 128 keys for V1's 2d-wide values in steps of at most 16 tokens,
-    64 above and for narrower values; fewer keys, then fewer stages, where a program would take more than 90% of the
-    device's shared memory (`partial_shared_memory`: at 64 query rows a buffer for every stage)."""
+    """Keys a tile and stages of the split-KV kernel: 128 keys at 3 stages for V1's 2d-wide values in steps of at most
+    16 tokens, 64 keys above (3 stages) and for narrower values (4 stages in steps of at most 16 tokens); fewer keys,
+    then fewer stages, where a program would take more than 90% of the device's shared memory
+    (`partial_shared_memory`: at 64 query rows a buffer for every stage)."""
     from modeling_diff.kernels import triton_decode
 
     monkeypatch.setattr(triton_decode, "shared_memory", lambda device: device_shared_memory)
@@ -1007,10 +1008,10 @@ def test_decode_kernel_tiles_fit_the_devices_shared_memory(device_shared_memory,
     # (tokens, query rows a program, K width, V width) -> (keys, stages) at the H200's / the A100's / a 99 KiB
     # device's shared memory
     expected = {
-        (1, 16, 128, 128): [(128, 4), (64, 4), (64, 3)],  # V1 (2d = 128): 3 tiles of 128 keys are 192 KiB
-        (16, 16, 128, 128): [(128, 4), (64, 4), (64, 3)],
+        (1, 16, 128, 128): [(128, 3), (128, 3), (64, 3)],  # V1 (2d = 128): 2 tiles of 128 keys are 128 KiB
+        (16, 16, 128, 128): [(128, 3), (128, 3), (64, 3)],
         (17, 16, 128, 128): [(64, 3), (64, 3), (64, 3)],
-        (16, 64, 128, 128): [(64, 4), (64, 3), (64, 2)],  # a prefill of 8 tokens: 4 tiles at 4 stages
+        (16, 64, 128, 128): [(64, 3), (64, 3), (64, 2)],  # a prefill of 8 tokens: 3 tiles at 3 stages
         (1, 16, 64, 64): [(64, 4), (64, 4), (64, 4)],  # V2, DEX
         (32, 16, 64, 64): [(64, 3), (64, 3), (64, 3)],
     }

@@ -48,6 +48,10 @@ PARTIAL_NUM_STAGES = 3  # Triton's default
 # (DEX's changed by less than its spread); at batch 32 they made V1's 0.27 ms slower (benchmarks/decode_variants.py
 # --partial).
 PARTIAL_NUM_STAGES_FEW_TOKENS = 4
+# ... and 3 where the tiles are PARTIAL_BLOCK_N_WIDE_FEW_TOKENS keys of values at least WIDE_VALUES wide (V1's 2d): on
+# the H200 V1's batch-1 step took 0.915 against 0.927 ms at an 8K context and 0.839 against 0.842 at 2K (one program a
+# multiprocessor either way; benchmarks/decode_variants.py --constants, benchmarks/RESULTS.md).
+PARTIAL_NUM_STAGES_WIDE_FEW_TOKENS = 3
 # The number of chunks (splits) aims at about this many programs per multiprocessor. In steps of at most
 # DECODE_PDL_MAX_TOKENS tokens 3: on the H200 a batch-1 step at a 2K context took DEX from 0.897 to 0.848 ms and V2
 # from 0.944 to 0.934 (V1's 4 kv heads keep their chunks: at most one per 64-key tile); at batch 32, 3 made V1's step
@@ -290,8 +294,9 @@ def partial_tiles(tokens: int, block_rows: int, k_dim: int, v_dim: int, element_
     a program (`masked`: reading a bool mask): the constants above, with fewer keys (down to PARTIAL_BLOCK_N) and then
     fewer stages where a program would take more than 90% of the device's shared memory (`partial_shared_memory`)."""
     few = tokens <= _triton.DECODE_PDL_MAX_TOKENS
-    block_n = PARTIAL_BLOCK_N_WIDE_FEW_TOKENS if few and v_dim >= WIDE_VALUES else PARTIAL_BLOCK_N
-    stages = PARTIAL_NUM_STAGES_FEW_TOKENS if few else PARTIAL_NUM_STAGES
+    wide = few and v_dim >= WIDE_VALUES
+    block_n = PARTIAL_BLOCK_N_WIDE_FEW_TOKENS if wide else PARTIAL_BLOCK_N
+    stages = PARTIAL_NUM_STAGES_WIDE_FEW_TOKENS if wide else PARTIAL_NUM_STAGES_FEW_TOKENS if few else PARTIAL_NUM_STAGES
     room = int(0.9 * shared_memory(device))
 
     def fits() -> bool:
