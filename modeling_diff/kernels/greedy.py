@@ -44,31 +44,34 @@ def greedy_tokens(scores: torch.Tensor, out: torch.Tensor | None = None, owner: 
                          f"{out.dtype} {tuple(out.shape)} on {out.device}")
     if not greedy_tokens_applies(scores):
         return torch.argmax(scores, -1, out=out) if out is not None else torch.argmax(scores, -1)
+    tokens = torch.empty(scores.shape[0], dtype=torch.long, device=scores.device) if out is None else out
+    unused = tokens  # the step's pointers, not read without STEP
+    step = (unused,) * 4 + (0,) + (unused,) * 3 + (0, 0, scores.shape[0])
+    _launch(scores, greedy_tokens if owner is None else owner, tokens, tokens.stride(0), step, False, 0)
+    return tokens
+
+
+def _launch(scores: torch.Tensor, owner: object, tokens: torch.Tensor, token_stride: int, step: tuple, is_step: bool,
+            eos: int) -> None:
+    """One `_greedy_tokens` launch over scores (B, V): the tokens into `tokens` (stride `token_stride`); `step`: the
+    generation step's arguments (Counters .. ROWS) where `is_step`, else placeholders; `eos`: the EOS ids (STEP).
+    Each part's best score and its index in buffers of this launch; the owner's tickets, a row's and the step's."""
     rows, vocab = scores.shape
     parts = cdiv(vocab, BLOCK)
-    tokens = torch.empty(rows, dtype=torch.long, device=scores.device) if out is None else out
-    best, best_at, tickets, pdl = _launch_buffers(scores, greedy_tokens if owner is None else owner)
-    unused = tokens  # the step's pointers, not read without STEP
+    best = torch.empty(rows, parts, dtype=torch.float32, device=scores.device)
+    best_at = torch.empty(rows, parts, dtype=torch.int32, device=scores.device)
+    tickets = tickets_of(owner, MAX_ROWS + 1, scores.device)  # 0 between launches
+    pdl = dependent_launch(scores, rows)
     try:
         _greedy_tokens[(rows, parts)](
-            scores, best, best_at, tickets, tokens, scores.stride(0), tokens.stride(0), vocab,
-            unused, unused, unused, unused, 0, unused, unused, unused, 0, 0, rows,
-            PARTS=parts, PARTS_POW2=next_power_of_2(parts), BLOCK=BLOCK, STEP=False, MAX_ROWS=MAX_ROWS, EOS=0,
-            EOS_POW2=1, ROWS_POW2=1, PDL=pdl, launch_pdl=pdl,
+            scores, best, best_at, tickets, tokens, scores.stride(0), token_stride, vocab, *step,
+            PARTS=parts, PARTS_POW2=next_power_of_2(parts), BLOCK=BLOCK, STEP=is_step, MAX_ROWS=MAX_ROWS, EOS=eos,
+            EOS_POW2=next_power_of_2(max(eos, 1)), ROWS_POW2=next_power_of_2(rows) if is_step else 1,
+            PDL=pdl, launch_pdl=pdl,
         )
     except BaseException:  # a launch cut short (the interpreter's programs run one by one) leaves no ticket taken
         tickets.zero_()
         raise
-    return tokens
-
-
-def _launch_buffers(scores: torch.Tensor, owner: object):
-    """(each part's best score and its index, the owner's tickets: a row's and the step's, PDL or not)."""
-    rows, parts = scores.shape[0], cdiv(scores.shape[1], BLOCK)
-    best = torch.empty(rows, parts, dtype=torch.float32, device=scores.device)
-    best_at = torch.empty(rows, parts, dtype=torch.int32, device=scores.device)
-    tickets = tickets_of(owner, MAX_ROWS + 1, scores.device)  # 0 between launches
-    return best, best_at, tickets, dependent_launch(scores, rows)
 
 
 def _contiguous(*tensors: torch.Tensor) -> bool:
@@ -98,18 +101,7 @@ def greedy_step(scores: torch.Tensor, *, token: torch.Tensor, position: torch.Te
         and all(t.device == scores.device for t in (token, position, visible, counters, eos, unfinished, chosen, alive))
     ):
         return False
-    parts = cdiv(scores.shape[1], BLOCK)
-    best, best_at, tickets, pdl = _launch_buffers(scores, owner)
-    try:
-        _greedy_tokens[(rows, parts)](
-            scores, best, best_at, tickets, token, scores.stride(0), 1, scores.shape[1],
-            counters, eos, unfinished, chosen, chosen.stride(0), alive, position, visible, visible.stride(0),
-            visible.shape[-1], rows,
-            PARTS=parts, PARTS_POW2=next_power_of_2(parts), BLOCK=BLOCK, STEP=True, MAX_ROWS=MAX_ROWS,
-            EOS=eos.numel(), EOS_POW2=next_power_of_2(max(eos.numel(), 1)), ROWS_POW2=next_power_of_2(rows),
-            PDL=pdl, launch_pdl=pdl,
-        )
-    except BaseException:
-        tickets.zero_()
-        raise
+    step = (counters, eos, unfinished, chosen, chosen.stride(0), alive, position, visible, visible.stride(0),
+            visible.shape[-1], rows)
+    _launch(scores, owner, token, 1, step, True, eos.numel())
     return True
