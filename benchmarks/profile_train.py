@@ -8,9 +8,17 @@ bytes the forward saves for the backward (every distinct storage that autograd k
 `torch.autograd.graph.saved_tensors_hooks`), and the GPU time per kernel class (matmuls, attention forward,
 attention backward, everything else). With --out, one file per model with the profiler's kernel table and the
 saved activations by shape (which tensors a model keeps that another does not).
+
+With --trace (needs --out), also where the GPU waits on the host within a step: one more step is profiled with the
+host's operators and Python frames, its Chrome trace written gzipped, and each stretch in which no kernel ran
+(`idle_gaps`) put down to the host operator that launched the kernel after it. A step's wall time minus its GPU
+busy time is that idle time plus the host's time before the first kernel and after the last.
 """
 
 import argparse
+import bisect
+import gzip
+import json
 import os
 import time
 from collections import Counter
@@ -55,7 +63,85 @@ def saved_activations(model, ids) -> tuple[float, Counter]:
     return sum(by_shape.values()), by_shape
 
 
-def profile_model(name: str, seq: int, batch: int, out: str | None) -> dict:
+def idle_gaps(kernels, launches, host_ops, min_gap: float = 0.0) -> tuple[float, list]:
+    """The stretches between a step's first kernel start and last kernel end in which no kernel ran, each put down
+    to the host: kernels (start, end, correlation) and launches {correlation: (time, thread)} as the profiler's
+    trace gives them (times in us), host_ops [(start, end, thread, name)] the host's operators and Python frames.
+    Returns (the idle time summed, [(gap, the time the kernel after it was launched less the end of the one before,
+    the names of the host operators enclosing that launch, outermost first)] for gaps of at least min_gap): a
+    launch after the GPU ran dry means the host was behind (or waiting, as in a synchronizing call)."""
+    by_thread = {}
+    for start, end, thread, name in sorted(host_ops):
+        by_thread.setdefault(thread, []).append((start, end, name))
+    starts = {thread: [op[0] for op in ops] for thread, ops in by_thread.items()}
+    total, gaps, covered = 0.0, [], None
+    for start, end, correlation in sorted(kernels):
+        if covered is not None and start > covered:
+            total += start - covered
+            if start - covered >= min_gap and correlation in launches:
+                time_, thread = launches[correlation]
+                ops = by_thread.get(thread, [])
+                enclosing = [name for op_start, op_end, name in ops[:bisect.bisect_right(starts[thread], time_)]
+                             if op_end >= time_]
+                gaps.append((start - covered, time_ - covered, enclosing))
+        covered = end if covered is None else max(covered, end)
+    return total, gaps
+
+
+def trace_events(path: str) -> tuple[list, dict, list]:
+    """(kernels, launches, host operators) of a Chrome trace that torch.profiler exported, as `idle_gaps` takes them."""
+    with gzip.open(path, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    kernels, launches, host_ops = [], {}, []
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        category, args = e.get("cat"), e.get("args", {})
+        if category in ("kernel", "gpu_memcpy", "gpu_memset"):
+            kernels.append((e["ts"], e["ts"] + e["dur"], args.get("correlation")))
+        elif category == "cuda_runtime" or category == "cuda_driver":
+            launches[args.get("correlation")] = (e["ts"], e["tid"])
+            if e["dur"] >= 50:  # a blocking call (a synchronization, an allocation) shows up as a host op of its own
+                host_ops.append((e["ts"], e["ts"] + e["dur"], e["tid"], e["name"]))
+        elif category in ("cpu_op", "python_function", "user_annotation"):
+            host_ops.append((e["ts"], e["ts"] + e["dur"], e["tid"], e["name"]))
+    return kernels, launches, host_ops
+
+
+def gap_report(path: str, min_gap: float = 20.0, rows: int = 40) -> str:
+    """The idle time of the traced step and the host operators behind its gaps of at least min_gap us, summed by the
+    innermost operator of our code, transformers', Liger's or torch.optim's (else the innermost) and by the outermost."""
+    total, gaps = idle_gaps(*trace_events(path), min_gap=min_gap)
+    ours = ("modeling_diff", "liger_kernel", "transformers/", "torch/optim", "autograd::engine")
+    inner, outer = Counter(), Counter()
+    for gap, _, enclosing in gaps:
+        named = [name for name in enclosing if any(word in name for word in ours)] or enclosing or ["(none)"]
+        inner[named[-1][:140]] += gap / 1e3
+        outer[(enclosing or ["(none)"])[0][:140]] += gap / 1e3
+    lines = [f"GPU idle within the step: {total / 1e3:.2f} ms, {sum(g for g, _, _ in gaps) / 1e3:.2f} ms of it in "
+             f"{len(gaps)} gaps of >= {min_gap:g} us", "", "by the innermost host operator of the launch after it (ms):"]
+    lines += [f"{ms:8.3f}  {name}" for name, ms in inner.most_common(rows)]
+    lines += ["", "by the outermost host operator (ms):"]
+    lines += [f"{ms:8.3f}  {name}" for name, ms in outer.most_common(rows)]
+    lines += ["", "the largest gaps (us, launch after the GPU ran dry us, enclosing operators):"]
+    for gap, late, enclosing in sorted(gaps, key=lambda g: -g[0])[:rows]:
+        lines.append(f"{gap:9.1f} {late:9.1f}  " + " > ".join(name[:60] for name in enclosing[-6:]))
+    return "\n".join(lines)
+
+
+def traced_step(step, path: str) -> None:
+    """One step under the profiler with the host's operators and Python frames, its Chrome trace gzipped to path."""
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        step()
+        torch.cuda.synchronize()
+    plain = path.removesuffix(".gz")
+    prof.export_chrome_trace(plain)
+    with open(plain, "rb") as src, gzip.open(path, "wb") as dst:
+        dst.write(src.read())
+    os.remove(plain)
+
+
+def profile_model(name: str, seq: int, batch: int, out: str | None, trace: bool = False) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = True
     warm_up_gpu(1.0)
     with kernels_patched(name):
@@ -82,6 +168,9 @@ def profile_model(name: str, seq: int, batch: int, out: str | None) -> dict:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             step()
             torch.cuda.synchronize()
+        if trace:
+            trace_path = os.path.join(out, f"trace_{name}_{seq}x{batch}.json.gz")
+            traced_step(step, trace_path)
     classes = Counter()
     events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
     for e in events:
@@ -97,6 +186,8 @@ def profile_model(name: str, seq: int, batch: int, out: str | None) -> dict:
             f.write("\nsaved for the backward (GiB by shape, dtype):\n")
             for (shape, dtype), gib in by_shape.most_common(40):
                 f.write(f"{gib:8.3f}  {shape} {dtype}\n")
+            if trace:
+                f.write("\n" + gap_report(trace_path) + "\n")
     return row
 
 
@@ -107,8 +198,11 @@ def main(argv=None):
     parser.add_argument("--models", nargs="+", default=["llama-liger", "v1-liger", "v2-liger", "dex-liger"],
                         choices=MODELS)
     parser.add_argument("--out", help="folder for the kernel and activation tables, one file per model")
+    parser.add_argument("--trace", action="store_true", help="also the step's trace and where the GPU waits on the host")
     args = profiling_args(parser, argv, ("seq", "batch"), "profile_train.py")
-    rows = [in_fresh_process(profile_model, name, args.seq, args.batch, args.out)
+    if args.trace and not args.out:
+        parser.error("--trace needs --out")
+    rows = [in_fresh_process(profile_model, name, args.seq, args.batch, args.out, args.trace)
             for name in tqdm(args.models, desc="models")]
     columns = ["step_ms", "peak_gib", "saved_gib", "gpu_ms", "matmul ms", "attention forward ms",
                "attention backward ms", "other ms"]

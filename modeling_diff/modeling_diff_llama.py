@@ -8,6 +8,7 @@ transformers renamed the cache argument `past_key_values` to `cache` after 5.17;
 and outputs carry the cache under the name the installed transformers expects.
 """
 
+import functools
 import inspect
 from contextlib import contextmanager
 
@@ -54,6 +55,22 @@ def _renamed_cache_kwarg(forward):
     if CACHE_KWARG == "cache":
         return deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")(forward)
     return forward
+
+
+def _no_cache_unless_asked_in_training(forward):
+    """A training forward (train mode, gradients on) builds a DynamicCache only where the call asks for one
+    (`use_cache=True`). transformers' Llama builds one from `config.use_cache`, which no training step reads: it
+    copies every layer's keys and values into the cache, and its backward copies their gradients back to the
+    projections' layout (64 launches, about 1.4 ms of a 2K x 4 step of the ~1.1B preset). Anywhere else the
+    config's default holds. (As for transformers' decorator under it, use_cache is a keyword.)"""
+
+    @functools.wraps(forward)
+    def wrapper(self, *args, **kwargs):
+        if kwargs.get("use_cache") is None and self.training and torch.is_grad_enabled():
+            kwargs["use_cache"] = False
+        return forward(self, *args, **kwargs)
+
+    return wrapper
 
 
 class DiffLlamaRMSNorm(LlamaRMSNorm):
@@ -335,6 +352,7 @@ class DiffLlamaModel(DiffLlamaPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
+    @_no_cache_unless_asked_in_training
     @merge_with_config_defaults
     @capture_outputs
     @_renamed_cache_kwarg

@@ -1,6 +1,6 @@
 """Helpers of the benchmark scripts that decide what their tables say, on CPU: the phases of a whole-step graph
-generate() call (bench.py), the exposed time of overlapping kernels (profile_decode.py) and the launch rules a
-variant of decode_variants.py sets."""
+generate() call (bench.py), the exposed time of overlapping kernels (profile_decode.py), the GPU's idle gaps of a
+training step put down to the host (profile_train.py) and the launch rules a variant of decode_variants.py sets."""
 
 import os
 import sys
@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import bench  # noqa: E402
 import decode_variants  # noqa: E402
 import profile_decode  # noqa: E402
+import profile_train  # noqa: E402
 
 STATIC = dict(cache_implementation="static", do_sample=False)
 
@@ -49,6 +50,34 @@ def test_exposed_times_add_up_to_the_span_of_the_kernels(launches, exposed, idle
     assert got == exposed and got_idle == idle
     span = max(end for _, _, end in launches) - min(start for _, start, _ in launches)
     assert sum(got.values()) + got_idle == span
+
+
+def test_idle_gaps_are_put_down_to_the_host_operators_around_the_late_launch(tmp_path):
+    """Two gaps: kernel b launched 30 us after a ended, inside the step > backward > our node on thread 2 (the host
+    was behind); kernel c launched before b ended, so the 5 us before it are launch latency, not the host's. And the
+    trace file as torch.profiler writes it gives the same."""
+    kernels = [(0, 10, 1), (50, 60, 2), (65, 70, 3)]
+    launches = {1: (-5, 1), 2: (40, 2), 3: (45, 2)}
+    host_ops = [(-10, 100, 1, "step"), (20, 90, 2, "autograd::engine: Backward"), (35, 42, 2, "combine.py: backward"),
+                (41, 43, 1, "elsewhere")]  # another thread's op around 40: not the launching thread's
+    total, gaps = profile_train.idle_gaps(kernels, launches, host_ops, min_gap=1)
+    assert total == 40 + 5
+    assert gaps == [(40, 30, ["autograd::engine: Backward", "combine.py: backward"]), (5, -15, ["autograd::engine: Backward"])]
+    assert profile_train.idle_gaps(kernels, launches, host_ops, min_gap=10) == (45, gaps[:1])
+
+    import gzip
+    import json
+    events = [dict(ph="X", cat="kernel", ts=s, dur=e - s, tid=7, args=dict(correlation=c)) for s, e, c in kernels]
+    events += [dict(ph="X", cat="cuda_runtime", name="cudaLaunchKernel", ts=t, dur=1, tid=th, args=dict(correlation=c))
+               for c, (t, th) in launches.items()]
+    events += [dict(ph="X", cat="cpu_op" if "::" in n or n in ("step", "elsewhere") else "python_function", name=n, ts=s,
+                    dur=e - s, tid=th) for s, e, th, n in host_ops]
+    path = tmp_path / "trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump(dict(traceEvents=events + [dict(ph="f", cat="ac2g", ts=0, id=1)]), f)
+    assert profile_train.idle_gaps(*profile_train.trace_events(str(path)), min_gap=1) == (total, gaps)
+    report = profile_train.gap_report(str(path), min_gap=1)
+    assert "GPU idle within the step: 0.04 ms" in report and "combine.py: backward" in report
 
 
 def test_a_constants_variant_sets_the_launch_rules_and_puts_them_back():

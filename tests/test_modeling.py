@@ -178,6 +178,23 @@ def test_loss_is_shifted_cross_entropy_and_logits_to_keep(mode):
     torch.testing.assert_close(last, out.logits[:, -3:])
 
 
+def test_a_training_forward_builds_a_cache_only_where_asked():
+    """In train mode with gradients, a forward without use_cache returns no cache (and writes none); use_cache=True
+    still gets one, and so do eval mode and train mode under no_grad (the config's default, as transformers' Llama).
+    The logits are the same either way."""
+    model = tiny_model("v1").train()
+    ids = torch.randint(3, 97, (2, 8))
+    plain = model(ids)
+    assert plain.past_key_values is None
+    asked = model(ids, use_cache=True)
+    assert asked.past_key_values is not None and asked.past_key_values.get_seq_length() == 8
+    torch.testing.assert_close(plain.logits, asked.logits)
+    assert model.model(ids).past_key_values is None  # the base model too
+    with torch.no_grad():
+        assert model(ids).past_key_values is not None
+    assert model.eval()(ids).past_key_values is not None
+
+
 @pytest.mark.parametrize("implementation", ["eager", "diff_triton"])
 @pytest.mark.parametrize("mode", MODES)
 def test_gradient_checkpointing_gives_the_same_gradients(mode, implementation, monkeypatch):
