@@ -182,13 +182,15 @@ def cuda_time(fn, repeats: int) -> float:
     return (time.perf_counter() - start) / repeats
 
 
-def bench_train(model, batch, seq, repeats):
+def bench_train(model, batch, seq, repeats, use_cache=None):
+    """(tok/s, peak GiB) of training steps; `use_cache`: what the step passes (None: the model's default, which for
+    modeling_diff's models in training is no cache, and for transformers' a DynamicCache)."""
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), device="cuda")
 
     def step():
-        loss = model(ids, labels=ids).loss
+        loss = model(ids, labels=ids, use_cache=use_cache).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -479,7 +481,9 @@ def bench_model(name: str, seq: int, phases, args) -> list[dict]:
         row = dict(seq=seq, model=name, phase=phase, batch=batch if phase in ("train", "prefill") else dec_batch)
         try:
             if phase == "train":
-                row["tok_s"], row["peak_gib"] = bench_train(model, batch, seq, args.repeats)
+                row["tok_s"], row["peak_gib"] = bench_train(model, batch, seq, args.repeats, args.train_use_cache)
+                if args.train_use_cache:
+                    row["use_cache"] = True
                 row["work"] = 3 * (body + head + attn_flops * (seq + 1) / 2)
             elif phase == "prefill":
                 row["tok_s"] = bench_prefill(model, batch, seq, args.repeats)
@@ -640,6 +644,9 @@ def main(argv=None):
                              "steps; dynamic: the DynamicCache steps, models in lockstep; generate: model.generate() "
                              "of --generate-models in lockstep")
     parser.add_argument("--tokens", type=int, default=8192, help="tokens per training / prefill batch")
+    parser.add_argument("--train-use-cache", action="store_true", default=None,
+                        help="training steps pass use_cache=True: every model builds and writes a DynamicCache, as "
+                             "transformers' do by default (modeling_diff's build none in training unless asked)")
     parser.add_argument("--prefill-chunk", type=int, default=4096,
                         help="tokens per forward (batch x chunk length) when a prompt is fed through a cache")
     parser.add_argument("--new-tokens", type=int, default=64)
