@@ -672,16 +672,24 @@ def test_kernel_mask_traced_outside_dynamo_converts_a_bool_mask():
     assert torch.equal(graph(mask), mask.to(torch.uint8))
 
 
-@pytest.mark.parametrize("batch, length, cos_batch", [(1, 1, 1), (4, 1, 4), (2, 3, 1), (16, 1, 16), (32, 1, 32)])
-def test_rotated_projections_match_the_products_and_transformers_rope(batch, length, cos_batch):
+@pytest.mark.parametrize("batch, length, cos_batch, rotated_split", [
+    (1, 1, 1, None), (4, 1, 4, None), (2, 3, 1, None), (16, 1, 16, None), (32, 1, 32, None), (1, 1, 1, (64, 256, 4)),
+])
+def test_rotated_projections_match_the_products_and_transformers_rope(batch, length, cos_batch, rotated_split,
+                                                                      monkeypatch):
     """q, k, v (and V2's lambda_proj) of a step as split products, summed and rotated in one pass: each x W^T, with
     transformers' apply_rotary_pos_emb on every head of q and k (V1's 2d-wide kv heads too: each d-wide half); cos
-    and sin shared by the batch or per row; a NaN token stays in its own row. Not taken: more than 32 tokens,
-    cos of another dtype or width, a hooked layer, recorded gradients."""
+    and sin shared by the batch or per row; a NaN token stays in its own row; with ROTATED_SPLIT_FEW_TOKENS set,
+    its launch configuration. Not taken: more than 32 tokens, cos of another dtype or width, a hooked layer,
+    recorded gradients."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     from modeling_diff.kernels import projection
 
+    monkeypatch.setattr(projection, "ROTATED_SPLIT_FEW_TOKENS", rotated_split)
+    launched = []
+    launch = projection.launch_projections
+    monkeypatch.setattr(projection, "launch_projections", lambda *a, **k: launched.append(a[3:5]) or launch(*a, **k))
     torch.manual_seed(6)
     width, d = 2048, 64 if GPU else 16  # split_config: 4 parts of 512 (2 of 1024 above FEW_TOKENS)
     layers = [linear_layer(width, n) for n in (8 * d, 4 * d, 4 * d, 6)]  # q, k (2 kv heads of 2d), v, lambda_proj
@@ -697,6 +705,8 @@ def test_rotated_projections_match_the_products_and_transformers_rope(batch, len
         out = projection.rotated_projections(x, layers, cos, sin, d)
         for got, ref in zip(out, expected):
             assert got.shape == ref.shape and got.is_contiguous() and rel_err(got, ref) < TOL
+        want = (rotated_split or projection.SPLIT_FEW_TOKENS)[:2] if batch * length <= projection.FEW_TOKENS else None
+        assert want is None or launched[-1] == want  # (rows a program, K step)
         poisoned = x.clone()
         poisoned[0, 0] = float("nan")
         out = projection.rotated_projections(poisoned, layers, cos, sin, d)

@@ -219,7 +219,7 @@ def rotated_projections_apply(x: torch.Tensor, linears, cos: torch.Tensor, sin: 
 def rotated_block(width: int, tokens: int, head_dim: int) -> int:
     """Rows a program of `rotated_projections`: the split's (`split_config`), or a head where that is wider (its
     sum rotates whole heads; a head_dim that is not a power of two may not fit)."""
-    return max(split_config(width, tokens)[0], next_power_of_2(head_dim))
+    return max(split_config(width, tokens, ROTATED_SPLIT_FEW_TOKENS)[0], next_power_of_2(head_dim))
 
 
 def rotated_projections(x: torch.Tensor, linears, cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
@@ -236,7 +236,7 @@ def rotated_projections(x: torch.Tensor, linears, cos: torch.Tensor, sin: torch.
     m = rows.shape[0]
     weights = [layer._parameters["weight"] for layer in linears]
     widths = [w.shape[0] for w in weights]
-    _, step, split = split_config(rows.shape[1], m)
+    _, step, split = split_config(rows.shape[1], m, ROTATED_SPLIT_FEW_TOKENS)
     block_n = rotated_block(rows.shape[1], m, head_dim)
     parts = torch.empty(split, m * sum(widths), dtype=torch.float32, device=x.device)
     y = torch.empty(m * sum(widths), dtype=x.dtype, device=x.device)
@@ -258,14 +258,19 @@ FEW_TOKENS = 16
 # (`--constants 'projection.SPLIT_MORE_TOKENS=(64,128,2)'`; (64,128,4) and (64,64,4) were 0.005-0.013 ms slower).
 SPLIT_FEW_TOKENS = (64, 512, 8)
 SPLIT_MORE_TOKENS = (64, 128, 2)
+# q, k and v's (`rotated_projections`) up to FEW_TOKENS where set (None: SPLIT_FEW_TOKENS), a knob of its own for
+# `decode_variants.py --constants`: at one token (64, 256, 4) compiles for sm_90a to 140 registers a thread where
+# SPLIT_FEW_TOKENS's (64, 512, 4) takes 174, so 3 programs fit on a multiprocessor where 2 do, and V2's 324 in one
+# wave (benchmarks/RESULTS.md; not measured on the GPU).
+ROTATED_SPLIT_FEW_TOKENS = None
 
 
-def split_config(width: int, tokens: int) -> tuple[int, int, int]:
-    """(rows a program, its K step, parts of K) of `launch_split_linear` for a step of `tokens` tokens: SPLIT_FEW_TOKENS
-    up to FEW_TOKENS, what measured fastest on the H200 for o_proj and down_proj at one token (benchmarks/pdl_bench.py:
+def split_config(width: int, tokens: int, few_tokens: tuple | None = None) -> tuple[int, int, int]:
+    """(rows a program, its K step, parts of K) of `launch_split_linear` for a step of `tokens` tokens: `few_tokens` or
+    else SPLIT_FEW_TOKENS up to FEW_TOKENS, what measured fastest on the H200 for o_proj and down_proj at one token (benchmarks/pdl_bench.py:
     64 rows, 512-wide steps and parts of 1-2 steps, 4 parts of o_proj's 2048, 8 of down_proj's 8192), SPLIT_MORE_TOKENS
     above (see there); each part a whole number of steps (the loop has no mask)."""
-    block_n, most_step, most_parts = SPLIT_FEW_TOKENS if tokens <= FEW_TOKENS else SPLIT_MORE_TOKENS
+    block_n, most_step, most_parts = (few_tokens or SPLIT_FEW_TOKENS) if tokens <= FEW_TOKENS else SPLIT_MORE_TOKENS
     step = min(most_step, width & -width)
     steps = width // step
     return block_n, step, min(most_parts, steps & -steps)  # a power of two dividing the steps
