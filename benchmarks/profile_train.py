@@ -110,7 +110,8 @@ def trace_events(path: str) -> tuple[list, dict, list]:
 
 def gap_report(path: str, min_gap: float = 20.0, rows: int = 40) -> str:
     """The idle time of the traced step and the host operators behind its gaps of at least min_gap us, summed by the
-    innermost operator of our code, transformers', Liger's or torch.optim's (else the innermost) and by the outermost."""
+    innermost operator of our code, transformers', Liger's or torch.optim's (else the innermost), and by the
+    outermost."""
     total, gaps = idle_gaps(*trace_events(path), min_gap=min_gap)
     ours = ("modeling_diff", "liger_kernel", "transformers/", "torch/optim", "autograd::engine")
     inner, outer = Counter(), Counter()
@@ -119,7 +120,8 @@ def gap_report(path: str, min_gap: float = 20.0, rows: int = 40) -> str:
         inner[named[-1][:140]] += gap / 1e3
         outer[(enclosing or ["(none)"])[0][:140]] += gap / 1e3
     lines = [f"GPU idle within the step: {total / 1e3:.2f} ms, {sum(g for g, _, _ in gaps) / 1e3:.2f} ms of it in "
-             f"{len(gaps)} gaps of >= {min_gap:g} us", "", "by the innermost host operator of the launch after it (ms):"]
+             f"{len(gaps)} gaps of >= {min_gap:g} us", "",
+             "by the innermost host operator of the launch after it (ms):"]
     lines += [f"{ms:8.3f}  {name}" for name, ms in inner.most_common(rows)]
     lines += ["", "by the outermost host operator (ms):"]
     lines += [f"{ms:8.3f}  {name}" for name, ms in outer.most_common(rows)]
@@ -198,7 +200,8 @@ def main(argv=None):
     parser.add_argument("--models", nargs="+", default=["llama-liger", "v1-liger", "v2-liger", "dex-liger"],
                         choices=MODELS)
     parser.add_argument("--out", help="folder for the kernel and activation tables, one file per model")
-    parser.add_argument("--trace", action="store_true", help="also the step's trace and where the GPU waits on the host")
+    parser.add_argument("--trace", action="store_true",
+                        help="also the step's trace and where the GPU waits on the host")
     args = profiling_args(parser, argv, ("seq", "batch"), "profile_train.py")
     if args.trace and not args.out:
         parser.error("--trace needs --out")

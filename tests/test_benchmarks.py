@@ -62,7 +62,8 @@ def test_idle_gaps_are_put_down_to_the_host_operators_around_the_late_launch(tmp
                 (41, 43, 1, "elsewhere")]  # another thread's op around 40: not the launching thread's
     total, gaps = profile_train.idle_gaps(kernels, launches, host_ops, min_gap=1)
     assert total == 40 + 5
-    assert gaps == [(40, 30, ["autograd::engine: Backward", "combine.py: backward"]), (5, -15, ["autograd::engine: Backward"])]
+    assert gaps == [(40, 30, ["autograd::engine: Backward", "combine.py: backward"]),
+                    (5, -15, ["autograd::engine: Backward"])]
     assert profile_train.idle_gaps(kernels, launches, host_ops, min_gap=10) == (45, gaps[:1])
 
     import gzip
@@ -70,8 +71,8 @@ def test_idle_gaps_are_put_down_to_the_host_operators_around_the_late_launch(tmp
     events = [dict(ph="X", cat="kernel", ts=s, dur=e - s, tid=7, args=dict(correlation=c)) for s, e, c in kernels]
     events += [dict(ph="X", cat="cuda_runtime", name="cudaLaunchKernel", ts=t, dur=1, tid=th, args=dict(correlation=c))
                for c, (t, th) in launches.items()]
-    events += [dict(ph="X", cat="cpu_op" if "::" in n or n in ("step", "elsewhere") else "python_function", name=n, ts=s,
-                    dur=e - s, tid=th) for s, e, th, n in host_ops]
+    events += [dict(ph="X", cat="python_function" if n.endswith("backward") else "cpu_op", name=n, ts=s, dur=e - s,
+                    tid=th) for s, e, th, n in host_ops]
     path = tmp_path / "trace.json.gz"
     with gzip.open(path, "wt") as f:
         json.dump(dict(traceEvents=events + [dict(ph="f", cat="ac2g", ts=0, id=1)]), f)

@@ -266,10 +266,11 @@ ROTATED_SPLIT_FEW_TOKENS = None
 
 
 def split_config(width: int, tokens: int, few_tokens: tuple | None = None) -> tuple[int, int, int]:
-    """(rows a program, its K step, parts of K) of `launch_split_linear` for a step of `tokens` tokens: `few_tokens` or
-    else SPLIT_FEW_TOKENS up to FEW_TOKENS, what measured fastest on the H200 for o_proj and down_proj at one token (benchmarks/pdl_bench.py:
-    64 rows, 512-wide steps and parts of 1-2 steps, 4 parts of o_proj's 2048, 8 of down_proj's 8192), SPLIT_MORE_TOKENS
-    above (see there); each part a whole number of steps (the loop has no mask)."""
+    """(rows a program, its K step, parts of K) of `launch_split_linear` for a step of `tokens` tokens: up to
+    FEW_TOKENS `few_tokens` where given, else SPLIT_FEW_TOKENS, what measured fastest on the H200 for o_proj and
+    down_proj at one token (benchmarks/pdl_bench.py: 64 rows, 512-wide steps and parts of 1-2 steps, 4 parts of
+    o_proj's 2048, 8 of down_proj's 8192); SPLIT_MORE_TOKENS above (see there); each part a whole number of steps
+    (the loop has no mask)."""
     block_n, most_step, most_parts = (few_tokens or SPLIT_FEW_TOKENS) if tokens <= FEW_TOKENS else SPLIT_MORE_TOKENS
     step = min(most_step, width & -width)
     steps = width // step
