@@ -30,8 +30,8 @@ from .kernels import (
     DIFF_TRITON, FUSED_DIFF, DexCombine, V1Combine, V2Combine, apply_rope, combined_decode_applies,
     combined_decode_attention, dex_folded_weight, flash_diff_applies, flash_diff_attention, has_extra_options,
     is_plain_linear, linear_maps, mark_written, projection_cache_layer, resolve, rotated_projections,
-    rotated_projections_apply, split_linear, split_linear_applies, update_cache, uses_fast_kernels, v1_combine,
-    v2_combine_projected, written_layer,
+    rotated_projections_apply, runs_own_forward, split_linear, split_linear_applies, update_cache, uses_fast_kernels,
+    v1_combine, v2_combine_projected, written_layer,
 )
 
 
@@ -159,7 +159,7 @@ class DexLambda(nn.Module):
 
     def per_head(self, t_over_T: torch.Tensor | None, head_mask: torch.Tensor) -> torch.Tensor:
         """lambda(t) on this rank's selected heads (head_mask (h,): 1.0 where selected), 0 elsewhere: (h_local,)."""
-        return self.forward(t_over_T) * head_mask[self.head_slice].float()
+        return self(t_over_T) * head_mask[self.head_slice].float()  # a call: its hooks run (tensor parallelism's)
 
 
 class _DiffAttentionBase(nn.Module, metaclass=abc.ABCMeta):
@@ -315,7 +315,7 @@ class DiffAttentionV1(_DiffAttentionBase):
     def subln_is_plain(self) -> bool:
         """Whether the kernels may read subln's weight: not a PEFT-wrapped norm, nor one whose forward tensor
         parallelism wraps (its gradient hooks)."""
-        return type(self.subln.weight) is nn.Parameter and "forward" not in vars(self.subln)
+        return type(self.subln.weight) is nn.Parameter and runs_own_forward(self.subln)
 
     def project(self, implementation, hidden_states, position_embeddings, cache=None):
         """-> pairs (B, L, h, 2, d) = (Q1, Q2) of each head, key (B, h_kv, L, 2d) = K1|K2 and value (B, h_kv, L, 2d),

@@ -24,11 +24,13 @@ DEX_HEAD_SLICE = "dex_head_slice"
 class ReplicatedGradAllReduce(TensorParallelLayer):
     """Parameters held whole on every rank, gradients summed over the tensor-parallel group."""
 
-    def install_forward(self, module: nn.Module, mesh) -> nn.Module:
-        original_forward = module.forward
+    def install_forward(self, module: nn.Module, mesh, **options) -> nn.Module:
+        """A forward pre-hook, not a replaced `forward`: transformers >= 5.25 kernelizes hub-kernel layers (RMSNorm,
+        hence V1's subln) after the plan is applied, which sets their forward again. `options`: what newer
+        transformers pass (5.25: config, mesh_manager); this style needs none of them."""
         group = mesh.get_group()
-        # Hooks are attached at the first forward of each parameter object: loading weights replaces the
-        # parameters after the plan is applied, which would drop hooks attached here.
+        # The gradient hooks are attached at the first forward of each parameter object: loading weights replaces
+        # the parameters after the plan is applied, which would drop hooks attached here.
         hooked: dict[str, nn.Parameter] = {}
 
         def summed_over_ranks(grad: torch.Tensor) -> torch.Tensor:
@@ -36,15 +38,14 @@ class ReplicatedGradAllReduce(TensorParallelLayer):
             dist.all_reduce(grad, group=group)
             return grad
 
-        def tp_forward(*args, **kwargs):
+        def attach_gradient_hooks(module, args):
             if torch.is_grad_enabled():
                 for name, parameter in module.named_parameters(recurse=False):
                     if parameter.requires_grad and hooked.get(name) is not parameter:
                         parameter.register_hook(summed_over_ranks)
                         hooked[name] = parameter
-            return original_forward(*args, **kwargs)
 
-        module.forward = tp_forward
+        module.register_forward_pre_hook(attach_gradient_hooks)
         return module
 
 
@@ -52,13 +53,13 @@ class DexHeadSlice(ReplicatedGradAllReduce):
     """DEX's `DexLambda`: gradients summed as above, and the rank's slice of the head mask selected (q_proj's
     rows, hence the heads, are split into contiguous equal chunks, one per rank)."""
 
-    def install_forward(self, module: nn.Module, mesh) -> nn.Module:
+    def install_forward(self, module: nn.Module, mesh, **options) -> nn.Module:
         heads, ranks, rank = module.num_heads, mesh.size(), mesh.get_local_rank()
         if heads % ranks != 0:
             raise ValueError(f"num_attention_heads ({heads}) must be divisible by the tensor-parallel size ({ranks})")
         per_rank = heads // ranks
         module.head_slice = slice(rank * per_rank, (rank + 1) * per_rank)
-        return super().install_forward(module, mesh)
+        return super().install_forward(module, mesh, **options)
 
 
 ALL_PARALLEL_STYLES.register(REPLICATED_GRAD_ALLREDUCE, ReplicatedGradAllReduce())

@@ -117,7 +117,17 @@ class StepCounterSaveMixin:
         super().test_fsdp2_save_load_dcp()
 
 
-class DiffLlamaV1ModelTest(DiffLlamaModelTestBase, unittest.TestCase):
+class NoUnitSharding:
+    """transformers 5.25's `test_tp_unit_plan_forward_backward` shards q, k, v and o_proj in units of head_dim with
+    one query and one kv head over two ranks (a head replicated on both). V1's differential head is two such units
+    (Q1, Q2) and its kv head 2d wide, so a rank would hold half of one; DEX's plan splits its selected heads over the
+    ranks and refuses a head count they do not divide. Neither layout is a plain colwise q, k, v of whole heads."""
+
+    def test_tp_unit_plan_forward_backward(self):
+        self.skipTest("unit sharding splits a differential head (V1) / fewer heads than ranks (DEX): not supported")
+
+
+class DiffLlamaV1ModelTest(NoUnitSharding, DiffLlamaModelTestBase, unittest.TestCase):
     mode_fields = {"diff_mode": "v1"}
 
 
@@ -130,9 +140,9 @@ class DiffLlamaV2AnnealedModelTest(StepCounterSaveMixin, DiffLlamaModelTestBase,
     mode_fields = {"diff_mode": "v2", "anneal_steps": 10}
 
 
-class DiffLlamaDexModelTest(StepCounterSaveMixin, DiffLlamaModelTestBase, unittest.TestCase):
+class DiffLlamaDexModelTest(NoUnitSharding, StepCounterSaveMixin, DiffLlamaModelTestBase, unittest.TestCase):
     mode_fields = {"diff_mode": "dex"}  # every head differential
 
 
-class DiffLlamaDexHeadsModelTest(StepCounterSaveMixin, DiffLlamaModelTestBase, unittest.TestCase):
+class DiffLlamaDexHeadsModelTest(NoUnitSharding, StepCounterSaveMixin, DiffLlamaModelTestBase, unittest.TestCase):
     mode_fields = {"diff_mode": "dex", "dex_heads": [[0, 3], [1]]}  # an explicit selection, one list per layer
