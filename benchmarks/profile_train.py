@@ -132,15 +132,12 @@ def gap_report(path: str, min_gap: float = 20.0, rows: int = 40) -> str:
 
 
 def traced_step(step, path: str) -> None:
-    """One step under the profiler with the host's operators and Python frames, its Chrome trace gzipped to path."""
+    """One step under the profiler with the host's operators and Python frames, its Chrome trace gzipped to path
+    (torch's export gzips a path ending in .gz)."""
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
         step()
         torch.cuda.synchronize()
-    plain = path.removesuffix(".gz")
-    prof.export_chrome_trace(plain)
-    with open(plain, "rb") as src, gzip.open(path, "wb") as dst:
-        dst.write(src.read())
-    os.remove(plain)
+    prof.export_chrome_trace(path)
 
 
 def profile_model(name: str, seq: int, batch: int, out: str | None, trace: bool = False) -> dict:
