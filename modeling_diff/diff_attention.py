@@ -313,8 +313,8 @@ class DiffAttentionV1(_DiffAttentionBase):
         self.subln = LlamaRMSNorm(2 * d, eps=config.rms_norm_eps)  # one norm shared by all heads
 
     def subln_is_plain(self) -> bool:
-        """Whether the kernels may read subln's weight: not a PEFT-wrapped norm, nor one whose forward tensor
-        parallelism wraps (its gradient hooks)."""
+        """Whether the kernels may read subln's weight: not a PEFT-wrapped norm, nor one with hooks or a forward of
+        its own (tensor parallelism's gradient hooks, which must run)."""
         return type(self.subln.weight) is nn.Parameter and runs_own_forward(self.subln)
 
     def project(self, implementation, hidden_states, position_embeddings, cache=None):
