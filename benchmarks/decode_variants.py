@@ -167,7 +167,7 @@ def constants_variant(config: str) -> str:
         except (ValueError, SyntaxError):
             raise SystemExit(f"--constants: {target}'s value {text!r} is not a Python literal") from None
         current = getattr(module, constant)
-        if current is not None and type(value) is not type(current):  # None: a knob that is off by default
+        if type(value) is not type(current):
             raise SystemExit(f"--constants: {target} takes a value of type {type(current).__name__}, got {text!r}")
         changes.append((module, constant, value))
     name = f"constants={config}"

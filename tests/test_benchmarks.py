@@ -94,9 +94,6 @@ def test_a_constants_variant_sets_the_launch_rules_and_puts_them_back():
         assert (projection.SPLIT_MAX_TOKENS, _triton.PDL_MAX_TOKENS) == (32, 32)
         assert projection.GATED_FEW_TOKENS == (64, 128, 4, 4)
     assert (projection.SPLIT_MAX_TOKENS, _triton.PDL_MAX_TOKENS, projection.GATED_FEW_TOKENS) == before
-    with decode_variants.switched(decode_variants.constants_variant("projection.ROTATED_SPLIT_FEW_TOKENS=(64,256,4)")):
-        assert projection.ROTATED_SPLIT_FEW_TOKENS == (64, 256, 4)  # a knob off by default (None) takes any literal
-    assert projection.ROTATED_SPLIT_FEW_TOKENS is None
     for bad, field in (("torch.SPLIT_MAX_TOKENS=32", "torch.SPLIT_MAX_TOKENS"),
                        ("projection.split_linear=1", "projection.split_linear"),
                        ("projection.SPLIT_MAX_TOKENS=thirty", "thirty"),

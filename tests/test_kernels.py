@@ -672,21 +672,24 @@ def test_kernel_mask_traced_outside_dynamo_converts_a_bool_mask():
     assert torch.equal(graph(mask), mask.to(torch.uint8))
 
 
-@pytest.mark.parametrize("batch, length, cos_batch, rotated_split", [
-    (1, 1, 1, None), (4, 1, 4, None), (2, 3, 1, None), (16, 1, 16, None), (32, 1, 32, None), (1, 1, 1, (64, 256, 4)),
+@pytest.mark.parametrize("batch, length, cos_batch, programs_per_sm", [
+    (1, 1, 1, None), (4, 1, 4, None), (2, 3, 1, None), (16, 1, 16, None), (32, 1, 32, None), (1, 1, 1, 0),
+    (1, 1, 1, 10**6),
 ])
-def test_rotated_projections_match_the_products_and_transformers_rope(batch, length, cos_batch, rotated_split,
+def test_rotated_projections_match_the_products_and_transformers_rope(batch, length, cos_batch, programs_per_sm,
                                                                       monkeypatch):
     """q, k, v (and V2's lambda_proj) of a step as split products, summed and rotated in one pass: each x W^T, with
     transformers' apply_rotary_pos_emb on every head of q and k (V1's 2d-wide kv heads too: each d-wide half); cos
-    and sin shared by the batch or per row; a NaN token stays in its own row; with ROTATED_SPLIT_FEW_TOKENS set,
-    its launch configuration. Not taken: more than 32 tokens, cos of another dtype or width, a hooked layer,
-    recorded gradients."""
+    and sin shared by the batch or per row; a NaN token stays in its own row; up to 16 tokens, ROTATED_SPLIT_MANY_PROGRAMS's
+    launch configuration where SPLIT_FEW_TOKENS's programs (row blocks of 64 x parts) are more than
+    FEW_TOKENS_PROGRAMS_PER_SM a multiprocessor (the CPU's 4: more; the GPU's: fewer; 0 and 10**6 force either).
+    Not taken: more than 32 tokens, cos of another dtype or width, a hooked layer, recorded gradients."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     from modeling_diff.kernels import projection
 
-    monkeypatch.setattr(projection, "ROTATED_SPLIT_FEW_TOKENS", rotated_split)
+    if programs_per_sm is not None:
+        monkeypatch.setattr(projection, "FEW_TOKENS_PROGRAMS_PER_SM", programs_per_sm)
     launched = []
     launch = projection.launch_projections
     monkeypatch.setattr(projection, "launch_projections", lambda *a, **k: launched.append(a[3:5]) or launch(*a, **k))
@@ -705,8 +708,10 @@ def test_rotated_projections_match_the_products_and_transformers_rope(batch, len
         out = projection.rotated_projections(x, layers, cos, sin, d)
         for got, ref in zip(out, expected):
             assert got.shape == ref.shape and got.is_contiguous() and rel_err(got, ref) < TOL
-        want = (rotated_split or projection.SPLIT_FEW_TOKENS)[:2] if batch * length <= projection.FEW_TOKENS else None
-        assert want is None or launched[-1] == want  # (rows a program, K step)
+        if batch * length <= projection.FEW_TOKENS:  # (rows a program, K step)
+            programs = sum(-(-layer.out_features // 64) for layer in layers) * 4  # SPLIT_FEW_TOKENS: 4 parts of 512
+            one_wave = programs <= projection.FEW_TOKENS_PROGRAMS_PER_SM * _triton.sm_count(torch.device(DEVICE))
+            assert launched[-1] == ((64, 512) if one_wave else (64, 256))
         poisoned = x.clone()
         poisoned[0, 0] = float("nan")
         out = projection.rotated_projections(poisoned, layers, cos, sin, d)
@@ -865,7 +870,7 @@ def test_decode_chunks_are_at_most_the_programs_that_fit_at_once(monkeypatch):
     assert triton_decode.programs_per_sm(1, h200, device) == 1  # never none
 
     launches = []
-    sms = triton_decode._sm_count(device)
+    sms = _triton.sm_count(device)
     kv_length = 64 * 6 * sms
     query, key, value = rand(1, 4, 1, 16), rand(1, 2, kv_length, 16), rand(1, 2, kv_length, 16)
     program = triton_decode.partial_shared_memory(16, 64, 4, 16, 16, DTYPE.itemsize)
@@ -991,7 +996,7 @@ def test_decode_kernel_launch_in_steps_of_at_most_16_tokens():
 
     launches = []
     recorded = recording_launcher(launches)
-    sms = triton_decode._sm_count(torch.device(DEVICE))
+    sms = _triton.sm_count(torch.device(DEVICE))
     with torch.no_grad():
         for batch, length in ((1, 1), (16, 1), (4, 4), (17, 1), (8, 4)):
             query, key, value = rand(batch, 4, length, 16), rand(batch, 2, 24, 16), rand(batch, 2, 24, 16)
@@ -1290,7 +1295,7 @@ def test_combined_decode_after_the_projections_write_reads_the_new_positions(mod
 
     torch.manual_seed(7)
     batch, heads, kv_heads, length, kv_length, dqk = 2, 4, 2, 2, 300, 16
-    assert triton_decode._sm_count(torch.device(DEVICE)) == 4 or GPU  # on the CPU: 4 multiprocessors
+    assert _triton.sm_count(torch.device(DEVICE)) == 4 or GPU  # on the CPU: 4 multiprocessors
     monkeypatch.setattr(triton_decode, "PROGRAMS_PER_SM_FEW_TOKENS", programs)  # chunks of 128 (3) or 192 (2) keys
     key_bytes = 2 * (2 * dqk if mode == "v1" else dqk) * DTYPE.itemsize  # a key's and its value's
     monkeypatch.setattr(triton_decode, "PREFETCH_MAX_BYTES", prefetched * key_bytes)

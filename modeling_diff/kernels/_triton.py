@@ -82,6 +82,7 @@ def tickets_of(owner, count: int, device: torch.device) -> torch.Tensor:
     return counters
 
 
+INTERPRETER_SM_COUNT = 4  # multiprocessors where the interpreter runs the kernels: grids of a few waves in CI
 INTERPRETER_SHARED_MEMORY = 227 * 1024  # the H200's, where the interpreter runs the kernels (CI)
 INTERPRETER_SM_SHARED_MEMORY = 228 * 1024  # the H200's for a multiprocessor's resident programs
 
@@ -93,6 +94,12 @@ def shared_memory(device: torch.device) -> int:
     if device.type != "cuda":
         return INTERPRETER_SHARED_MEMORY
     return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 99 * 1024)
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of `device` (132 on an H200): what a launch's programs fill in waves."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else INTERPRETER_SM_COUNT
 
 
 def needs_grad(*tensors) -> bool:

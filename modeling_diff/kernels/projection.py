@@ -34,7 +34,7 @@ from torch import nn
 from ._modules import is_plain_linear, shared_input_linears, shared_input_linears_apply
 from ._triton import (
     TRITON_AVAILABLE, TRITON_INTERPRETING, cdiv, dependent_launch, eager_kernels_run_on, next_power_of_2,
-    shared_memory, tickets_of,
+    shared_memory, sm_count, tickets_of,
 )
 
 if TRITON_AVAILABLE:
@@ -202,13 +202,14 @@ def linear_maps(x: torch.Tensor, *linears: nn.Linear, fused: bool) -> tuple[torc
 
 def rotated_projections_apply(x: torch.Tensor, linears, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> bool:
     """Whether `rotated_projections` takes x: steps of at most ROTATED_MAX_TOKENS tokens, two to MAX_WEIGHTS plain
-    layers, q's and k's widths whole heads, whole heads in a row block (`rotated_block`), cos and
+    layers, q's and k's widths whole heads, whole heads in a row block (`rotated_split`), cos and
     sin (B or 1, L, head_dim) of x's dtype."""
     return (
         few_rows_apply(x) and x.dim() == 3 and x.numel() <= ROTATED_MAX_TOKENS * x.shape[-1]
         and 2 <= len(linears) <= MAX_WEIGHTS and all(kernel_reads(layer, x) for layer in linears)
         and linears[0].out_features % head_dim == 0 and linears[1].out_features % head_dim == 0 and head_dim % 2 == 0
-        and rotated_block(x.shape[-1], x.shape[0] * x.shape[1], head_dim) % head_dim == 0
+        and rotated_split(x.shape[-1], x.shape[0] * x.shape[1], [layer.out_features for layer in linears],
+                          head_dim, x.device)[0] % head_dim == 0
         and cos.shape == sin.shape and cos.dim() == 3 and cos.shape[0] in (1, x.shape[0])
         and cos.shape[1:] == (x.shape[1], head_dim) and cos.dtype == sin.dtype == x.dtype
         and cos.stride(-1) == sin.stride(-1) == 1 and cos.stride() == sin.stride()
@@ -216,16 +217,25 @@ def rotated_projections_apply(x: torch.Tensor, linears, cos: torch.Tensor, sin: 
     )
 
 
-def rotated_block(width: int, tokens: int, head_dim: int) -> int:
-    """Rows a program of `rotated_projections`: the split's (`split_config`), or a head where that is wider (its
-    sum rotates whole heads; a head_dim that is not a power of two may not fit)."""
-    return max(split_config(width, tokens, ROTATED_SPLIT_FEW_TOKENS)[0], next_power_of_2(head_dim))
+def rotated_split(width: int, tokens: int, widths, head_dim: int, device: torch.device) -> tuple[int, int, int]:
+    """(rows a program, its K step, parts of K) of `rotated_projections` over weights of `widths` rows: the split's
+    (`split_config`), with ROTATED_SPLIT_MANY_PROGRAMS's where that split's programs at up to FEW_TOKENS tokens would
+    take more than one wave of FEW_TOKENS_PROGRAMS_PER_SM a multiprocessor; at least a head's rows (the sum rotates
+    whole heads; a head_dim that is not a power of two may not fit)."""
+    head_rows = next_power_of_2(head_dim)
+    block_n, step, split = split_config(width, tokens)
+    block_n = max(block_n, head_rows)
+    programs = sum(cdiv(n, block_n) for n in widths) * split
+    if tokens <= FEW_TOKENS and programs > FEW_TOKENS_PROGRAMS_PER_SM * sm_count(device):
+        block_n, step, split = split_config(width, tokens, ROTATED_SPLIT_MANY_PROGRAMS)
+        block_n = max(block_n, head_rows)
+    return block_n, step, split
 
 
 def rotated_projections(x: torch.Tensor, linears, cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
                         cache=None) -> tuple[torch.Tensor, ...]:
     """(layer(x) for each of `linears`) with RoPE (`rope.py`'s formula) on every head_dim-wide head of the first two
-    (q and k), in one launch: the products split along K (`split_config`: o_proj's measured split in steps of at
+    (q and k), in one launch: the products split along K (`rotated_split`: o_proj's measured split in steps of at
     most FEW_TOKENS tokens, SPLIT_MORE_TOKENS above), and the last program of each row block sums its parts, rounds
     them as F.linear does and rotates q's and k's heads, where `linear_maps` and `apply_rope` take three launches.
     Check `rotated_projections_apply` first.
@@ -236,8 +246,7 @@ def rotated_projections(x: torch.Tensor, linears, cos: torch.Tensor, sin: torch.
     m = rows.shape[0]
     weights = [layer._parameters["weight"] for layer in linears]
     widths = [w.shape[0] for w in weights]
-    _, step, split = split_config(rows.shape[1], m, ROTATED_SPLIT_FEW_TOKENS)
-    block_n = rotated_block(rows.shape[1], m, head_dim)
+    block_n, step, split = rotated_split(rows.shape[1], m, widths, head_dim, x.device)
     parts = torch.empty(split, m * sum(widths), dtype=torch.float32, device=x.device)
     y = torch.empty(m * sum(widths), dtype=x.dtype, device=x.device)
     if m > 0:
@@ -258,11 +267,15 @@ FEW_TOKENS = 16
 # (`--constants 'projection.SPLIT_MORE_TOKENS=(64,128,2)'`; (64,128,4) and (64,64,4) were 0.005-0.013 ms slower).
 SPLIT_FEW_TOKENS = (64, 512, 8)
 SPLIT_MORE_TOKENS = (64, 128, 2)
-# q, k and v's (`rotated_projections`) up to FEW_TOKENS where set (None: SPLIT_FEW_TOKENS), a knob of its own for
-# `decode_variants.py --constants`: at one token (64, 256, 4) compiles for sm_90a to 140 registers a thread where
-# SPLIT_FEW_TOKENS's (64, 512, 4) takes 174, so 3 programs fit on a multiprocessor where 2 do, and V2's 324 in one
-# wave (benchmarks/RESULTS.md; not measured on the GPU).
-ROTATED_SPLIT_FEW_TOKENS = None
+# q, k and v's split (`rotated_split`) up to FEW_TOKENS tokens where SPLIT_FEW_TOKENS's would take more than one wave:
+# at one token, K 2048, SPLIT_FEW_TOKENS's (64, 512, 4) compiles for sm_90a to 174 registers a thread, so 2 programs
+# fit on a multiprocessor (FEW_TOKENS_PROGRAMS_PER_SM), and V2's q, k, v and lambda_proj are 324 programs, 1.23 waves
+# of the H200's 264; (64, 256, 4) takes 140, so 3 fit and the 324 run in one wave. The H200's batch-1 step of V2 went
+# from 0.982 to 0.943 ms at an 8K context and from 0.888 to 0.872 at 2K, where V1's (256 programs) and DEX's (192),
+# one wave either way, were 0.03-0.07 ms slower with it (each part's second step is read after PDL's wait for x)
+# (benchmarks/decode_variants.py --constants, benchmarks/RESULTS.md).
+ROTATED_SPLIT_MANY_PROGRAMS = (64, 256, 4)
+FEW_TOKENS_PROGRAMS_PER_SM = 2
 
 
 def split_config(width: int, tokens: int, few_tokens: tuple | None = None) -> tuple[int, int, int]:

@@ -20,7 +20,7 @@ import torch
 from torch.library import triton_op, wrap_triton
 
 from . import _triton  # DECODE_PDL_MAX_TOKENS read where used: one value for these kernels, set in one place
-from ._triton import TRITON_INTERPRETING, cdiv, dependent_launch, next_power_of_2, shared_memory
+from ._triton import TRITON_INTERPRETING, cdiv, dependent_launch, next_power_of_2, shared_memory, sm_count
 from .masks import causal_offset, kernel_mask
 from .triton_combine import anneal_fraction, dex_lambda, differential_lambda, v1_combine_rows
 
@@ -264,11 +264,6 @@ def _decode_reduce_combined(
     tl.store(Out + b * sob + t * sol + head * soh + dv, out.to(Out.dtype.element_ty))
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
 def _traceable(kernel):
     return kernel if TRITON_INTERPRETING else wrap_triton(kernel)
 
@@ -356,7 +351,7 @@ def _partial_softmaxes(query, key, value, mask, scale: float, launcher, written=
     # Not a power of two: a cache just past one (a StaticCache of 2048 + the new tokens) would get a full chunk
     # and a nearly empty one, half the programs, and half the memory traffic in flight (measured on the H200).
     per_sm = programs_per_sm(batch * length, program_bytes, query.device)
-    target = max(1, cdiv(per_sm * _sm_count(query.device), batch * kv_heads))
+    target = max(1, cdiv(per_sm * sm_count(query.device), batch * kv_heads))
     chunk = cdiv(cdiv(kv_length, target), block_n) * block_n
     splits = cdiv(kv_length, chunk)
     parts = batch * kv_heads * splits * block_rows
