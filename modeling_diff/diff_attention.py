@@ -327,6 +327,12 @@ class DiffAttentionV1(_DiffAttentionBase):
         query_states, key_states, value_states = self.project_and_rotate(
             implementation, hidden_states, position_embeddings, self.q_proj, self.k_proj, self.v_proj, cache=cache
         )
+        if query_states.shape[-1] % (2 * d) or key_states.shape[-1] % (2 * d):
+            raise ValueError(
+                f"V1 attention: q_proj and k_proj must give whole differential heads of 2 x head_dim = {2 * d} "
+                f"columns (Q1|Q2, K1|K2), got {query_states.shape[-1]} and {key_states.shape[-1]}: a tensor-parallel "
+                "plan that splits a head in head_dim units (transformers' unit_colwise) is not supported"
+            )
         query_states = query_states.view(*input_shape, -1, 2, d)  # (B, L, h, 2, d): (Q1, Q2) per head
         key_states = key_states.view(*input_shape, -1, 2 * d).transpose(1, 2)  # (B, h_kv, L, 2d): K1|K2
         value_states = value_states.view(*input_shape, -1, 2 * d).transpose(1, 2)  # (B, h_kv, L, 2d)

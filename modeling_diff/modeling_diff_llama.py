@@ -341,6 +341,7 @@ class DiffLlamaModel(DiffLlamaPreTrainedModel):
 
     def __init__(self, config: DiffLlamaConfig):
         super().__init__(config)
+        config.validate_architecture()  # its fields again: a config's attributes may be set after it was made
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)

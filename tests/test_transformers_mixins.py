@@ -117,18 +117,25 @@ class StepCounterSaveMixin:
         super().test_fsdp2_save_load_dcp()
 
 
-class NoUnitSharding:
+class RefusesUnitSharding:
     """transformers 5.25's `test_tp_unit_plan_forward_backward` shards q, k, v and o_proj in units of head_dim with
     one query and one kv head over two ranks (a head replicated on both). V1's differential head is two such units
     (Q1, Q2) and its kv head 2d wide, so a rank would hold half of one; DEX's plan splits its selected heads over the
-    ranks and refuses a head count they do not divide. Neither layout is a plain colwise q, k, v of whole heads."""
+    ranks and cannot split one head. Neither layout is a plain colwise q, k, v of whole heads: the model refuses the
+    plan with an error that names the rule (`refusal`), which this checks through transformers' own test."""
+
+    refusal = ""
 
     def test_tp_unit_plan_forward_backward(self):
-        self.skipTest("unit sharding splits a differential head (V1) / fewer heads than ranks (DEX): not supported")
+        if not hasattr(super(), "test_tp_unit_plan_forward_backward"):
+            self.skipTest("transformers < 5.25 has no unit sharding")
+        with self.assertRaisesRegex(Exception, self.refusal):
+            super().test_tp_unit_plan_forward_backward()
 
 
-class DiffLlamaV1ModelTest(NoUnitSharding, DiffLlamaModelTestBase, unittest.TestCase):
+class DiffLlamaV1ModelTest(RefusesUnitSharding, DiffLlamaModelTestBase, unittest.TestCase):
     mode_fields = {"diff_mode": "v1"}
+    refusal = r"whole differential heads of 2 x head_dim .* unit_colwise\) is not supported"
 
 
 class DiffLlamaV2ModelTest(StepCounterSaveMixin, DiffLlamaModelTestBase, unittest.TestCase):
@@ -140,9 +147,12 @@ class DiffLlamaV2AnnealedModelTest(StepCounterSaveMixin, DiffLlamaModelTestBase,
     mode_fields = {"diff_mode": "v2", "anneal_steps": 10}
 
 
-class DiffLlamaDexModelTest(NoUnitSharding, StepCounterSaveMixin, DiffLlamaModelTestBase, unittest.TestCase):
+class DiffLlamaDexModelTest(RefusesUnitSharding, StepCounterSaveMixin, DiffLlamaModelTestBase, unittest.TestCase):
     mode_fields = {"diff_mode": "dex"}  # every head differential
+    refusal = r"num_attention_heads \(1\) must be divisible by the tensor-parallel size \(2\)"
 
 
-class DiffLlamaDexHeadsModelTest(NoUnitSharding, StepCounterSaveMixin, DiffLlamaModelTestBase, unittest.TestCase):
+class DiffLlamaDexHeadsModelTest(RefusesUnitSharding, StepCounterSaveMixin, DiffLlamaModelTestBase, unittest.TestCase):
     mode_fields = {"diff_mode": "dex", "dex_heads": [[0, 3], [1]]}  # an explicit selection, one list per layer
+    # the test sets num_attention_heads to 1 after the config is made: the model refuses the selection first
+    refusal = r"dex_heads\[0\] must hold distinct head indices in \[0, 1\), got \[0, 3\]"
