@@ -375,6 +375,10 @@ class DiffLlamaModel(DiffLlamaPreTrainedModel):
             inputs_embeds = self.embed_tokens(input_ids)
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
+        # transformers' mask looks for packed sequences in the positions a caller passes (without a cache and a
+        # mask). The default positions are one sequence a row, and looking reads them on the host: a synchronization
+        # that, in a training step without a cache, leaves the GPU idle until the host has launched the forward.
+        packed_positions = position_ids
         if position_ids is None:
             past_seen_tokens = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
@@ -387,7 +391,7 @@ class DiffLlamaModel(DiffLlamaPreTrainedModel):
                 config=self.config,
                 inputs_embeds=inputs_embeds,
                 attention_mask=attention_mask,
-                position_ids=position_ids,
+                position_ids=packed_positions,
                 **{CACHE_KWARG: cache},
             )
         hidden_states = inputs_embeds

@@ -92,3 +92,19 @@ def test_invalid_configs_name_the_field(fields, field_named):
 def test_unknown_preset():
     with pytest.raises(ValueError, match="preset"):
         preset_config("huge-v9")
+
+
+@pytest.mark.parametrize("field, value, field_named", [
+    ("num_attention_heads", 2, "dex_heads[0] must hold distinct head indices in [0, 2), got [0, 3]"),
+    ("num_key_value_heads", 3, "num_attention_heads (4) must be a multiple of num_key_value_heads (3)"),
+    ("rms_norm_eps", float("nan"), "rms_norm_eps must be > 0 and finite, got nan"),
+])
+def test_a_config_changed_after_it_was_made_is_checked_when_a_model_is_built(field, value, field_named):
+    """Attributes set after the config was made (as transformers' tester mixins do) are checked again by the model."""
+    from modeling_diff import DiffLlamaForCausalLM
+
+    config = DiffLlamaConfig(diff_mode="dex", dex_heads=[[0, 3], [1]], hidden_size=64, num_attention_heads=4,
+                             num_key_value_heads=2, num_hidden_layers=2, intermediate_size=64, vocab_size=32)
+    setattr(config, field, value)
+    with pytest.raises(ValueError, match=re.escape(field_named)):
+        DiffLlamaForCausalLM(config)

@@ -195,6 +195,25 @@ def test_a_training_forward_builds_a_cache_only_where_asked():
     assert model.eval()(ids).past_key_values is not None
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_packed_sequences_are_found_only_in_positions_a_caller_passes(mode, monkeypatch):
+    """Two sequences packed in one row with their own positions (TRL's padding-free batches) see only themselves: the
+    row's logits are each sequence's alone. Without positions, transformers' search for packed sequences (a host
+    synchronization) does not run: the default positions are one sequence a row."""
+    import transformers.masking_utils as masking_utils
+
+    searches = []
+    search = masking_utils.find_packed_sequence_indices
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", lambda p: searches.append(p) or search(p))
+    model = tiny_model(mode).train()
+    first, second = torch.randint(3, 97, (1, 5)), torch.randint(3, 97, (1, 3))
+    packed = model(torch.cat([first, second], 1), position_ids=torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2]])).logits
+    assert len(searches) == 1
+    torch.testing.assert_close(packed[:, :5], model(first).logits)
+    torch.testing.assert_close(packed[:, 5:], model(second).logits)
+    assert len(searches) == 1  # not for the default positions
+
+
 @pytest.mark.parametrize("implementation", ["eager", "diff_triton"])
 @pytest.mark.parametrize("mode", MODES)
 def test_gradient_checkpointing_gives_the_same_gradients(mode, implementation, monkeypatch):
