@@ -13,6 +13,10 @@ With --trace (needs --out), also where the GPU waits on the host within a step: 
 host's operators and Python frames, its Chrome trace written gzipped, and each stretch in which no kernel ran
 (`idle_gaps`) put down to the host operator that launched the kernel after it. A step's wall time minus its GPU
 busy time is that idle time plus the host's time before the first kernel and after the last.
+
+With --syncs, also the calls of one step that make the host wait for the GPU (`sync_sites`: torch's sync debug
+mode), by call site. After each, the GPU runs dry until the host has launched the work after it, so a sync early in
+the forward leaves the forward host-bound.
 """
 
 import argparse
@@ -21,6 +25,8 @@ import gzip
 import json
 import os
 import time
+import traceback
+import warnings
 from collections import Counter
 
 import torch
@@ -131,6 +137,38 @@ def gap_report(path: str, min_gap: float = 20.0, rows: int = 40) -> str:
     return "\n".join(lines)
 
 
+def sync_sites(step, frames: int = 5) -> Counter:
+    """The synchronizing calls of one run of `step` on the GPU (torch's sync debug mode: an `.item()`, a copy to the
+    host, a data-dependent shape), counted by call site: the innermost `frames` Python frames, innermost first."""
+    sites = Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchronizing CUDA operation" not in str(message):
+            return
+        stack = [f for f in traceback.extract_stack()[:-1] if not f.filename.endswith("warnings.py")]
+        sites[" < ".join(f"{short_path(f.filename)}:{f.lineno}" for f in reversed(stack[-frames:]))] += 1
+
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            step()
+            torch.cuda.synchronize()
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    return sites
+
+
+def short_path(filename: str) -> str:
+    """A file's path from its package on: site-packages/transformers/x.py -> transformers/x.py."""
+    for marker in ("site-packages/", "dist-packages/"):
+        if marker in filename:
+            return filename.split(marker)[-1]
+    return os.path.relpath(filename) if os.path.isabs(filename) else filename
+
+
 def traced_step(step, path: str) -> None:
     """One step under the profiler with the host's operators and Python frames, its Chrome trace gzipped to path
     (torch's export gzips a path ending in .gz)."""
@@ -140,7 +178,7 @@ def traced_step(step, path: str) -> None:
     prof.export_chrome_trace(path)
 
 
-def profile_model(name: str, seq: int, batch: int, out: str | None, trace: bool = False) -> dict:
+def profile_model(name: str, seq: int, batch: int, out: str | None, trace: bool = False, syncs: bool = False) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = True
     warm_up_gpu(1.0)
     with kernels_patched(name):
@@ -170,12 +208,15 @@ def profile_model(name: str, seq: int, batch: int, out: str | None, trace: bool 
         if trace:
             trace_path = os.path.join(out, f"trace_{name}_{seq}x{batch}.json.gz")
             traced_step(step, trace_path)
+        sites = sync_sites(step) if syncs else Counter()
     classes = Counter()
     events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
     for e in events:
         classes[kernel_class(e.key)] += e.self_device_time_total / 1e3
     row = dict(model=name, seq=seq, batch=batch, step_ms=wall * 1e3, peak_gib=peak, saved_gib=saved,
                gpu_ms=sum(classes.values()), **{f"{k} ms": v for k, v in classes.items()})
+    if syncs:
+        row["host syncs"] = sum(sites.values())
     if out:
         with open(os.path.join(out, f"train_{name}_{seq}x{batch}.txt"), "w") as f:
             f.write(f"{row}\n\nkernels by GPU time (ms per step):\n")
@@ -187,6 +228,9 @@ def profile_model(name: str, seq: int, batch: int, out: str | None, trace: bool 
                 f.write(f"{gib:8.3f}  {shape} {dtype}\n")
             if trace:
                 f.write("\n" + gap_report(trace_path) + "\n")
+            if syncs:
+                f.write("\nsynchronizing calls in one step (count, call site innermost first):\n")
+                f.writelines(f"{count:4d}  {site}\n" for site, count in sites.most_common())
     return row
 
 
@@ -199,17 +243,19 @@ def main(argv=None):
     parser.add_argument("--out", help="folder for the kernel and activation tables, one file per model")
     parser.add_argument("--trace", action="store_true",
                         help="also the step's trace and where the GPU waits on the host")
+    parser.add_argument("--syncs", action="store_true", help="also the calls of a step that wait for the GPU")
     args = profiling_args(parser, argv, ("seq", "batch"), "profile_train.py")
     if args.trace and not args.out:
         parser.error("--trace needs --out")
-    rows = [in_fresh_process(profile_model, name, args.seq, args.batch, args.out, args.trace)
+    rows = [in_fresh_process(profile_model, name, args.seq, args.batch, args.out, args.trace, args.syncs)
             for name in tqdm(args.models, desc="models")]
     columns = ["step_ms", "peak_gib", "saved_gib", "gpu_ms", "matmul ms", "attention forward ms",
-               "attention backward ms", "other ms"]
+               "attention backward ms", "other ms"] + (["host syncs"] if args.syncs else [])
     print(f"\n| model ({args.seq} x {args.batch}) | " + " | ".join(columns) + " |")
     print("|---|" + "---|" * len(columns))
     for row in rows:
-        print(f"| {row['model']} | " + " | ".join(f"{row.get(c, 0.0):.2f}" for c in columns) + " |")
+        cells = (row.get(c, 0.0) for c in columns)
+        print(f"| {row['model']} | " + " | ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in cells) + " |")
 
 
 if __name__ == "__main__":

@@ -52,6 +52,31 @@ def test_exposed_times_add_up_to_the_span_of_the_kernels(launches, exposed, idle
     assert sum(got.values()) + got_idle == span
 
 
+def test_sync_sites_count_the_synchronizing_calls_by_call_site(monkeypatch):
+    """`--syncs`: each warning of torch's sync debug mode is counted at the Python frames that made the call, innermost
+    first; other warnings are not counted, and the debug mode is set back after the step."""
+    import warnings
+
+    modes = []
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+
+    def item():  # where torch would warn: the call that waits for the GPU
+        warnings.warn("called a synchronizing CUDA operation", UserWarning)
+
+    def step():
+        for _ in range(2):
+            item()
+        warnings.warn("something else", UserWarning)
+
+    sites = profile_train.sync_sites(step, frames=2)
+    assert modes == ["warn", 0]
+    [(site, count)] = sites.items()
+    line = item.__code__.co_firstlineno + 1
+    assert count == 2 and site.startswith(f"tests/test_benchmarks.py:{line} < tests/test_benchmarks.py:")
+
+
 def test_idle_gaps_are_put_down_to_the_host_operators_around_the_late_launch(tmp_path):
     """Two gaps: kernel b launched 30 us after a ended, inside the step > backward > our node on thread 2 (the host
     was behind); kernel c launched before b ended, so the 5 us before it are launch latency, not the host's. And the

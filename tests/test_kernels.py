@@ -680,9 +680,10 @@ def test_rotated_projections_match_the_products_and_transformers_rope(batch, len
                                                                       monkeypatch):
     """q, k, v (and V2's lambda_proj) of a step as split products, summed and rotated in one pass: each x W^T, with
     transformers' apply_rotary_pos_emb on every head of q and k (V1's 2d-wide kv heads too: each d-wide half); cos
-    and sin shared by the batch or per row; a NaN token stays in its own row; up to 16 tokens, ROTATED_SPLIT_MANY_PROGRAMS's
-    launch configuration where SPLIT_FEW_TOKENS's programs (row blocks of 64 x parts) are more than
-    FEW_TOKENS_PROGRAMS_PER_SM a multiprocessor (the CPU's 4: more; the GPU's: fewer; 0 and 10**6 force either).
+    and sin shared by the batch or per row; a NaN token stays in its own row; up to 16 tokens,
+    ROTATED_SPLIT_MANY_PROGRAMS's launch configuration where SPLIT_FEW_TOKENS's programs (row blocks of 64 x parts)
+    are more than FEW_TOKENS_PROGRAMS_PER_SM a multiprocessor (the CPU's 4: more; the GPU's: fewer; 0 and 10**6
+    force either).
     Not taken: more than 32 tokens, cos of another dtype or width, a hooked layer, recorded gradients."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 

@@ -99,7 +99,9 @@ def shared_memory(device: torch.device) -> int:
 @functools.cache
 def sm_count(device: torch.device) -> int:
     """Multiprocessors of `device` (132 on an H200): what a launch's programs fill in waves."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else INTERPRETER_SM_COUNT
+    if device.type != "cuda":
+        return INTERPRETER_SM_COUNT
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def needs_grad(*tensors) -> bool:
