@@ -1,6 +1,6 @@
 """TRL through its own paths: `SFTTrainer(model=<path>)` resolves our model (never transformers' built-in DiffLlama,
-whose class has the same name), trains it with the package's recommended LoRA config, and annealing advances with
-no callback."""
+whose class has the same name), trains it with the package's recommended LoRA config and on packed padding-free
+batches (each sequence attending to itself), and annealing advances with no callback."""
 
 import pytest
 import torch
@@ -25,11 +25,11 @@ def saved_model(tmp_path, mode: str, **overrides):
     return model, tmp_path / "model"
 
 
-def sft_trainer(path, tmp_path, **kwargs) -> SFTTrainer:
+def sft_trainer(path, tmp_path, packing: bool = False, **kwargs) -> SFTTrainer:
     lines = [line for line in shakespeare("hamlet").splitlines() if len(line) > 20][:64]
     args = SFTConfig(output_dir=str(tmp_path / "sft"), max_steps=3, per_device_train_batch_size=4, max_length=48,
                      learning_rate=1e-2, report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True,
-                     dataloader_num_workers=0)
+                     dataloader_num_workers=0, packing=packing, packing_strategy="bfd")
     return SFTTrainer(model=str(path), args=args, train_dataset=Dataset.from_dict({"text": lines}), **kwargs)
 
 
@@ -41,6 +41,28 @@ def test_sft_trainer_by_path_builds_our_model_with_the_saved_weights(mode, tmp_p
     ids = torch.randint(0, 256, (2, 10))
     with torch.no_grad():
         torch.testing.assert_close(trainer.model.eval()(ids).logits, model.eval()(ids).logits)
+
+
+@pytest.mark.parametrize("mode", ["v1", "v2", "dex"])
+def test_sft_trainer_packed_batches_keep_each_sequence_to_itself(mode, tmp_path):
+    """`SFTConfig(packing=True, packing_strategy="bfd")`, padding-free: TRL packs several lines into one row and its
+    collator passes their positions (restarting at 0), with no attention mask; each sequence's logits in the row are
+    its own alone, and the trainer trains on such batches."""
+    _, path = saved_model(tmp_path, mode)
+    trainer = sft_trainer(path, tmp_path, packing=True)
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(2)])
+    assert "attention_mask" not in batch
+    positions = batch["position_ids"][0]
+    starts = (positions == 0).nonzero().flatten().tolist() + [len(positions)]
+    assert len(starts) > 2  # more than one sequence in the row
+    model = trainer.model.eval()
+    with torch.no_grad():
+        packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        for start, end in zip(starts, starts[1:]):
+            alone = model(batch["input_ids"][:, start:end]).logits
+            torch.testing.assert_close(packed[:, start:end], alone)
+    trainer.train()
+    assert trainer.state.global_step == 3
 
 
 def test_sft_trainer_with_the_recommended_lora_config_trains_every_differential_module(tmp_path):
