@@ -124,7 +124,7 @@ class RefusesUnitSharding:
     ranks and cannot split one head. Neither layout is a plain colwise q, k, v of whole heads: the model refuses the
     plan with an error that names the rule (`refusal`), which this checks through transformers' own test."""
 
-    refusal = ""
+    refusal: str  # the pattern of the error each class expects (no default: an empty one would match any error)
 
     def test_tp_unit_plan_forward_backward(self):
         if not hasattr(super(), "test_tp_unit_plan_forward_backward"):
