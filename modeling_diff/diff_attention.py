@@ -29,7 +29,7 @@ from .configuration import DiffLlamaConfig
 from .kernels import (
     DIFF_TRITON, FUSED_DIFF, DexCombine, V1Combine, V2Combine, apply_rope, combined_decode_applies,
     combined_decode_attention, dex_folded_weight, flash_diff_applies, flash_diff_attention, has_extra_options,
-    is_plain_linear, linear_maps, mark_written, projection_cache_layer, resolve, rotated_projections,
+    is_plain_linear, keep_own_forward, linear_maps, mark_written, projection_cache_layer, resolve, rotated_projections,
     rotated_projections_apply, runs_own_forward, split_linear, split_linear_applies, update_cache, uses_fast_kernels,
     v1_combine, v2_combine_projected, written_layer,
 )
@@ -279,6 +279,14 @@ class _DiffAttentionBase(nn.Module, metaclass=abc.ABCMeta):
         )
 
 
+class SublnRMSNorm(LlamaRMSNorm):
+    """V1's per-head norm (subln): transformers' LlamaRMSNorm, not taken by its Hub kernelization
+    (`kernels.keep_own_forward`), since the flash-diff and decode kernels read its weight where it runs its own
+    forward."""
+
+    kernel_condition = staticmethod(keep_own_forward)
+
+
 class DiffAttentionV1(_DiffAttentionBase):
     """DIFF Transformer V1 (arXiv 2410.05258, Eq. 1-3; layout of unilm `multihead_flashdiff_1.py`).
 
@@ -310,7 +318,7 @@ class DiffAttentionV1(_DiffAttentionBase):
         # lambda_q1 .. lambda_k2 ~ N(0, lambda_std_dev); DiffLlamaPreTrainedModel._init_weights draws them again
         # when a model is built on the meta device.
         self.diff_lambda = DifferentialLambda(d, self.lambda_init, config.lambda_std_dev)
-        self.subln = LlamaRMSNorm(2 * d, eps=config.rms_norm_eps)  # one norm shared by all heads
+        self.subln = SublnRMSNorm(2 * d, eps=config.rms_norm_eps)  # one norm shared by all heads
 
     def subln_is_plain(self) -> bool:
         """Whether the kernels may read subln's weight: not a PEFT-wrapped norm, nor one with hooks or a forward of

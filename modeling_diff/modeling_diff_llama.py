@@ -37,9 +37,10 @@ from .decode_graphs import decode_step
 from .generation import graphed_greedy_generate
 from .diff_attention import ATTENTION_CLASSES, DexAttention, DexLambda, DifferentialLambda, DiffAttentionV1, DiffAttentionV2
 from .kernels import (
-    add_rms_norm, add_rms_norm_applies, gated_projection, gated_projection_applies, resolve, rms_norm,
-    rms_norm_kernel_applies, rope_cos_sin, rope_cos_sin_applies, runs_own_forward, silu_mul, silu_mul_applies,
-    split_linear, split_linear_applies, static_step_mask, swiglu_mlp, swiglu_mlp_applies, uses_fast_kernels,
+    add_rms_norm, add_rms_norm_applies, gated_projection, gated_projection_applies, keep_own_forward, resolve,
+    rms_norm, rms_norm_kernel_applies, rope_cos_sin, rope_cos_sin_applies, runs_own_forward, silu_mul,
+    silu_mul_applies, split_linear, split_linear_applies, static_step_mask, swiglu_mlp, swiglu_mlp_applies,
+    uses_fast_kernels,
 )
 
 # "cache" (transformers > 5.17) or "past_key_values" (5.17): the keyword of masks and model outputs.
@@ -76,7 +77,10 @@ def _no_cache_unless_asked_in_training(forward):
 class DiffLlamaRMSNorm(LlamaRMSNorm):
     """transformers' LlamaRMSNorm (same weight, same arithmetic); on the project's fast implementations (`sdpa` on
     CUDA, `diff_triton`, `fused_diff`) one Triton pass forward and one backward (`kernels/rmsnorm.py`); the decoder
-    layer's residual add before it joins its pass (`add_and_norm`)."""
+    layer's residual add before it joins its pass (`add_and_norm`). Not taken by transformers' Hub kernelization
+    (`kernels.keep_own_forward`)."""
+
+    kernel_condition = staticmethod(keep_own_forward)
 
     def __init__(self, config: DiffLlamaConfig):
         super().__init__(config.hidden_size, eps=config.rms_norm_eps)

@@ -25,9 +25,10 @@ class ReplicatedGradAllReduce(TensorParallelLayer):
     """Parameters held whole on every rank, gradients summed over the tensor-parallel group."""
 
     def install_forward(self, module: nn.Module, mesh, **options) -> nn.Module:
-        """A forward pre-hook, not a replaced `forward`: transformers >= 5.25 kernelizes hub-kernel layers (RMSNorm,
-        hence V1's subln) after the plan is applied, which sets their forward again. `options`: what newer
-        transformers pass (5.25: config, mesh_manager); this style needs none of them."""
+        """A forward pre-hook, not a replaced `forward`: transformers >= 5.25 kernelizes hub-kernel layers after the
+        plan is applied, which sets a kernelized layer's forward again (the project's norms are kept out of it,
+        `kernels.keep_own_forward`, but a style must not depend on the layer). `options`: what newer transformers
+        pass (5.25: config, mesh_manager); this style needs none of them."""
         group = mesh.get_group()
         # The gradient hooks are attached at the first forward of each parameter object: loading weights replaces
         # the parameters after the plan is applied, which would drop hooks attached here.

@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from conftest import MODES, tiny_model
 from transformers import Trainer, TrainingArguments
-from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from modeling_diff import DiffLlamaConfig, DiffLlamaForCausalLM, apply_liger_kernel_to_diff_llama, modeling_diff_llama
+from modeling_diff.diff_attention import SublnRMSNorm
 
 pytest.importorskip("liger_kernel", reason="liger-kernel (the [liger] extra) is not installed")
 from liger_kernel.transformers.rms_norm import LigerRMSNorm  # noqa: E402
@@ -115,7 +115,7 @@ def test_diff_llama_is_in_liger_model_type_dispatch():
     _apply_liger_kernel_to_instance(model=model, rms_norm=True)  # a liger_kernel_config's keyword arguments
     assert all(n._get_name() == "LigerRMSNorm" for n in norms)
     subln = decoder.layers[0].self_attn.subln  # V1's per-head norm is read by the attention's combine: untouched
-    assert type(subln) is LlamaRMSNorm and "forward" not in vars(subln)
+    assert type(subln) is SublnRMSNorm and "forward" not in vars(subln)
 
 
 def test_liger_rms_norm_on_the_instance_keeps_its_forward_in_decoding_steps(monkeypatch):

@@ -5,6 +5,7 @@ import pytest
 import torch
 from conftest import MODES, tiny_config, tiny_model
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 import modeling_diff
 from modeling_diff import DiffLlamaForCausalLM, DiffLlamaModel
@@ -112,6 +113,48 @@ def test_output_attentions_returns_differential_maps(mode):
     elif mode == "v1":  # rows of A1 - lam*A2 sum to 1 - lam
         lam = model.model.layers[0].self_attn.diff_lambda()
         torch.testing.assert_close(maps[0].sum(-1), (1 - lam).expand(1, 4, 7))
+
+
+def test_hub_kernelization_leaves_the_models_norms_their_own_forward():
+    """transformers >= 5.25 kernelizes every model in from_pretrained (`integrations.hub_kernels.kernelize`, through
+    the `kernels` library, one of its requirements): the layers of its `use_kernel_forward_from_hub("RMSNorm")`
+    classes, LlamaRMSNorm and its subclasses, get the mapped Hub layer's forward bound on the instance (Liger's
+    RMSNorm on CUDA). Here the mapping is an in-memory layer on the CPU. It takes transformers' Llama's norms, so it
+    applies, and none of ours: DiffLlamaRMSNorm runs the project's kernel (its residual add joins its pass only where
+    no forward is bound), and V1's subln is read by the flash-diff kernel only where it runs its own forward."""
+    kernels = pytest.importorskip("kernels")
+    hub_kernels = pytest.importorskip("transformers.integrations.hub_kernels")
+    if not hub_kernels.is_kernels_available():  # transformers 5.17 takes kernels < 0.17 only
+        pytest.skip("no kernels version this transformers takes")
+
+    class ConstantNorm(torch.nn.Module):  # stateless, LlamaRMSNorm.forward's signature, as kernels requires
+        def forward(self, hidden_states):
+            return torch.full_like(hidden_states, 7.0)
+
+    class InMemoryRepository:  # kernels' layer-repository protocol, without the Hub
+        layer_name = "RMSNorm"
+
+        def load(self):
+            return ConstantNorm
+
+    def rms_norms(model):
+        return [m for m in model.modules() if isinstance(m, LlamaRMSNorm)]
+
+    llama = llama_like(tiny_config("v1"), heads=4, kv_heads=2)
+    ids = torch.randint(3, 97, (1, 6))
+    with kernels.use_kernel_mapping({"RMSNorm": {"cpu": InMemoryRepository()}}, inherit_mapping=False):
+        hub_kernels.kernelize(llama, mode=kernels.Mode.TRAINING)
+        assert rms_norms(llama) and all("forward" in m.__dict__ for m in rms_norms(llama))  # the mapping applies
+        for mode in MODES:
+            model = tiny_model(mode)
+            with torch.no_grad():
+                expected = model(ids).logits
+            hub_kernels.kernelize(model, mode=kernels.Mode.TRAINING)
+            norms = rms_norms(model)
+            assert len(norms) == 2 * 2 + 1 + (2 if mode == "v1" else 0)  # two a layer, the final one, V1's subln
+            assert not any("forward" in m.__dict__ for m in norms)
+            with torch.no_grad():
+                torch.testing.assert_close(model(ids).logits, expected, atol=0, rtol=0)
 
 
 # ----------------------------------------------------------------------------------------------- generation

@@ -30,7 +30,7 @@ triton is optional: it is imported only where it is installed (`_triton.TRITON_A
 every path is plain PyTorch, so the model (and its Hub export) loads anywhere.
 """
 
-from ._modules import is_plain_linear, runs_own_forward
+from ._modules import is_plain_linear, keep_own_forward, runs_own_forward
 from ._triton import triton_available
 from .attention import (
     FUSED_DIFF, NAME as DIFF_TRITON, diff_triton_attention_forward, has_extra_options, register, resolve,
@@ -59,7 +59,7 @@ __all__ = [
     "gated_projection_applies", "greedy_step", "greedy_tokens", "has_extra_options", "is_plain_linear", "linear_maps",
     "mark_written", "projection_cache_layer", "resolve", "rms_norm", "rms_norm_kernel_applies", "rope_cos_sin",
     "rope_cos_sin_applies", "rotated_projections", "rotated_projections_apply", "silu_mul", "silu_mul_applies",
-    "runs_own_forward", "split_linear", "split_linear_applies", "static_step_mask", "swiglu_mlp",
+    "keep_own_forward", "runs_own_forward", "split_linear", "split_linear_applies", "static_step_mask", "swiglu_mlp",
     "swiglu_mlp_applies", "triton_available", "update_cache", "uses_fast_kernels", "v1_combine", "v2_combine",
     "v2_combine_projected", "written_layer",
 ]

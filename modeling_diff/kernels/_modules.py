@@ -16,6 +16,16 @@ def runs_own_forward(module: nn.Module) -> bool:
     return not (module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__)
 
 
+def keep_own_forward(module: nn.Module) -> bool:
+    """The `kernel_condition` of the project's RMSNorm classes (DiffLlamaRMSNorm, V1's subln): False, so that the
+    `kernels` library's `kernelize`, which transformers >= 5.25 runs in every `from_pretrained`, binds no Hub layer's
+    forward on them. They subclass LlamaRMSNorm and so carry its `use_kernel_forward_from_hub("RMSNorm")`, which maps
+    to Liger's RMSNorm on CUDA. A bound forward would take DiffLlamaRMSNorm off the project's kernel (2.5x faster
+    forward + backward than Liger's on the H200, benchmarks/RESULTS.md) and its residual add out of the norm's pass,
+    and V1 off the flash-diff kernel, which reads subln's weight only where subln runs its own forward."""
+    return False
+
+
 def is_plain_linear(module: nn.Module) -> bool:
     """A torch Linear as built: its own Parameter and no hooks. Not PEFT's LoRA layers, a tensor-parallel,
     offloading (accelerate's `_hf_hook` forward) or quantized layer: those keep their own forward."""
