@@ -115,17 +115,26 @@ def test_output_attentions_returns_differential_maps(mode):
         torch.testing.assert_close(maps[0].sum(-1), (1 - lam).expand(1, 4, 7))
 
 
-def test_hub_kernelization_leaves_the_models_norms_their_own_forward():
+def test_hub_kernelization_leaves_the_models_norms_their_own_forward(monkeypatch):
     """transformers >= 5.25 kernelizes every model in from_pretrained (`integrations.hub_kernels.kernelize`, through
     the `kernels` library, one of its requirements): the layers of its `use_kernel_forward_from_hub("RMSNorm")`
     classes, LlamaRMSNorm and its subclasses, get the mapped Hub layer's forward bound on the instance (Liger's
     RMSNorm on CUDA). Here the mapping is an in-memory layer on the CPU. It takes transformers' Llama's norms, so it
     applies, and none of ours: DiffLlamaRMSNorm runs the project's kernel (its residual add joins its pass only where
     no forward is bound), and V1's subln is read by the flash-diff kernel only where it runs its own forward."""
-    kernels = pytest.importorskip("kernels")
-    hub_kernels = pytest.importorskip("transformers.integrations.hub_kernels")
-    if not hub_kernels.is_kernels_available():  # transformers 5.17 takes kernels < 0.17 only
-        pytest.skip("no kernels version this transformers takes")
+    import kernels  # a requirement of transformers >= 5.25, installed by `make test`
+    from transformers.integrations import hub_kernels
+
+    if hub_kernels.is_kernels_available():  # transformers' own kernelize, as from_pretrained calls it
+        def kernelize(model):
+            hub_kernels.kernelize(model, mode=kernels.Mode.TRAINING)
+    else:  # transformers 5.17 takes kernels < 0.17 only and then leaves LlamaRMSNorm undecorated: decorated here as
+        # kernels' `use_kernel_forward_from_hub("RMSNorm")` does, and kernelized by the `kernels` call transformers makes
+        monkeypatch.setattr(LlamaRMSNorm, "kernel_layer_name", "RMSNorm", raising=False)
+        monkeypatch.setattr(LlamaRMSNorm, "kernel_condition", staticmethod(lambda module: True), raising=False)
+
+        def kernelize(model):
+            kernels.kernelize(model, mode=kernels.Mode.TRAINING, device="cpu")
 
     class ConstantNorm(torch.nn.Module):  # stateless, LlamaRMSNorm.forward's signature, as kernels requires
         def forward(self, hidden_states):
@@ -143,13 +152,13 @@ def test_hub_kernelization_leaves_the_models_norms_their_own_forward():
     llama = llama_like(tiny_config("v1"), heads=4, kv_heads=2)
     ids = torch.randint(3, 97, (1, 6))
     with kernels.use_kernel_mapping({"RMSNorm": {"cpu": InMemoryRepository()}}, inherit_mapping=False):
-        hub_kernels.kernelize(llama, mode=kernels.Mode.TRAINING)
+        kernelize(llama)
         assert rms_norms(llama) and all("forward" in m.__dict__ for m in rms_norms(llama))  # the mapping applies
         for mode in MODES:
             model = tiny_model(mode)
             with torch.no_grad():
                 expected = model(ids).logits
-            hub_kernels.kernelize(model, mode=kernels.Mode.TRAINING)
+            kernelize(model)
             norms = rms_norms(model)
             assert len(norms) == 2 * 2 + 1 + (2 if mode == "v1" else 0)  # two a layer, the final one, V1's subln
             assert not any("forward" in m.__dict__ for m in norms)
