@@ -128,8 +128,8 @@ def test_hub_kernelization_leaves_the_models_norms_their_own_forward(monkeypatch
     if hub_kernels.is_kernels_available():  # transformers' own kernelize, as from_pretrained calls it
         def kernelize(model):
             hub_kernels.kernelize(model, mode=kernels.Mode.TRAINING)
-    else:  # transformers 5.17 takes kernels < 0.17 only and then leaves LlamaRMSNorm undecorated: decorated here as
-        # kernels' `use_kernel_forward_from_hub("RMSNorm")` does, and kernelized by the `kernels` call transformers makes
+    else:  # transformers 5.17 takes kernels < 0.17 only and then leaves LlamaRMSNorm undecorated: decorated here
+        # as kernels' `use_kernel_forward_from_hub("RMSNorm")` does, and kernelized by the call transformers makes
         monkeypatch.setattr(LlamaRMSNorm, "kernel_layer_name", "RMSNorm", raising=False)
         monkeypatch.setattr(LlamaRMSNorm, "kernel_condition", staticmethod(lambda module: True), raising=False)
 
