@@ -28,10 +28,10 @@ from transformers.utils import TransformersKwargs
 from .configuration import DiffLlamaConfig
 from .kernels import (
     DIFF_TRITON, FUSED_DIFF, DexCombine, V1Combine, V2Combine, apply_rope, combined_decode_applies,
-    combined_decode_attention, dex_folded_weight, flash_diff_applies, flash_diff_attention, has_extra_options,
-    is_plain_linear, keep_own_forward, linear_maps, mark_written, projection_cache_layer, resolve, rotated_projections,
-    rotated_projections_apply, runs_own_forward, split_linear, split_linear_applies, update_cache, uses_fast_kernels,
-    v1_combine, v2_combine_projected, written_layer,
+    combined_decode_attention, dex_folded_weight, differential_lambda, flash_diff_applies, flash_diff_attention,
+    has_extra_options, is_plain_linear, keep_own_forward, linear_maps, mark_written, projection_cache_layer, resolve,
+    rotated_projections, rotated_projections_apply, runs_own_forward, split_linear, split_linear_applies, update_cache,
+    uses_fast_kernels, v1_combine, v2_combine_projected, written_layer,
 )
 
 
@@ -106,7 +106,8 @@ class DifferentialLambda(nn.Module):
 
     A module of its own so that tools that name modules reach the four vectors: PEFT's `modules_to_save`, and the
     tensor-parallel plan, which all-reduces their gradients (each rank's heads contribute a share). The vectors are
-    in the model's dtype (FSDP2 wants one dtype); the arithmetic is float32."""
+    in the model's dtype (FSDP2 wants one dtype); the arithmetic is float32 (`kernels.differential_lambda`: one
+    launch forward and one backward where the kernels run)."""
 
     def __init__(self, head_dim: int, lambda_init: float, std_dev: float):
         super().__init__()
@@ -121,9 +122,7 @@ class DifferentialLambda(nn.Module):
 
     def forward(self) -> torch.Tensor:
         """The layer's lambda, a float32 scalar."""
-        lambda_1 = torch.exp(torch.dot(self.lambda_q1.float(), self.lambda_k1.float()))
-        lambda_2 = torch.exp(torch.dot(self.lambda_q2.float(), self.lambda_k2.float()))
-        return lambda_1 - lambda_2 + self.lambda_init
+        return differential_lambda(self.vectors(), self.lambda_init)
 
 
 class DexLambda(nn.Module):

@@ -77,6 +77,42 @@ def test_v1_combine_forward_and_gradients_match_the_formula():
         assert rel_err(got, want) < TOL
 
 
+@pytest.mark.parametrize("width", [16, 64])
+def test_v1_lambda_kernel_forward_and_gradients_match_the_formula(width):
+    """V1's lambda in one launch each way, through the module as a model calls it, against Eq. 2 in float64."""
+    from modeling_diff.diff_attention import DifferentialLambda
+    from modeling_diff.kernels.combine import _DifferentialLambda
+
+    torch.manual_seed(0)
+    module = DifferentialLambda(width, lambda_init=0.44, std_dev=0.3).to(DEVICE, DTYPE)
+    lam = module()
+    assert type(lam.grad_fn) is _DifferentialLambda._backward_cls  # the kernel's node, not the reference's dozen
+    (2.5 * lam).backward()
+
+    q1, k1, q2, k2 = (v.detach().double().requires_grad_() for v in module.vectors())
+    ref = torch.exp((q1 * k1).sum()) - torch.exp((q2 * k2).sum()) + 0.44
+    ref_grads = torch.autograd.grad(2.5 * ref, (q1, k1, q2, k2))
+    assert lam.dtype == torch.float32 and lam.shape == ()
+    assert abs(lam.item() - ref.item()) < 1e-5
+    for vector, want in zip(module.vectors(), ref_grads):
+        assert vector.grad.dtype == DTYPE
+        assert rel_err(vector.grad, want) < TOL
+
+
+def test_v1_lambda_takes_the_reference_for_vectors_the_kernel_does_not_cover():
+    """A length that is not a power of 2, or a strided vector: the reference, the same value and gradients."""
+    from modeling_diff.kernels.combine import differential_lambda, differential_lambda_reference
+
+    torch.manual_seed(0)
+    for vectors in ([0.3 * torch.randn(24, device=DEVICE) for _ in range(4)],
+                    [(0.3 * torch.randn(32, device=DEVICE))[::2] for _ in range(4)]):
+        vectors = [v.requires_grad_() for v in vectors]
+        lam = differential_lambda(vectors, 0.2)
+        assert lam.grad_fn.name() != "_DifferentialLambdaBackward"
+        ref = differential_lambda_reference(vectors, 0.2)
+        assert torch.equal(lam, ref)
+
+
 def test_v2_combine_forward_and_gradients_match_the_formula():
     torch.manual_seed(1)
     attn = rand(B, L, 2 * H, D // 2, grad=True)

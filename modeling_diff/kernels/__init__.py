@@ -1,7 +1,7 @@
 """Fast paths of modeling_diff: Triton kernels next to their plain PyTorch references.
 
 - `combine.py`: the differential combine after the attention call (V1 lambda + subln, V2 noise weight),
-  fused into one Triton pass forward and backward (`triton_combine.py`).
+  fused into one Triton pass forward and backward, and V1's lambda in one launch each way (`triton_combine.py`).
 - `flash_diff.py`: both softmax maps of a differential head and the combine in one flash-attention kernel
   (`triton_flash_diff.py`), forward and backward, for V1 and V2 prefill and training.
 - `rope.py`: the rotary embedding of queries and keys in one Triton launch for both, and a decoding step's cos and
@@ -37,7 +37,7 @@ from .attention import (
     uses_fast_kernels,
 )
 from .cache_write import mark_written, projection_cache_layer, update_cache, written_layer
-from .combine import dex_folded_weight, v1_combine, v2_combine, v2_combine_projected
+from .combine import dex_folded_weight, differential_lambda, v1_combine, v2_combine, v2_combine_projected
 from .decode import DexCombine, V1Combine, V2Combine, combined_decode_applies, combined_decode_attention
 from .flash_diff import flash_diff_applies, flash_diff_attention
 from .greedy import greedy_step, greedy_tokens
@@ -54,7 +54,7 @@ register()
 
 __all__ = [
     "DIFF_TRITON", "FUSED_DIFF", "DexCombine", "V1Combine", "V2Combine", "add_rms_norm", "add_rms_norm_applies",
-    "apply_rope", "combined_decode_applies", "combined_decode_attention", "dex_folded_weight",
+    "apply_rope", "combined_decode_applies", "combined_decode_attention", "dex_folded_weight", "differential_lambda",
     "diff_triton_attention_forward", "flash_diff_applies", "flash_diff_attention", "gated_projection",
     "gated_projection_applies", "greedy_step", "greedy_tokens", "has_extra_options", "is_plain_linear",
     "keep_own_forward", "linear_maps", "mark_written", "projection_cache_layer", "resolve", "rms_norm",

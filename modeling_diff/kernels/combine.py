@@ -6,6 +6,9 @@ The attention call returns, for every differential head i, the pair of head outp
 - V1 (DIFF Transformer, arXiv 2410.05258, Eq. 3): `(1 - lambda_init) * subln(attn[2i] - lambda * attn[2i+1])`.
 - V2 (unilm Diff-Transformer-V2): `attn[2i] - w[..., i] * attn[2i+1]`, w the per-token noise weight.
 
+V1's lambda (`differential_lambda`) is a float32 scalar of four short vectors; its reference takes about a dozen
+launches forward and as many backward, its kernel one each way.
+
 DEX's operator (arXiv 2505.16333) is linear in a head's output, O_h - O_h G_h with G_h = lambda_h f_D(I), so in
 training it is folded into o_proj's weight instead (`dex_folded_weight`, called by `DexAttention`).
 
@@ -19,10 +22,56 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._modules import is_plain_linear, recomputed_linear_backward
-from ._triton import TRITON_AVAILABLE, cdiv, is_power_of_2, needs_grad, triton_available
+from ._triton import TRITON_AVAILABLE, cdiv, eager_kernels_run_on, is_power_of_2, needs_grad, triton_available
 
 if TRITON_AVAILABLE:
-    from .triton_combine import _v1_combine_bwd, _v1_combine_fwd, _v2_combine_bwd, _v2_combine_fwd
+    from .triton_combine import (
+        _differential_lambda_bwd, _differential_lambda_fwd, _v1_combine_bwd, _v1_combine_fwd, _v2_combine_bwd,
+        _v2_combine_fwd,
+    )
+
+
+def differential_lambda_reference(vectors: tuple[torch.Tensor, ...], lambda_init: float) -> torch.Tensor:
+    """V1's re-parameterised lambda (arXiv 2410.05258, Eq. 2), a float32 scalar, from (lambda_q1, lambda_k1,
+    lambda_q2, lambda_k2): exp(lambda_q1 . lambda_k1) - exp(lambda_q2 . lambda_k2) + lambda_init."""
+    q1, k1, q2, k2 = (v.float() for v in vectors)
+    return torch.exp(torch.dot(q1, k1)) - torch.exp(torch.dot(q2, k2)) + lambda_init
+
+
+class _DifferentialLambda(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q1, k1, q2, k2, lambda_init):
+        lam = torch.empty((), dtype=torch.float32, device=q1.device)
+        _differential_lambda_fwd[(1,)](q1, k1, q2, k2, lam, lambda_init, q1.numel())
+        ctx.save_for_backward(q1, k1, q2, k2)
+        return lam
+
+    @staticmethod
+    def backward(ctx, grad_lam):
+        vectors = ctx.saved_tensors
+        grads = [torch.empty_like(v) for v in vectors]
+        _differential_lambda_bwd[(1,)](*vectors, grad_lam.float(), *grads, vectors[0].numel())
+        return (*grads, None)
+
+
+def _lambda_kernel_applies(vectors: tuple[torch.Tensor, ...]) -> bool:
+    """Plain tensors (a DTensor or a tensor subclass takes the reference) of one dtype and device, contiguous, of
+    one power-of-2 length, where the eager kernels run."""
+    first = vectors[0]
+    return (
+        eager_kernels_run_on(first)
+        and all(type(v) in (torch.Tensor, nn.Parameter) for v in vectors)
+        and all(v.dim() == 1 and v.is_contiguous() and v.shape == first.shape for v in vectors)
+        and all(v.dtype == first.dtype and v.device == first.device for v in vectors)
+        and is_power_of_2(first.numel())
+    )
+
+
+def differential_lambda(vectors: tuple[torch.Tensor, ...], lambda_init: float) -> torch.Tensor:
+    """`differential_lambda_reference`, in one launch forward and one backward where the kernels run."""
+    if _lambda_kernel_applies(vectors):
+        return _DifferentialLambda.apply(*vectors, float(lambda_init))
+    return differential_lambda_reference(vectors, lambda_init)
 
 
 def v1_combine_reference(attn: torch.Tensor, lam: torch.Tensor, subln: nn.Module, scale: float) -> torch.Tensor:

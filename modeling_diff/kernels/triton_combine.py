@@ -5,6 +5,8 @@ autograd wiring). Rows are independent: a program handles BLOCK_R rows of one he
 
 V1 (per row, D = 2d):  x = a1 - lam * a2,  n = x * rsqrt(mean(x^2) + eps),  y = scale * w * n
 V2 (per row, D = d):   y = a_signal - w_row * a_noise
+
+and V1's lambda from its four vectors, forward and backward, one program each.
 """
 
 # In a try block because transformers' remote-code loader requires every *unguarded* import of a Hub export's
@@ -27,6 +29,31 @@ def differential_lambda(LambdaQ1, LambdaK1, LambdaQ2, LambdaK2, lambda_init, D: 
     dot_1 = tl.sum(tl.load(LambdaQ1 + d).to(tl.float32) * tl.load(LambdaK1 + d).to(tl.float32), axis=0)
     dot_2 = tl.sum(tl.load(LambdaQ2 + d).to(tl.float32) * tl.load(LambdaK2 + d).to(tl.float32), axis=0)
     return tl.exp(dot_1) - tl.exp(dot_2) + lambda_init
+
+
+@triton.jit
+def _differential_lambda_fwd(LambdaQ1, LambdaK1, LambdaQ2, LambdaK2, Lam, lambda_init, D: tl.constexpr):
+    tl.store(Lam, differential_lambda(LambdaQ1, LambdaK1, LambdaQ2, LambdaK2, lambda_init, D))
+
+
+@triton.jit
+def _differential_lambda_bwd(
+    LambdaQ1, LambdaK1, LambdaQ2, LambdaK2, GradLam, GradQ1, GradK1, GradQ2, GradK2, D: tl.constexpr,
+):
+    # lambda = exp(q1 . k1) - exp(q2 . k2) + lambda_init: dq1 = g exp(q1 . k1) k1, dk1 = g exp(q1 . k1) q1,
+    # dq2 = -g exp(q2 . k2) k2, dk2 = -g exp(q2 . k2) q2 (float32, stored in the vectors' dtype).
+    d = tl.arange(0, D)
+    q1 = tl.load(LambdaQ1 + d).to(tl.float32)
+    k1 = tl.load(LambdaK1 + d).to(tl.float32)
+    q2 = tl.load(LambdaQ2 + d).to(tl.float32)
+    k2 = tl.load(LambdaK2 + d).to(tl.float32)
+    grad = tl.load(GradLam).to(tl.float32)
+    g1 = grad * tl.exp(tl.sum(q1 * k1, axis=0))
+    g2 = -grad * tl.exp(tl.sum(q2 * k2, axis=0))
+    tl.store(GradQ1 + d, (g1 * k1).to(GradQ1.dtype.element_ty))
+    tl.store(GradK1 + d, (g1 * q1).to(GradK1.dtype.element_ty))
+    tl.store(GradQ2 + d, (g2 * k2).to(GradQ2.dtype.element_ty))
+    tl.store(GradK2 + d, (g2 * q2).to(GradK2.dtype.element_ty))
 
 
 @triton.jit
