@@ -1,6 +1,7 @@
 """Helpers of the benchmark scripts that decide what their tables say, on CPU: the phases of a whole-step graph
 generate() call (bench.py), the exposed time of overlapping kernels (profile_decode.py), the GPU's idle gaps of a
-training step put down to the host (profile_train.py) and the launch rules a variant of decode_variants.py sets."""
+training step put down to the host (profile_train.py), the launch rules a variant of decode_variants.py sets and
+the step without Liger's synchronizations (liger_syncs.py)."""
 
 import os
 import sys
@@ -15,6 +16,7 @@ from modeling_diff.generation import graphed_greedy_generate
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import bench  # noqa: E402
 import decode_variants  # noqa: E402
+import liger_syncs  # noqa: E402
 import profile_decode  # noqa: E402
 import profile_train  # noqa: E402
 
@@ -75,6 +77,20 @@ def test_sync_sites_count_the_synchronizing_calls_by_call_site(monkeypatch):
     [(site, count)] = sites.items()
     line = item.__code__.co_firstlineno + 1
     assert count == 2 and site.startswith(f"tests/test_benchmarks.py:{line} < tests/test_benchmarks.py:")
+
+
+def test_liger_syncs_variant_leaves_out_the_waits_and_puts_liger_back():
+    """liger_syncs.py's timed variant: Liger's forward with the count of targets in place of `.item()` of the mask's
+    sum and its backward without `torch.equal` (the three waits) while the block runs, Liger's own after it."""
+    module = pytest.importorskip("liger_kernel.ops.fused_linear_cross_entropy")
+    forward, backward = module.fused_linear_cross_entropy_forward, module.fused_linear_cross_entropy_backward
+    assert "item" in forward.__code__.co_names and "equal" in backward.__code__.co_names
+    with liger_syncs.without_syncs():
+        assert module.fused_linear_cross_entropy_forward is not forward
+        assert "numel" in module.fused_linear_cross_entropy_forward.__code__.co_names  # the count's stand-in
+        assert "equal" not in module.fused_linear_cross_entropy_backward.__code__.co_names
+    assert module.fused_linear_cross_entropy_forward is forward
+    assert module.fused_linear_cross_entropy_backward is backward
 
 
 def test_idle_gaps_are_put_down_to_the_host_operators_around_the_late_launch(tmp_path):

@@ -54,12 +54,19 @@ class _DifferentialLambda(torch.autograd.Function):
         return (*grads, None)
 
 
+def differential_lambda_triton(vectors: tuple[torch.Tensor, ...], lambda_init: float) -> torch.Tensor:
+    """The lambda kernel; same contract as `differential_lambda_reference` for vectors `_lambda_kernel_applies` to."""
+    return _DifferentialLambda.apply(*vectors, float(lambda_init))
+
+
 def _lambda_kernel_applies(vectors: tuple[torch.Tensor, ...]) -> bool:
-    """Plain tensors (a DTensor or a tensor subclass takes the reference) of one dtype and device, contiguous, of
-    one power-of-2 length, where the eager kernels run."""
+    """CUDA tensors (on a CPU the reference's few operations cost less than an interpreted launch), plain ones (a
+    DTensor or a tensor subclass takes the reference), of one dtype and device, contiguous, of one power-of-2 length,
+    and no torch.compile tracing (Inductor fuses the reference)."""
     first = vectors[0]
     return (
-        eager_kernels_run_on(first)
+        first.is_cuda
+        and eager_kernels_run_on(first)
         and all(type(v) in (torch.Tensor, nn.Parameter) for v in vectors)
         and all(v.dim() == 1 and v.is_contiguous() and v.shape == first.shape for v in vectors)
         and all(v.dtype == first.dtype and v.device == first.device for v in vectors)
@@ -70,7 +77,7 @@ def _lambda_kernel_applies(vectors: tuple[torch.Tensor, ...]) -> bool:
 def differential_lambda(vectors: tuple[torch.Tensor, ...], lambda_init: float) -> torch.Tensor:
     """`differential_lambda_reference`, in one launch forward and one backward where the kernels run."""
     if _lambda_kernel_applies(vectors):
-        return _DifferentialLambda.apply(*vectors, float(lambda_init))
+        return differential_lambda_triton(vectors, lambda_init)
     return differential_lambda_reference(vectors, lambda_init)
 
 
