@@ -10,6 +10,8 @@
         --models llama-liger v1 v2 dex v1-liger v2-liger dex-liger          (the training table against Liger)
     python benchmarks/bench.py --phases train --seq 32768 --models v2-liger --attention fused_diff
                                         (V2 on the flash-diff kernel, where `sdpa` gives it cuDNN's attention)
+    python benchmarks/bench.py --phases train --seq 2048 --repeats 10 --passes 3 --models llama-liger v1-liger
+                                        (each model in 3 processes, in turn: ratios paired within a pass)
 
 Per sequence length, for transformers' LlamaForCausalLM (the reference), the same Llama with modeling_diff's
 RMSNorm and RoPE kernels patched in (`llama-fused`: what the differential modes are compared with like for like,
@@ -47,6 +49,11 @@ reads all of it every step reads up to 32 positions more than counted (under 2% 
 rows carry `step_ms`, `floor_ms`, `roofline_share` and `bandwidth_tbs`. The generate rows' `seq` is their prompt
 length. A second table gives the training rows against `llama-liger`: MFU (the model's FLOPs per token x tok/s over
 the bf16 matmul peak measured at the start of the same run), tok/s and peak memory ratios.
+
+With `--passes N` the train, prefill and decode rows are measured N times, each pass running every model in a fresh
+process, the models' order rotated from pass to pass (so that none always runs first or last on a warming machine).
+A row then gives the median tok/s and the range over the passes; the training table's ratio to `llama-liger` is the
+median of the passes' own ratios (each model against llama-liger of the same pass), with their range.
 """
 
 import argparse
@@ -558,10 +565,15 @@ def run(args) -> tuple[list[dict], float, float]:
     one_at_a_time = [(p, b) for p, b in PHASES if choice(p) in set(args.phases) & {"train", "prefill", "decode"}]
     results = []
     if one_at_a_time:
-        for name in tqdm(args.models, desc="models"):
-            failed = [dict(seq=seq, model=name, phase=p) for seq in args.seq for p, _ in one_at_a_time
-                      if applies(p, seq, args)]
-            results += rows_or_errors(bench_model_all_lengths, (name, one_at_a_time, args), failed)
+        passes = []
+        for index in tqdm(range(args.passes), desc="passes", disable=args.passes == 1):
+            rows = []
+            for name in tqdm(rotated(args.models, index), desc="models"):
+                failed = [dict(seq=seq, model=name, phase=p) for seq in args.seq for p, _ in one_at_a_time
+                          if applies(p, seq, args)]
+                rows += rows_or_errors(bench_model_all_lengths, (name, one_at_a_time, args), failed)
+            passes.append(rows)
+        results += merged_passes(passes)
     lockstep = [name for name in args.models if not name.endswith("-liger")]  # Liger's patches are process-wide
     if "dynamic" in args.phases:
         batch = next(b for p, b in PHASES if choice(p) == "dynamic")
@@ -578,11 +590,44 @@ def run(args) -> tuple[list[dict], float, float]:
     return sorted(results, key=key), peak, bandwidth
 
 
+def merged_passes(passes: list[list[dict]]) -> list[dict]:
+    """The rows of several passes (each a list of rows, every model once) as one row per (seq, model, phase): the
+    median tok/s, `passes` = each pass's tok/s in pass order, the highest peak memory; a row that failed in any pass
+    keeps the first error. One pass: its rows as they are."""
+    if len(passes) == 1:
+        return passes[0]
+    by_key: dict[tuple, list[dict]] = {}
+    for rows in passes:
+        for row in rows:
+            by_key.setdefault((row["seq"], row["model"], row["phase"]), []).append(row)
+    merged = []
+    for rows in by_key.values():
+        failed = [r for r in rows if "tok_s" not in r]
+        if failed:
+            merged.append(failed[0])
+            continue
+        row = dict(rows[0], passes=[r["tok_s"] for r in rows], tok_s=statistics.median(r["tok_s"] for r in rows))
+        if "peak_gib" in row:
+            row["peak_gib"] = max(r["peak_gib"] for r in rows)
+        merged.append(row)
+    return merged
+
+
 def speed_cell(row: dict) -> str:
-    """tok/s, followed by the range over the timed rounds where a row has several: `414 (402-420)`."""
+    """tok/s, followed by the range over the timed rounds or passes where a row has several: `414 (402-420)`."""
     fmt = lambda v: f"{v / 1000:.1f}k" if v >= 10000 else f"{v:.0f}"  # noqa: E731
-    rounds = row.get("rounds", [])
+    rounds = row.get("rounds") or row.get("passes") or []
     return fmt(row["tok_s"]) + (f" ({fmt(min(rounds))}-{fmt(max(rounds))})" if len(rounds) > 1 else "")
+
+
+def liger_ratio_cell(row: dict, ref: dict) -> str:
+    """tok/s against llama-liger's row: the median of the passes' own ratios and their range where both rows have
+    the same passes, else the ratio of the two rows."""
+    ours, theirs = row.get("passes", []), ref.get("passes", [])
+    if len(ours) > 1 and len(ours) == len(theirs):
+        ratios = [a / b for a, b in zip(ours, theirs)]
+        return f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+    return f"{row['tok_s'] / ref['tok_s']:.2f}x"
 
 
 def table(results) -> str:
@@ -626,9 +671,9 @@ def train_table(results, peak: float) -> str:
                          f"{'out of memory' if error.startswith('OutOfMemoryError') else error} | | | | |")
             continue
         ref = liger.get(r["seq"])
-        speed = f"{r['tok_s'] / ref['tok_s']:.2f}x" if ref else ""
+        speed = liger_ratio_cell(r, ref) if ref else ""
         memory = f"{r['peak_gib'] / ref['peak_gib']:.2f}x" if ref else ""
-        lines.append(f"| {shape} | {r['model']} | {r['tok_s'] / 1000:.1f}k | {r['mfu']:.2f} | {speed} | "
+        lines.append(f"| {shape} | {r['model']} | {speed_cell(r)} | {r['mfu']:.3f} | {speed} | "
                      f"{r['peak_gib']:.1f} | {memory} |")
     return "\n".join(lines)
 
@@ -651,6 +696,9 @@ def main(argv=None):
                         help="tokens per forward (batch x chunk length) when a prompt is fed through a cache")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--passes", type=int, default=1,
+                        help="train, prefill and decode rows: every model measured in this many fresh processes, "
+                             "in rotated order; medians, ranges and paired ratios to llama-liger")
     parser.add_argument("--rounds", type=int, default=4, help="timed rounds of the dynamic rows (models in lockstep)")
     parser.add_argument("--generate-models", nargs="+", default=list(GENERATE_MODELS),
                         choices=[m for m in MODELS if not m.endswith("-liger")])
@@ -663,7 +711,7 @@ def main(argv=None):
                              "(sdpa, their default on CUDA; fused_diff: V1 and V2 on the flash-diff kernel)")
     parser.add_argument("--out", help="write the rows (JSON) and the table (.md beside it) here")
     args = parser.parse_args(argv)
-    for name in ("seq", "tokens", "prefill_chunk", "new_tokens", "repeats", "rounds", "generate_prompt",
+    for name in ("seq", "tokens", "prefill_chunk", "new_tokens", "repeats", "passes", "rounds", "generate_prompt",
                  "generate_new_tokens", "generate_rounds"):
         values = getattr(args, name) if isinstance(getattr(args, name), list) else [getattr(args, name)]
         if any(v < 1 for v in values):

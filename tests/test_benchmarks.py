@@ -1,7 +1,7 @@
 """Helpers of the benchmark scripts that decide what their tables say, on CPU: the phases of a whole-step graph
 generate() call (bench.py), the exposed time of overlapping kernels (profile_decode.py), the GPU's idle gaps of a
 training step put down to the host (profile_train.py), the launch rules a variant of decode_variants.py sets and
-the step without Liger's synchronizations (liger_syncs.py)."""
+the step without Liger's synchronizations (liger_syncs.py) and the passes of bench.py's rows."""
 
 import os
 import sys
@@ -163,6 +163,31 @@ def test_a_pdl_variant_launches_its_kernels_with_pdl_at_any_tokens_and_puts_them
     assert not triton_decode.dependent_launch(x, 32, decode) and not rmsnorm.dependent_launch(x, 64)
     with pytest.raises(SystemExit, match="attention"):
         decode_variants.pdl_variant("decode+attention")
+
+
+def test_passes_merge_into_medians_with_ratios_paired_within_a_pass():
+    """`--passes`: each row's median tok/s over the passes and its range, the highest peak, and the training
+    table's ratio to llama-liger as the median of each pass's own ratio; a row that failed in a pass keeps its
+    error; one pass is left as it is."""
+    def row(model, tok_s, peak=10.0):
+        return dict(seq=2048, model=model, phase="train", batch=4, tok_s=tok_s, peak_gib=peak, work=1e9)
+
+    passes = [[row("llama-liger", 100.0), row("v1-liger", 99.0)],
+              [row("v1-liger", 90.0, peak=11.0), row("llama-liger", 80.0)],  # a slow pass for both
+              [row("llama-liger", 102.0), row("v1-liger", 100.0)]]
+    merged = bench.merged_passes(passes)
+    v1 = next(r for r in merged if r["model"] == "v1-liger")
+    assert v1["passes"] == [99.0, 90.0, 100.0] and v1["tok_s"] == 99.0 and v1["peak_gib"] == 11.0
+    for r in merged:
+        r["mfu"] = 0.5
+    ratios = sorted([99.0 / 100.0, 90.0 / 80.0, 100.0 / 102.0])  # median 0.99, where the medians' ratio is 0.99 too
+    line = next(line for line in bench.train_table(merged, 1e15).splitlines() if "v1-liger" in line)
+    assert f"| {ratios[1]:.2f}x ({ratios[0]:.2f}-{ratios[2]:.2f}) |" in line
+    assert "99 (90-100)" in line
+
+    error = dict(seq=2048, model="v1-liger", phase="train", error="OutOfMemoryError: CUDA out of memory")
+    assert bench.merged_passes([[row("v1-liger", 99.0)], [error]]) == [error]
+    assert bench.merged_passes([passes[0]]) is passes[0]
 
 
 def test_bench_refuses_an_attention_it_does_not_time(capsys):
