@@ -14,10 +14,11 @@ import argparse
 import contextlib
 import inspect
 import json
+import os
 
 from tqdm import tqdm
 
-from bench import MODELS, bench_train, build, in_fresh_process, profiling_args, warm_up_gpu
+from bench import MODELS, bench_train, build, in_fresh_process, profiling_args, warm_up_gpu, write_atomically
 
 # Liger's synchronizing lines and what stands for them in the timed variant
 SYNCS = {
@@ -79,8 +80,7 @@ def main(argv=None):
         ratio = row["tok_s_without_syncs"] / row["tok_s"]
         print(f"| {row['model']} | {row['tok_s'] / 1e3:.1f}k | {row['tok_s_without_syncs'] / 1e3:.1f}k | {ratio:.3f} |")
     if args.out:
-        with open(f"{args.out}/syncs.json", "w") as f:
-            json.dump(rows, f, indent=1)
+        write_atomically(os.path.join(args.out, "syncs.json"), json.dumps(rows, indent=1))
     print(f"{len(rows)} models timed with and without Liger's synchronizations.")
 
 
