@@ -3,6 +3,7 @@ generate() call (bench.py), the exposed time of overlapping kernels (profile_dec
 training step put down to the host (profile_train.py), the launch rules a variant of decode_variants.py sets and
 the step without Liger's synchronizations (liger_syncs.py) and the passes of bench.py's rows."""
 
+import argparse
 import os
 import sys
 
@@ -188,6 +189,26 @@ def test_passes_merge_into_medians_with_ratios_paired_within_a_pass():
     error = dict(seq=2048, model="v1-liger", phase="train", error="OutOfMemoryError: CUDA out of memory")
     assert bench.merged_passes([[row("v1-liger", 99.0)], [error]]) == [error]
     assert bench.merged_passes([passes[0]]) is passes[0]
+
+
+def test_passes_run_every_model_once_a_pass_in_rotated_order(monkeypatch):
+    """`bench.py --passes 3`: the models' processes in the order a, b, c / b, c, a / c, a, b, and one merged row each."""
+    order = []
+
+    def model_rows(name, phases, args):
+        order.append(name)
+        return [dict(seq=2048, model=name, phase="train", batch=4, tok_s=100.0 + len(order), peak_gib=1.0, work=1.0)]
+
+    monkeypatch.setattr(bench, "in_fresh_process", lambda fn, *args: fn(*args))
+    monkeypatch.setattr(bench, "device_peaks", lambda: (1e15, 1e15, 1e12))
+    monkeypatch.setattr(bench, "bench_model_all_lengths", model_rows)
+    models = ["llama-liger", "v1-liger", "v2-liger"]
+    args = argparse.Namespace(models=models, seq=[2048], phases=["train"], passes=3, prefill_chunk=4096,
+                                    generate_models=[])
+    results, _, _ = bench.run(args)
+    assert order == models + models[1:] + models[:1] + models[2:] + models[:2]
+    assert [r["model"] for r in results] == models
+    assert [r["passes"] for r in results] == [[101.0, 106.0, 108.0], [102.0, 104.0, 109.0], [103.0, 105.0, 107.0]]
 
 
 def test_bench_refuses_an_attention_it_does_not_time(capsys):
