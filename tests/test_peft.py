@@ -128,6 +128,31 @@ def test_plain_peft_and_trainer_train_save_and_resume_every_differential_paramet
         torch.testing.assert_close(active_value(resumed.model, 0, suffix), trained[suffix])
 
 
+def test_plain_peft_modules_to_save_trains_lambda_through_its_kernel_as_through_the_reference(batches, monkeypatch):
+    """V1's lambda kernel (a GPU path; here under the interpreter) behind PEFT's own `modules_to_save` wrapper:
+    the trained copy's four vectors get the reference's gradients, and the frozen originals none."""
+    from peft import LoraConfig, get_peft_model
+
+    from modeling_diff.kernels import combine
+
+    def lambda_grads(kernel: bool):
+        if kernel:
+            monkeypatch.setattr(combine, "_lambda_kernel_applies", lambda vectors: True)
+        model = get_peft_model(base_model("v1"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                            modules_to_save=["diff_lambda"]))
+        wrapper = model.get_base_model().model.layers[0].self_attn.diff_lambda
+        copy = wrapper.modules_to_save["default"]
+        assert (type(copy().grad_fn) is combine._DifferentialLambda._backward_cls) == kernel
+        model(batches[0], labels=batches[0]).loss.backward()
+        assert all(v.grad is None for v in wrapper.original_module.vectors())
+        monkeypatch.undo()
+        return [v.grad for v in copy.vectors()]
+
+    for got, want in zip(lambda_grads(kernel=True), lambda_grads(kernel=False)):
+        assert want.abs().max() > 0
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
 def test_readme_peft_snippet(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     scope = {}
