@@ -168,8 +168,8 @@ def test_a_pdl_variant_launches_its_kernels_with_pdl_at_any_tokens_and_puts_them
 
 def test_passes_merge_into_medians_with_ratios_paired_within_a_pass():
     """`--passes`: each row's median tok/s over the passes and its range, the highest peak, and the training
-    table's ratio to llama-liger as the median of each pass's own ratio; a row that failed in a pass keeps its
-    error; one pass is left as it is."""
+    table's ratio to llama-liger as the median of each pass's own ratio, the general table (no Llama row in the
+    run) the rows' own numbers; a row that failed in a pass keeps its error; one pass is left as it is."""
     def row(model, tok_s, peak=10.0):
         return dict(seq=2048, model=model, phase="train", batch=4, tok_s=tok_s, peak_gib=peak, work=1e9)
 
@@ -185,6 +185,9 @@ def test_passes_merge_into_medians_with_ratios_paired_within_a_pass():
     line = next(line for line in bench.train_table(merged, 1e15).splitlines() if "v1-liger" in line)
     assert f"| {ratios[1]:.2f}x ({ratios[0]:.2f}-{ratios[2]:.2f}) |" in line
     assert "99 (90-100)" in line
+    # the general table, which has no Llama row in this run: each row's own tok/s and peak, no ratios
+    line = next(line for line in bench.table(merged).splitlines() if "v1-liger" in line)
+    assert line == "| 2048 | train | v1-liger | 99 (90-100) | | | | | | | 11.0 |"
 
     error = dict(seq=2048, model="v1-liger", phase="train", error="OutOfMemoryError: CUDA out of memory")
     assert bench.merged_passes([[row("v1-liger", 99.0)], [error]]) == [error]
