@@ -1192,6 +1192,48 @@ def test_flash_diff_forward_and_gradients_match_the_formula(
         assert rel_err(got, want) < TOL
 
 
+@pytest.mark.skipif(GPU, reason="reads the program ids of Triton's interpreter")
+@pytest.mark.parametrize("long_keys", [False, True])
+def test_flash_diff_programs_start_longest_first(long_keys, monkeypatch):
+    """Under causal masking the programs of a flash-diff launch have unequal work: a query block sees the keys up to
+    its last query, a key block is seen by the queries from its first key on. The GPU starts programs in the order
+    of their ids, grid axis 0 fastest. In that order no program of the forward, dK/dV or dQ launch has more work
+    than one started before it, so no long program starts in a launch's last wave (the tail that left the dK/dV
+    kernel's SMs idle). Each program's block is read as the kernel reads it, from the rows its tiles get."""
+    import inspect
+
+    import modeling_diff.kernels.flash_diff as flash_diff
+    import modeling_diff.kernels.triton_flash_diff as kernels
+    from triton.runtime.interpreter import interpreter_builder
+
+    if long_keys:
+        monkeypatch.setattr(flash_diff, "LONG_KEYS", 0)
+    first_rows = {}  # (tile function, program ids) -> the first query (forward, dQ) or key (dK/dV) of its block
+    for name, rows in (("_fwd_tile", "m"), ("_dq_tile", "m"), ("_dkdv_tile", "n")):
+        tile = getattr(kernels, name)
+
+        def recorded(*args, tile=tile, name=name, rows=rows, **kwargs):
+            block = inspect.signature(tile.fn).bind(*args, **kwargs).arguments[rows]
+            first_rows[name, interpreter_builder.grid_idx] = int(block.handle.data.min())
+            return tile(*args, **kwargs)
+
+        monkeypatch.setattr(kernels, name, recorded)
+    torch.manual_seed(4)
+    batch, length, heads, kv_heads, dqk = 2, 40, 4, 2, 16  # 3 query and 3 key blocks of 16
+    q = rand(batch, length, heads, 2, dqk, grad=True)
+    k, v = rand(batch, kv_heads, length, 2 * dqk, grad=True), rand(batch, kv_heads, length, 2 * dqk, grad=True)
+    out = flash_diff_attention(q, k, v, None, torch.tensor(0.4, device=DEVICE), 0.3, Norm(2 * dqk))
+    out.backward(rand(*out.shape))
+
+    for name, work in (("_fwd_tile", lambda first: first), ("_dq_tile", lambda first: first),
+                       ("_dkdv_tile", lambda first: length - first)):
+        programs = {ids: first for (tile, ids), first in first_rows.items() if tile == name}
+        grid = [max(ids[axis] for ids in programs) + 1 for axis in (0, 1)]
+        assert len(programs) == grid[0] * grid[1] and sorted(set(programs.values())) == [0, 16, 32], name
+        started = [work(programs[x, y, 0]) for y in range(grid[1]) for x in range(grid[0])]  # axis 0 fastest
+        assert started == sorted(started, reverse=True), (name, started)
+
+
 @pytest.mark.parametrize("mode", ["v1", "v2"])
 @pytest.mark.parametrize("bias", [False, True])
 def test_flash_diff_with_o_proj_matches_the_formula_and_keeps_no_combined_heads(mode, bias):

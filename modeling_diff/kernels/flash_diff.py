@@ -75,7 +75,7 @@ def _forward(query, key, value, mask, mu, norm_weight, eps, norm_scale, scale, s
     lse = torch.empty(rows, 2, dtype=torch.float32, device=device) if save else y
     rstd = torch.empty(rows, dtype=torch.float32, device=device) if save and norm_weight is not None else y
     mask_arg, mask_strides = kernel_mask(mask, query)
-    grid = lambda meta: (cdiv(length, meta["BLOCK_M"]), batch * heads)  # noqa: E731
+    grid = lambda meta: (batch * heads, cdiv(length, meta["BLOCK_M"]))  # noqa: E731
     flash_diff_fwd[grid](
         query, key, value, mask_arg, mu, query if norm_weight is None else norm_weight, y, pairs, lse, rstd,
         *query.stride()[:4], *key.stride()[:3], *value.stride()[:3], *mask_strides,
@@ -150,7 +150,7 @@ class _FlashDiff(torch.autograd.Function):
         )
         q_strides = query.stride()[:4]
         offset = causal_offset(length, kv_length, mask is not None)
-        flash_diff_bwd_dkdv[lambda meta: (cdiv(kv_length, meta["BLOCK_N"]), batch * heads // heads_per_program)](
+        flash_diff_bwd_dkdv[lambda meta: (batch * heads // heads_per_program, cdiv(kv_length, meta["BLOCK_N"]))](
             query, key, value, mask_arg, row_mu, grad_o1, lse, delta, dk_out, dv_out,
             *q_strides, *key.stride()[:3], *value.stride()[:3], *mask_strides,
             *dk_out.stride()[:3], *dv_out.stride()[:3],
@@ -159,7 +159,7 @@ class _FlashDiff(torch.autograd.Function):
         if heads_per_program != heads // kv_heads:
             grad_k = dk_out.unflatten(1, (kv_heads, -1)).sum(2).to(key.dtype)
             grad_v = dv_out.unflatten(1, (kv_heads, -1)).sum(2).to(value.dtype)
-        flash_diff_bwd_dq[lambda meta: (cdiv(length, meta["BLOCK_M"]), batch * heads)](
+        flash_diff_bwd_dq[lambda meta: (batch * heads, cdiv(length, meta["BLOCK_M"]))](
             query, key, value, mask_arg, row_mu, grad_o1, lse, delta, grad_q,
             *q_strides, *key.stride()[:3], *value.stride()[:3], *mask_strides,
             *grad_q.stride()[:4],

@@ -46,9 +46,11 @@ def _visible(Mask, b, m, n, m_ok, n_ok, offset, smb, sml, sms, HAS_MASK: tl.cons
 @triton.jit
 def _query_program(H, L, GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
     """A program over a query block of one (batch, head): (block, b, head, kv head, query rows, rows < L).
-    Blocks run last to first: under causal masking the later blocks see the most keys, so they start first."""
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    Grid (B * H, query blocks), blocks last to first: under causal masking the later blocks see the most keys, and
+    with the block on the slower axis every head's longest programs start before any shorter one (longest first,
+    so that no long program starts in the launch's last wave)."""
+    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
+    pid_bh = tl.program_id(0)
     b = pid_bh // H
     head = pid_bh % H
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -237,8 +239,10 @@ def _flash_diff_bwd_dkdv(
     # G (B*L*H, DV) = dO1; Lse, Delta (B*L*H, 2). A program: BLOCK_N keys of one (batch, kv head) and the
     # queries of HEADS heads of its GQA group (HEADS divides GROUP); it writes their share of dK and dV at index
     # `slot` = (first head) / HEADS of DK's and DVout's second dim: the kv head itself when HEADS = GROUP.
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    # Grid (B * H / HEADS, key blocks): the first key blocks, which the most queries see, start first (as in
+    # `_query_program`).
+    pid_bh = tl.program_id(0)
+    pid_n = tl.program_id(1)
     slots = H // HEADS
     b = pid_bh // slots
     slot = pid_bh % slots
