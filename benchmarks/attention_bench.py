@@ -103,15 +103,14 @@ DKDV_BLOCKS = [(16, 32), (32, 32), (64, 32), (128, 32), (16, 64), (32, 64), (64,
 DKDV_GRID = [*_grid(DKDV_BLOCKS, [4], [2, 3]), *_grid([(32, 64), (64, 64), (16, 128), (32, 128)], [8], [3]),
              *_grid([(16, 128), (32, 128)], [8], [2])]
 DQ_GRID = _grid([(64, 32), (64, 64), (128, 32), (128, 64)], [4, 8], [2, 3])
-SWEEP_KERNELS = ("dkdv", "dkdv1", "dq")
+SWEEP_KERNELS = ("dkdv", "dq")
 
 
 def sweep_backward(seq: int, tokens: int, kernels_timed=SWEEP_KERNELS) -> list[dict]:
     """V1's backward kernels at the ~1.1B model's shapes (16 heads, 4 kv heads, d 64, V 128), each config of the
-    grid timed alone (median ms of triton.testing.do_bench), the other kernel left to its autotuner; the dK/dV
-    kernel also with one query head per program (`flash_diff.dkdv_heads_per_program`). Each config's gradients
-    are compared with the autotuned kernels' (max relative error). kernels_timed: those of SWEEP_KERNELS to time
-    (dkdv1: the dK/dV kernel with one query head a program)."""
+    grid timed alone (median ms of triton.testing.do_bench), the other kernel left to its autotuner. Each config's
+    gradients are compared with the autotuned kernels' (max relative error). kernels_timed: those of SWEEP_KERNELS
+    to time."""
     import triton
 
     import modeling_diff.kernels.flash_diff as flash_diff
@@ -133,24 +132,16 @@ def sweep_backward(seq: int, tokens: int, kernels_timed=SWEEP_KERNELS) -> list[d
 
     reference = step()  # the autotuned kernels' choice
     rows = []
-    long_keys = flash_diff.LONG_KEYS
-    runs = [  # (kernel, its raw jit function, configs, LONG_KEYS: 0 gives every query head its own programs)
-        ("dkdv", kernels._flash_diff_bwd_dkdv, DKDV_GRID, long_keys),
-        ("dkdv", kernels._flash_diff_bwd_dkdv, DKDV_GRID, 0),
-        ("dq", kernels._flash_diff_bwd_dq, DQ_GRID, long_keys),
-    ]
-    runs = [run for run, timed in zip(runs, SWEEP_KERNELS) if timed in kernels_timed]
-    for name, raw, candidates, threshold in runs:
+    runs = [("dkdv", kernels._flash_diff_bwd_dkdv, DKDV_GRID), ("dq", kernels._flash_diff_bwd_dq, DQ_GRID)]
+    for name, raw, candidates in (run for run in runs if run[0] in kernels_timed):
         attribute = f"flash_diff_bwd_{name}"
         tuned = getattr(flash_diff, attribute)
         picked = {**tuned.best_config.kwargs, "num_warps": tuned.best_config.num_warps,
                   "num_stages": tuned.best_config.num_stages}
-        flash_diff.LONG_KEYS = threshold
-        heads_per_program = flash_diff.dkdv_heads_per_program(heads // kv_heads, seq) if name == "dkdv" else ""
         for options in tqdm(candidates, desc=f"{name} {seq}"):
             fixed = FixedLaunch(raw, **options)
             setattr(flash_diff, attribute, fixed)
-            row = dict(kernel=name, seq=seq, batch=batch, heads=heads_per_program, **options)
+            row = dict(kernel=name, seq=seq, batch=batch, **options)
             try:
                 grads = step()
                 row["err"] = max(((g - r).norm() / r.norm()).item() for g, r in zip(grads, reference))
@@ -161,8 +152,7 @@ def sweep_backward(seq: int, tokens: int, kernels_timed=SWEEP_KERNELS) -> list[d
                 row["ms"] = float("nan")
             finally:
                 setattr(flash_diff, attribute, tuned)
-                flash_diff.LONG_KEYS = long_keys
-            row["picked"] = options == picked and threshold == long_keys
+            row["picked"] = options == picked
             rows.append(row)
     return rows
 
@@ -174,17 +164,17 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--sweep", action="store_true", help="V1's backward kernels over a grid of block sizes")
     parser.add_argument("--kernels", nargs="+", choices=SWEEP_KERNELS, default=SWEEP_KERNELS,
-                        help="--sweep: the kernels to time (dkdv1: dK/dV with one query head a program)")
+                        help="--sweep: the kernels to time")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("attention_bench.py needs a CUDA GPU")
     if args.sweep:
         rows = [r for s in args.seq for r in sweep_backward(s, args.tokens, args.kernels)]
-        print("| kernel | seq x batch | heads a program | BLOCK_M | BLOCK_N | warps | stages | ms | registers / spills | "
-              "grad error | autotuner's pick |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        print("| kernel | seq x batch | BLOCK_M | BLOCK_N | warps | stages | ms | registers / spills | grad error | "
+              "autotuner's pick |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for r in sorted(rows, key=lambda r: (r["kernel"], r["seq"], r["ms"])):
-            print(f"| {r['kernel']} | {r['seq']} x {r['batch']} | {r['heads']} | {r['BLOCK_M']} | {r['BLOCK_N']} | "
+            print(f"| {r['kernel']} | {r['seq']} x {r['batch']} | {r['BLOCK_M']} | {r['BLOCK_N']} | "
                   f"{r['num_warps']} | {r['num_stages']} | {r['ms']:.3f} | "
                   f"{r.get('regs', '')} / {r.get('spills', '')} | {r.get('err', float('nan')):.1e} | "
                   f"{'yes' if r['picked'] else ''} |")

@@ -1153,14 +1153,7 @@ FLASH_CASES = (
 
 @pytest.mark.parametrize("mode,heads,kv_heads,length,kv_length,dqk", FLASH_CASES)
 @pytest.mark.parametrize("masked", [False, True])
-@pytest.mark.parametrize("long_keys", [False, True])  # the dK/dV kernel with one query head per program
-def test_flash_diff_forward_and_gradients_match_the_formula(
-    mode, heads, kv_heads, length, kv_length, dqk, masked, long_keys, monkeypatch
-):
-    import modeling_diff.kernels.flash_diff as flash_diff
-
-    if long_keys:
-        monkeypatch.setattr(flash_diff, "LONG_KEYS", 0)
+def test_flash_diff_forward_and_gradients_match_the_formula(mode, heads, kv_heads, length, kv_length, dqk, masked):
     torch.manual_seed(4)
     batch, dv = 2, 2 * dqk if mode == "v1" else dqk
     q = rand(batch, length, heads, 2, dqk, grad=True)
@@ -1193,8 +1186,7 @@ def test_flash_diff_forward_and_gradients_match_the_formula(
 
 
 @pytest.mark.skipif(GPU, reason="reads the program ids of Triton's interpreter")
-@pytest.mark.parametrize("long_keys", [False, True])
-def test_flash_diff_programs_start_longest_first(long_keys, monkeypatch):
+def test_flash_diff_programs_start_longest_first(monkeypatch):
     """Under causal masking the programs of a flash-diff launch have unequal work: a query block sees the keys up to
     its last query, a key block is seen by the queries from its first key on. The GPU starts programs in the order
     of their ids, grid axis 0 fastest. In that order no program of the forward, dK/dV or dQ launch has more work
@@ -1202,12 +1194,9 @@ def test_flash_diff_programs_start_longest_first(long_keys, monkeypatch):
     kernel's SMs idle). Each program's block is read as the kernel reads it, from the rows its tiles get."""
     import inspect
 
-    import modeling_diff.kernels.flash_diff as flash_diff
     import modeling_diff.kernels.triton_flash_diff as kernels
     from triton.runtime.interpreter import interpreter_builder
 
-    if long_keys:
-        monkeypatch.setattr(flash_diff, "LONG_KEYS", 0)
     first_rows = {}  # (tile function, program ids) -> the first query (forward, dQ) or key (dK/dV) of its block
     for name, rows in (("_fwd_tile", "m"), ("_dq_tile", "m"), ("_dkdv_tile", "n")):
         tile = getattr(kernels, name)

@@ -33,7 +33,6 @@ if TRITON_AVAILABLE:
         DKDV_FIXED, DQ_FIXED, FWD_FIXED, flash_diff_bwd_dkdv, flash_diff_bwd_dq, flash_diff_fwd,
     )
 
-LONG_KEYS = 4096  # above this many keys the dK/dV kernel gives each query head its own programs
 MIN_QUERY_TOKENS = 16  # fewer new tokens without gradients: a decoding step, for the split-KV decode kernel
 
 
@@ -51,13 +50,6 @@ def flash_diff_applies(query, key, value, mask, dropout: float) -> bool:
         and key.shape[-1] in (query.shape[-1], 2 * query.shape[-1])
         and (mask is None or (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == 1))
     )
-
-
-def dkdv_heads_per_program(group: int, kv_length: int) -> int:
-    """Query heads per program of the dK/dV kernel. The whole GQA group writes dK and dV directly; one head per
-    program writes float32 shares that are summed after, which costs a pass but splits the causal work more
-    evenly: on the H200 it measured faster at 8K keys and slower at 2K (benchmarks/attention_bench.py)."""
-    return 1 if kv_length > LONG_KEYS else group
 
 
 def _static_bounds(length: int, kv_length: int) -> dict:
@@ -133,15 +125,7 @@ class _FlashDiff(torch.autograd.Function):
             grad_o1 = grad_rows.contiguous()
             _, grad_weight, delta = v2_combine_backward(pairs, mu.reshape(-1), grad_o1, for_flash=True)
             grad_mu = grad_weight.view(mu.shape)
-        grad_q = torch.empty_like(query)
-        heads_per_program = dkdv_heads_per_program(heads // kv_heads, kv_length)
-        if heads_per_program == heads // kv_heads:
-            grad_k, grad_v = torch.empty_like(key), torch.empty_like(value)
-            dk_out, dv_out = grad_k, grad_v
-        else:
-            slots = heads // heads_per_program
-            dk_out = torch.empty(batch, slots, kv_length, key.shape[-1], dtype=torch.float32, device=key.device)
-            dv_out = torch.empty(batch, slots, kv_length, dv, dtype=torch.float32, device=key.device)
+        grad_q, grad_k, grad_v = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
         mask_arg, mask_strides = kernel_mask(mask, query)
         row_mu = mu if norm_weight is not None else mu.reshape(-1)
         common = dict(
@@ -150,15 +134,12 @@ class _FlashDiff(torch.autograd.Function):
         )
         q_strides = query.stride()[:4]
         offset = causal_offset(length, kv_length, mask is not None)
-        flash_diff_bwd_dkdv[lambda meta: (batch * heads // heads_per_program, cdiv(kv_length, meta["BLOCK_N"]))](
-            query, key, value, mask_arg, row_mu, grad_o1, lse, delta, dk_out, dv_out,
+        flash_diff_bwd_dkdv[lambda meta: (batch * kv_heads, cdiv(kv_length, meta["BLOCK_N"]))](
+            query, key, value, mask_arg, row_mu, grad_o1, lse, delta, grad_k, grad_v,
             *q_strides, *key.stride()[:3], *value.stride()[:3], *mask_strides,
-            *dk_out.stride()[:3], *dv_out.stride()[:3],
-            heads, length, kv_length, offset, HEADS=heads_per_program, **common, **DKDV_FIXED,
+            *grad_k.stride()[:3], *grad_v.stride()[:3],
+            heads, length, kv_length, offset, **common, **DKDV_FIXED,
         )
-        if heads_per_program != heads // kv_heads:
-            grad_k = dk_out.unflatten(1, (kv_heads, -1)).sum(2).to(key.dtype)
-            grad_v = dv_out.unflatten(1, (kv_heads, -1)).sum(2).to(value.dtype)
         flash_diff_bwd_dq[lambda meta: (batch * heads, cdiv(length, meta["BLOCK_M"]))](
             query, key, value, mask_arg, row_mu, grad_o1, lse, delta, grad_q,
             *q_strides, *key.stride()[:3], *value.stride()[:3], *mask_strides,

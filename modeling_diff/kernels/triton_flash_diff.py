@@ -9,9 +9,8 @@ subln RMSNorm; V2: the per-token noise weight) so only the combined head output 
 
 Backward (the combine's backward, `triton_combine`, first turns grad y into g = dO1, with dO2 = -mu g, and
 the D terms): dP2 = -mu dP1 with dP1 = g V^T, so one g V^T serves both maps, and
-dV = (P1 - mu P2)^T g is one product. `_flash_diff_bwd_dkdv` owns a K/V tile and walks the queries of HEADS
-heads of its GQA group (`flash_diff.dkdv_heads_per_program`); `_flash_diff_bwd_dq` owns a query tile and walks
-the keys.
+dV = (P1 - mu P2)^T g is one product. `_flash_diff_bwd_dkdv` owns a K/V tile and walks the queries of every
+head of its GQA group; `_flash_diff_bwd_dq` owns a query tile and walks the keys.
 
 Softmax in base 2 (scores times log2 e); a query with no visible key gets output 0 and logsumexp +1e30 (so its
 probabilities recompute as 0 in the backward). Query i sees keys n <= i + offset (`masks.py`: 0 without a
@@ -233,20 +232,16 @@ def _flash_diff_bwd_dkdv(
     sqb, sql, sqh, sqp, skb, skh, sks, svb, svh, svs, smb, sml, sms, sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
     H, L, S, offset,
     SCALE: tl.constexpr, GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, SPLIT_K: tl.constexpr,
-    V1: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS: tl.constexpr,
+    V1: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     S_STATIC: tl.constexpr = 0, L_STATIC: tl.constexpr = 0,
 ):
     # G (B*L*H, DV) = dO1; Lse, Delta (B*L*H, 2). A program: BLOCK_N keys of one (batch, kv head) and the
-    # queries of HEADS heads of its GQA group (HEADS divides GROUP); it writes their share of dK and dV at index
-    # `slot` = (first head) / HEADS of DK's and DVout's second dim: the kv head itself when HEADS = GROUP.
-    # Grid (B * H / HEADS, key blocks): the first key blocks, which the most queries see, start first (as in
-    # `_query_program`).
+    # queries of every head of its GQA group; it writes their dK and dV. Grid (B * H_kv, key blocks): the first
+    # key blocks, which the most queries see, start first (as in `_query_program`).
     pid_bh = tl.program_id(0)
     pid_n = tl.program_id(1)
-    slots = H // HEADS
-    b = pid_bh // slots
-    slot = pid_bh % slots
-    kvh = slot * HEADS // GROUP
+    b = pid_bh // (H // GROUP)
+    kvh = pid_bh % (H // GROUP)
     n_start = pid_n * BLOCK_N
     n = n_start + tl.arange(0, BLOCK_N)
     n_ok = n < S
@@ -265,8 +260,8 @@ def _flash_diff_bwd_dkdv(
     lo = tl.maximum(n_start - offset, 0) // BLOCK_M * BLOCK_M  # causal: earlier queries see none of these keys
     # queries from `full` on see every key of the tile (a tile reaching past S has none such)
     full = tl.minimum(tl.maximum((n_start + BLOCK_N - 1 - offset + BLOCK_M - 1) // BLOCK_M * BLOCK_M, lo), L)
-    for g in range(0, HEADS):
-        head = slot * HEADS + g
+    for g in range(0, GROUP):
+        head = kvh * GROUP + g
         if L_STATIC > 0 or HAS_MASK:  # every tile masked (L_STATIC: the interpreter, see _flash_diff_fwd)
             for m0 in range(0 if L_STATIC > 0 else lo, L_STATIC if L_STATIC > 0 else L, BLOCK_M):
                 dk1, dk2, dv_acc = _dkdv_tile(
@@ -285,13 +280,13 @@ def _flash_diff_bwd_dkdv(
                     sqb, sql, sqh, sqp, smb, sml, sms, dk1, dk2, dv_acc, DQK, DV, V1, BLOCK_M, False, HAS_MASK,
                 )
 
-    dk_ptr = DK + b * sdkb + slot * sdkh + n[:, None] * sdks + dqk[None, :]
+    dk_ptr = DK + b * sdkb + kvh * sdkh + n[:, None] * sdks + dqk[None, :]
     if SPLIT_K:
         tl.store(dk_ptr, (dk1 * SCALE).to(DK.dtype.element_ty), mask=n_ok[:, None])
         tl.store(dk_ptr + DQK, (dk2 * SCALE).to(DK.dtype.element_ty), mask=n_ok[:, None])
     else:
         tl.store(dk_ptr, ((dk1 + dk2) * SCALE).to(DK.dtype.element_ty), mask=n_ok[:, None])
-    tl.store(DVout + b * sdvb + slot * sdvh + n[:, None] * sdvs + dv[None, :], dv_acc.to(DVout.dtype.element_ty),
+    tl.store(DVout + b * sdvb + kvh * sdvh + n[:, None] * sdvs + dv[None, :], dv_acc.to(DVout.dtype.element_ty),
              mask=n_ok[:, None])
 
 
@@ -417,5 +412,5 @@ else:  # H100/H200-class GPUs; two fp32 accumulators of DV per row bound the til
 
 
 flash_diff_fwd, FWD_FIXED = _tuned(_flash_diff_fwd, _FWD, _KEY + ["SAVE"])
-flash_diff_bwd_dkdv, DKDV_FIXED = _tuned(_flash_diff_bwd_dkdv, _DKDV, _KEY + ["HEADS"])
+flash_diff_bwd_dkdv, DKDV_FIXED = _tuned(_flash_diff_bwd_dkdv, _DKDV, _KEY + ["GROUP"])
 flash_diff_bwd_dq, DQ_FIXED = _tuned(_flash_diff_bwd_dq, _DQ, _KEY)
