@@ -17,6 +17,7 @@ from modeling_diff.generation import graphed_greedy_generate
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import bench  # noqa: E402
 import decode_variants  # noqa: E402
+import launch_order  # noqa: E402
 import liger_syncs  # noqa: E402
 import profile_decode  # noqa: E402
 import profile_train  # noqa: E402
@@ -220,3 +221,15 @@ def test_bench_refuses_an_attention_it_does_not_time(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--phases", "train", "--attention", "eager"])
     assert "--attention" in capsys.readouterr().err
+
+
+def test_launch_order_model_takes_the_next_program_into_the_first_free_slot():
+    """`launch_order.py`: two slots, works 4, 1, 1, 4 in that order end at 6 (the second 4 starts at 2 beside the
+    first), longest first at 5; a (rows x blocks) launch starts each row's blocks in turn with the block on the fast
+    axis, every row's first block first without; the tiles a causal block walks."""
+    assert launch_order.makespan([4, 1, 1, 4], 2) == 6 and launch_order.makespan([4, 4, 1, 1], 2) == 5
+    assert launch_order.started_order([3, 1], 2, block_fast=True) == [3, 1, 3, 1]
+    assert launch_order.started_order([3, 1], 2, block_fast=False) == [3, 3, 1, 1]
+    # 4 queries in blocks of 2 against keys in tiles of 2: the last block sees both key tiles, the first one
+    assert launch_order.query_block_works(4, 2, 2) == [2, 1]
+    assert launch_order.key_block_works(4, 2, 2, heads=3) == [6, 3]
