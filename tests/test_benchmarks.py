@@ -1,7 +1,8 @@
 """Helpers of the benchmark scripts that decide what their tables say, on CPU: the phases of a whole-step graph
 generate() call (bench.py), the exposed time of overlapping kernels (profile_decode.py), the GPU's idle gaps of a
-training step put down to the host (profile_train.py), the launch rules a variant of decode_variants.py sets and
-the step without Liger's synchronizations (liger_syncs.py) and the passes of bench.py's rows."""
+training step put down to the host (profile_train.py), the launch rules a variant of decode_variants.py sets, the
+step without Liger's synchronizations (liger_syncs.py), the passes of bench.py's rows and the model of a launch's
+programs in launch_order.py."""
 
 import argparse
 import os
