@@ -3,11 +3,15 @@
     python benchmarks/attention_bench.py --seq 2048 8192
     python benchmarks/attention_bench.py --sweep     # V1's flash-diff backward kernels over a grid of block sizes
     python benchmarks/attention_bench.py --sweep --seq 2048 --kernels dkdv     # the dK/dV kernel alone
+    python benchmarks/attention_bench.py --profile --seq 2048 8192   # each layer's step by kernel (torch.profiler)
 
 Rows: transformers' LlamaAttention (32 heads of 64, 8 kv heads; SDPA) as the reference; modeling_diff V1 and
 V2 through the flash-diff kernel (`kernels/flash_diff.py`, attn_implementation "fused_diff") and through the
 plain path (one SDPA call of the pairs, then the fused Triton combine). Projections, RoPE and the output
 projection are included, as in the model. Tokens per batch: 8192 (4 x 2048, or 1 x 8192).
+
+`--profile` puts each layer's forward + backward down to its kernels: GPU ms a step per kernel name, the
+attention's own kernels (flash-diff's three, or cuDNN's) beside the projections' matmuls.
 
 `--sweep` times each of V1's two backward kernels (dK/dV, dQ) alone at the model's shapes for every block size,
 warp count and pipeline depth of a grid, beside the candidate the autotuner picked: what to put among the
@@ -17,6 +21,7 @@ autotuner's candidates in `triton_flash_diff.py`.
 import argparse
 import itertools
 import sys
+from collections import Counter
 
 import torch
 from tqdm import tqdm
@@ -54,7 +59,9 @@ def milliseconds(fn, repeats: int) -> float:
     return start.elapsed_time(end) / repeats
 
 
-def measure(name: str, seq: int, tokens: int, repeats: int) -> dict:
+def steps(name: str, seq: int, tokens: int):
+    """(forward, train): one forward without gradients, and one forward + backward, of the layer `name` on random
+    hidden states of `tokens` tokens in sequences of `seq`."""
     module, config = layer(name)
     batch = max(1, tokens // seq)
     x = torch.randn(batch, seq, config.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -70,7 +77,36 @@ def measure(name: str, seq: int, tokens: int, repeats: int) -> dict:
         out = module(x, rope, None)[0]
         out.backward(grad)
 
+    return forward, train
+
+
+def measure(name: str, seq: int, tokens: int, repeats: int) -> dict:
+    forward, train = steps(name, seq, tokens)
     return dict(model=name, seq=seq, forward_ms=milliseconds(forward, repeats), train_ms=milliseconds(train, repeats))
+
+
+def per_kernel_ms(events, repeats: int) -> Counter:
+    """GPU ms per kernel name per step from the profiler's events of `repeats` steps (the host's events left out)."""
+    times = Counter()
+    for event in events:
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            times[event.name] += event.device_time / 1000 / repeats
+    return times
+
+
+def profile_kernels(name: str, seq: int, tokens: int, repeats: int = 10) -> Counter:
+    """The layer's forward + backward by kernel: GPU ms a step per kernel name, after 3 untimed steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _, train = steps(name, seq, tokens)
+    for _ in range(3):
+        train()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            train()
+        torch.cuda.synchronize()
+    return per_kernel_ms(prof.events(), repeats)
 
 
 class FixedLaunch:
@@ -163,6 +199,8 @@ def main(argv=None):
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--sweep", action="store_true", help="V1's backward kernels over a grid of block sizes")
+    parser.add_argument("--profile", action="store_true", help="each layer's forward + backward by kernel")
+    parser.add_argument("--top", type=int, default=8, help="--profile: the kernels shown per layer")
     parser.add_argument("--kernels", nargs="+", choices=SWEEP_KERNELS, default=SWEEP_KERNELS,
                         help="--sweep: the kernels to time")
     args = parser.parse_args(argv)
@@ -180,6 +218,16 @@ def main(argv=None):
                   f"{'yes' if r['picked'] else ''} |")
         return
     names = ["llama", "v1", "v1-plain", "v2", "v2-plain"]
+    if args.profile:
+        print("| seq | layer | kernel | GPU ms a step | share of the layer's |\n|---|---|---|---|---|")
+        for seq in args.seq:
+            for name in tqdm(names, desc=f"profiles {seq}"):
+                times = profile_kernels(name, seq, args.tokens)
+                total = sum(times.values())
+                for kernel, ms in times.most_common(args.top):
+                    print(f"| {seq} | {name} | {kernel[:80]} | {ms:.3f} | {ms / total:.0%} |")
+                print(f"| {seq} | {name} | all {len(times)} kernels | {total:.3f} | 100% |")
+        return
     rows = [measure(n, s, args.tokens, args.repeats) for s in args.seq for n in tqdm(names, desc="layers")]
     base = {r["seq"]: r for r in rows if r["model"] == "llama"}
     print("| seq | layer | forward ms | vs Llama | forward + backward ms | vs Llama |\n|---|---|---|---|---|---|")

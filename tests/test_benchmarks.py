@@ -1,8 +1,8 @@
 """Helpers of the benchmark scripts that decide what their tables say, on CPU: the phases of a whole-step graph
 generate() call (bench.py), the exposed time of overlapping kernels (profile_decode.py), the GPU's idle gaps of a
 training step put down to the host (profile_train.py), the launch rules a variant of decode_variants.py sets, the
-step without Liger's synchronizations (liger_syncs.py), the passes of bench.py's rows and the model of a launch's
-programs in launch_order.py."""
+step without Liger's synchronizations (liger_syncs.py), the passes of bench.py's rows, the model of a launch's
+programs in launch_order.py and attention_bench.py's kernels of a layer's step."""
 
 import argparse
 import os
@@ -16,6 +16,7 @@ from modeling_diff import generation
 from modeling_diff.generation import graphed_greedy_generate
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+import attention_bench  # noqa: E402
 import bench  # noqa: E402
 import decode_variants  # noqa: E402
 import launch_order  # noqa: E402
@@ -234,3 +235,19 @@ def test_launch_order_model_takes_the_next_program_into_the_first_free_slot():
     # 4 queries in blocks of 2 against keys in tiles of 2: the last block sees both key tiles, the first one
     assert launch_order.query_block_works(4, 2, 2) == [2, 1]
     assert launch_order.key_block_works(4, 2, 2, heads=3) == [6, 3]
+
+
+def test_attention_bench_profile_sums_each_kernels_gpu_time_per_step():
+    """`attention_bench.py --profile`: the GPU time of each kernel name over the profiled steps, per step, in ms (the
+    profiler's device_time is in us); the host's events are left out."""
+    from types import SimpleNamespace
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    events = [
+        SimpleNamespace(name="_flash_diff_fwd", device_type=cuda, device_time=300.0),
+        SimpleNamespace(name="_flash_diff_fwd", device_type=cuda, device_time=500.0),
+        SimpleNamespace(name="nvjet_gemm", device_type=cuda, device_time=200.0),
+        SimpleNamespace(name="aten::mm", device_type=cpu, device_time=900.0),
+    ]
+    times = attention_bench.per_kernel_ms(events, repeats=2)
+    assert times == {"_flash_diff_fwd": pytest.approx(0.4), "nvjet_gemm": pytest.approx(0.1)}
