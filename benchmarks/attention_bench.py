@@ -218,15 +218,16 @@ def main(argv=None):
                   f"{'yes' if r['picked'] else ''} |")
         return
     names = ["llama", "v1", "v1-plain", "v2", "v2-plain"]
-    if args.profile:
-        print("| seq | layer | kernel | GPU ms a step | share of the layer's |\n|---|---|---|---|---|")
+    if args.profile:  # the table after the progress bars, so that no line of it shares one with them
+        lines = ["| seq | layer | kernel | GPU ms a step | share of the layer's |", "|---|---|---|---|---|"]
         for seq in args.seq:
             for name in tqdm(names, desc=f"profiles {seq}"):
                 times = profile_kernels(name, seq, args.tokens)
                 total = sum(times.values())
-                for kernel, ms in times.most_common(args.top):
-                    print(f"| {seq} | {name} | {kernel[:80]} | {ms:.3f} | {ms / total:.0%} |")
-                print(f"| {seq} | {name} | all {len(times)} kernels | {total:.3f} | 100% |")
+                lines += [f"| {seq} | {name} | {kernel[:80]} | {ms:.3f} | {ms / total:.0%} |"
+                          for kernel, ms in times.most_common(args.top)]
+                lines.append(f"| {seq} | {name} | all {len(times)} kernels | {total:.3f} | 100% |")
+        print("\n".join(lines))
         return
     rows = [measure(n, s, args.tokens, args.repeats) for s in args.seq for n in tqdm(names, desc="layers")]
     base = {r["seq"]: r for r in rows if r["model"] == "llama"}
