@@ -1,10 +1,11 @@
-"""Registers and spills of V1's flash-diff dK/dV kernel for the H200, compiled without a GPU.
+"""Registers and spills of the flash-diff dK/dV kernel for the H200, compiled without a GPU.
 
-    python benchmarks/kernel_registers.py
+    python benchmarks/kernel_registers.py              # V1's shapes
+    python benchmarks/kernel_registers.py --mode v2    # V2's
 
-Triton compiles each config of `attention_bench.py --sweep`'s dK/dV grid for sm_90a at the ~1.1B model's V1 shapes
-(d 64, V 128, 4 query heads per kv head), and ptxas (shipped with triton) reports the registers per thread and the
-bytes spilled. The H200's sweep found the kernel's fast configs all spilling
+Triton compiles each config of `attention_bench.py --sweep`'s dK/dV grid for sm_90a at the ~1.1B model's shapes
+(V1: keys K1|K2 of 64 each, V 128, 4 differential heads per kv head; V2: one 64-wide key head for both maps, V 64,
+4 pairs per kv head), and ptxas (shipped with triton) reports the registers per thread and the bytes spilled. The H200's sweep found the kernel's fast configs all spilling
 (`results_h200_flash_diff_backward_sweep.md`), so a change meant to remove spills can be checked here first, on
 the CPU, before device time goes to timing it.
 
@@ -14,6 +15,7 @@ tiles, then the tiles every query sees), which run once a query tile, against th
 which run once a query head or once a program.
 """
 
+import argparse
 import inspect
 import os
 import re
@@ -35,6 +37,8 @@ POINTERS = {"Mu": "*fp32", "Lse": "*fp32", "Delta": "*fp32", "Mask": "*u8", "Par
 # the GPU's constants (S_STATIC and L_STATIC: their defaults, the interpreter's loop bounds off)
 V1_SHAPES = dict(SCALE=0.125, GROUP=4, DQK=64, DV=128, SPLIT_K=True, V1=True, HAS_MASK=False, S_STATIC=0,
                  L_STATIC=0)
+V2_SHAPES = dict(V1_SHAPES, DV=64, SPLIT_K=False, V1=False)
+SHAPES = dict(v1=V1_SHAPES, v2=V2_SHAPES)
 
 
 def compile_sm90(kernel, constants: dict, num_warps: int, num_stages: int):
@@ -100,13 +104,16 @@ def ptxas_report(kernel, constants: dict, num_warps: int, num_stages: int) -> tu
     return counts["registers"], counts["stores"]
 
 
-def main():
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--mode", choices=sorted(SHAPES), default="v1", help="the model's shapes to compile for")
+    shapes = SHAPES[parser.parse_args(argv).mode]
     print("| BLOCK_M | BLOCK_N | warps | stages | registers | stack bytes (GPU spills x 4) | spill stores / loads "
           "(bytes) | LDL + STL a query tile (instructions of the loop) | LDL + STL elsewhere |\n"
           "|---|---|---|---|---|---|---|---|---|")
     for config in DKDV_GRID:
         options = {k: config[k] for k in ("num_warps", "num_stages")}
-        c = ptxas_counts(_flash_diff_bwd_dkdv, {**V1_SHAPES, **config}, **options)
+        c = ptxas_counts(_flash_diff_bwd_dkdv, {**shapes, **config}, **options)
         loops = ", ".join(f"{spills} ({size})" for size, spills in c["loops"])
         print(f"| {config['BLOCK_M']} | {config['BLOCK_N']} | {options['num_warps']} | {options['num_stages']} | "
               f"{c['registers']} | {c['stack']} | {c['stores']} / {c['loads']} | {loops} | {c['rest']} |", flush=True)
