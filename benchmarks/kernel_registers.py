@@ -5,9 +5,9 @@
 
 Triton compiles each config of `attention_bench.py --sweep`'s dK/dV grid for sm_90a at the ~1.1B model's shapes
 (V1: keys K1|K2 of 64 each, V 128, 4 differential heads per kv head; V2: one 64-wide key head for both maps, V 64,
-4 pairs per kv head), and ptxas (shipped with triton) reports the registers per thread and the bytes spilled. The H200's sweep found the kernel's fast configs all spilling
-(`results_h200_flash_diff_backward_sweep.md`), so a change meant to remove spills can be checked here first, on
-the CPU, before device time goes to timing it.
+4 pairs per kv head), and ptxas (shipped with triton) reports the registers per thread and the bytes spilled.
+The H200's sweep found the kernel's fast configs all spilling (`results_h200_flash_diff_backward_sweep.md`), so a
+change meant to remove spills can be checked here first, on the CPU, before device time goes to timing it.
 
 ptxas's totals do not say where the spills run. nvdisasm (also shipped with triton) gives the SASS, and the
 last columns count the spill instructions (LDL + STL) inside each query loop (the innermost loops: the diagonal
