@@ -239,15 +239,13 @@ def test_launch_order_model_takes_the_next_program_into_the_first_free_slot():
 
 def test_attention_bench_profile_sums_each_kernels_gpu_time_per_step():
     """`attention_bench.py --profile`: the GPU time of each kernel name over the profiled steps, per step, in ms (the
-    profiler's device_time is in us); the host's events are left out."""
+    profiler's times are in us); the host's operators (no self device time) are left out."""
     from types import SimpleNamespace
 
-    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
-    events = [
-        SimpleNamespace(name="_flash_diff_fwd", device_type=cuda, device_time=300.0),
-        SimpleNamespace(name="_flash_diff_fwd", device_type=cuda, device_time=500.0),
-        SimpleNamespace(name="nvjet_gemm", device_type=cuda, device_time=200.0),
-        SimpleNamespace(name="aten::mm", device_type=cpu, device_time=900.0),
+    averages = [  # key_averages(): one entry per name, summed over the steps
+        SimpleNamespace(key="_flash_diff_fwd", self_device_time_total=800.0),
+        SimpleNamespace(key="nvjet_gemm", self_device_time_total=200.0),
+        SimpleNamespace(key="aten::mm", self_device_time_total=0.0),
     ]
-    times = attention_bench.per_kernel_ms(events, repeats=2)
+    times = attention_bench.per_kernel_ms(averages, repeats=2)
     assert times == {"_flash_diff_fwd": pytest.approx(0.4), "nvjet_gemm": pytest.approx(0.1)}
