@@ -78,6 +78,16 @@ def _forward(query, key, value, mask, mu, norm_weight, eps, norm_scale, scale, s
     return y, pairs, lse, rstd
 
 
+def _row_terms(lse, delta, row_weight, batch: int, length: int, heads: int) -> torch.Tensor:
+    """(B, H, 4 or 5, L) float32 for the backward kernels: each query row's logsumexp and D term of both maps (lse and
+    delta (B*L*H, 2)) and, for V2, its noise weight (row_weight, B*L*H values), head-major, so that the rows of a
+    tile are contiguous for each term (the dK/dV kernel reads them once a query tile)."""
+    parts = [lse.view(batch, length, heads, 2), delta.view(batch, length, heads, 2)]
+    if row_weight is not None:
+        parts.append(row_weight.reshape(batch, length, heads, 1).float())
+    return torch.cat(parts, dim=-1).permute(0, 2, 3, 1).contiguous()
+
+
 def _combined_rows(pairs, mu, norm_weight, eps, norm_scale):
     """The combined heads (R, DV) again from the saved pairs, as the forward's epilogue computed them."""
     if norm_weight is not None:
@@ -127,7 +137,7 @@ class _FlashDiff(torch.autograd.Function):
             grad_mu = grad_weight.view(mu.shape)
         grad_q, grad_k, grad_v = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
         mask_arg, mask_strides = kernel_mask(mask, query)
-        row_mu = mu if norm_weight is not None else mu.reshape(-1)
+        terms = _row_terms(lse, delta, None if norm_weight is not None else mu, batch, length, heads)
         common = dict(
             SCALE=ctx.scale, GROUP=heads // kv_heads, DQK=dqk, DV=dv, SPLIT_K=key.shape[-1] == 2 * dqk,
             V1=norm_weight is not None, HAS_MASK=mask is not None, **_static_bounds(length, kv_length),
@@ -135,13 +145,13 @@ class _FlashDiff(torch.autograd.Function):
         q_strides = query.stride()[:4]
         offset = causal_offset(length, kv_length, mask is not None)
         flash_diff_bwd_dkdv[lambda meta: (batch * kv_heads, cdiv(kv_length, meta["BLOCK_N"]))](
-            query, key, value, mask_arg, row_mu, grad_o1, lse, delta, grad_k, grad_v,
+            query, key, value, mask_arg, mu, grad_o1, terms, grad_k, grad_v,
             *q_strides, *key.stride()[:3], *value.stride()[:3], *mask_strides,
             *grad_k.stride()[:3], *grad_v.stride()[:3],
             heads, length, kv_length, offset, **common, **DKDV_FIXED,
         )
         flash_diff_bwd_dq[lambda meta: (batch * heads, cdiv(length, meta["BLOCK_M"]))](
-            query, key, value, mask_arg, row_mu, grad_o1, lse, delta, grad_q,
+            query, key, value, mask_arg, mu, grad_o1, terms, grad_q,
             *q_strides, *key.stride()[:3], *value.stride()[:3], *mask_strides,
             *grad_q.stride()[:4],
             heads, length, kv_length, offset, **common, **DQ_FIXED,

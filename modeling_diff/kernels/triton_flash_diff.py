@@ -180,27 +180,30 @@ def _flash_diff_fwd(
 
 
 @triton.jit
-def _query_rows(Q, G, Lse, Delta, Mu, b, head, m, m_ok, H, L, sqb, sql, sqh, sqp, lam,
+def _query_rows(Q, G, Terms, b, head, m, m_ok, H, L, sqb, sql, sqh, sqp, lam,
                 DQK: tl.constexpr, DV: tl.constexpr, V1: tl.constexpr, TRANSPOSED: tl.constexpr):
     """What the backward reads per query row: Q1, Q2 ((DQK, rows) if TRANSPOSED), g = dO1, the logsumexp and
-    D term of each map, and mu. Rows beyond L get logsumexp +1e30, so their probabilities recompute as 0."""
+    D term of each map, and mu (V1: lam; V2: the row's noise weight). Terms (B, H, 4 or 5, L): each row term of a
+    head contiguous along L, so that a tile's rows are one contiguous load per term. Rows beyond L get logsumexp
+    +1e30, so their probabilities recompute as 0."""
     rows = (b * L + m) * H + head
     q1, q2 = _load_query_pair(Q, b, head, m, m_ok, sqb, sql, sqh, sqp, DQK, TRANSPOSED)
     go = tl.load(G + rows[:, None] * DV + tl.arange(0, DV)[None, :], mask=m_ok[:, None], other=0.0)
-    lse1 = tl.load(Lse + rows * 2, mask=m_ok, other=1.0e30)
-    lse2 = tl.load(Lse + rows * 2 + 1, mask=m_ok, other=1.0e30)
-    delta1 = tl.load(Delta + rows * 2, mask=m_ok, other=0.0)
-    delta2 = tl.load(Delta + rows * 2 + 1, mask=m_ok, other=0.0)
+    terms = Terms + (b * H + head) * (4 if V1 else 5) * L + m
+    lse1 = tl.load(terms, mask=m_ok, other=1.0e30)
+    lse2 = tl.load(terms + L, mask=m_ok, other=1.0e30)
+    delta1 = tl.load(terms + 2 * L, mask=m_ok, other=0.0)
+    delta2 = tl.load(terms + 3 * L, mask=m_ok, other=0.0)
     if V1:
         mu = tl.zeros_like(lse1) + lam
     else:
-        mu = tl.load(Mu + rows, mask=m_ok, other=0.0).to(tl.float32)
+        mu = tl.load(terms + 4 * L, mask=m_ok, other=0.0)
     return q1, q2, go, lse1, lse2, delta1, delta2, mu
 
 
 @triton.jit
 def _dkdv_tile(
-    Q, G, Lse, Delta, Mu, Mask, k1, k2, v, n, n_ok, m0, b, head, H, L, offset, qk_scale, lam,
+    Q, G, Terms, Mask, k1, k2, v, n, n_ok, m0, b, head, H, L, offset, qk_scale, lam,
     sqb, sql, sqh, sqp, smb, sml, sms, dk1, dk2, dv_acc,
     DQK: tl.constexpr, DV: tl.constexpr, V1: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
     HAS_MASK: tl.constexpr,
@@ -209,7 +212,7 @@ def _dkdv_tile(
     m = m0 + tl.arange(0, BLOCK_M)
     m_ok = m < L
     q1t, q2t, go, lse1, lse2, delta1, delta2, mu = _query_rows(
-        Q, G, Lse, Delta, Mu, b, head, m, m_ok, H, L, sqb, sql, sqh, sqp, lam, DQK, DV, V1, True
+        Q, G, Terms, b, head, m, m_ok, H, L, sqb, sql, sqh, sqp, lam, DQK, DV, V1, True
     )
     p1t = tl.exp2(tl.dot(k1, q1t) * qk_scale - lse1[None, :])  # (BLOCK_N, BLOCK_M)
     p2t = tl.exp2(tl.dot(k2, q2t) * qk_scale - lse2[None, :])
@@ -228,16 +231,16 @@ def _dkdv_tile(
 
 @triton.jit
 def _flash_diff_bwd_dkdv(
-    Q, K, V, Mask, Mu, G, Lse, Delta, DK, DVout,
+    Q, K, V, Mask, Mu, G, Terms, DK, DVout,
     sqb, sql, sqh, sqp, skb, skh, sks, svb, svh, svs, smb, sml, sms, sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
     H, L, S, offset,
     SCALE: tl.constexpr, GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, SPLIT_K: tl.constexpr,
     V1: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     S_STATIC: tl.constexpr = 0, L_STATIC: tl.constexpr = 0,
 ):
-    # G (B*L*H, DV) = dO1; Lse, Delta (B*L*H, 2). A program: BLOCK_N keys of one (batch, kv head) and the
-    # queries of every head of its GQA group; it writes their dK and dV. Grid (B * H_kv, key blocks): the first
-    # key blocks, which the most queries see, start first (as in `_query_program`).
+    # G (B*L*H, DV) = dO1; Terms (B, H, 4 or 5, L) as `_query_rows` reads them. A program: BLOCK_N keys of one
+    # (batch, kv head) and the queries of every head of its GQA group; it writes their dK and dV. Grid (B * H_kv, key
+    # blocks): the first key blocks, which the most queries see, start first (as in `_query_program`).
     pid_bh = tl.program_id(0)
     pid_n = tl.program_id(1)
     b = pid_bh // (H // GROUP)
@@ -265,18 +268,18 @@ def _flash_diff_bwd_dkdv(
         if L_STATIC > 0 or HAS_MASK:  # every tile masked (L_STATIC: the interpreter, see _flash_diff_fwd)
             for m0 in range(0 if L_STATIC > 0 else lo, L_STATIC if L_STATIC > 0 else L, BLOCK_M):
                 dk1, dk2, dv_acc = _dkdv_tile(
-                    Q, G, Lse, Delta, Mu, Mask, k1, k2, v, n, n_ok, m0, b, head, H, L, offset, qk_scale, lam,
+                    Q, G, Terms, Mask, k1, k2, v, n, n_ok, m0, b, head, H, L, offset, qk_scale, lam,
                     sqb, sql, sqh, sqp, smb, sml, sms, dk1, dk2, dv_acc, DQK, DV, V1, BLOCK_M, True, HAS_MASK,
                 )
         else:
             for m0 in range(lo, full, BLOCK_M):  # the diagonal
                 dk1, dk2, dv_acc = _dkdv_tile(
-                    Q, G, Lse, Delta, Mu, Mask, k1, k2, v, n, n_ok, m0, b, head, H, L, offset, qk_scale, lam,
+                    Q, G, Terms, Mask, k1, k2, v, n, n_ok, m0, b, head, H, L, offset, qk_scale, lam,
                     sqb, sql, sqh, sqp, smb, sml, sms, dk1, dk2, dv_acc, DQK, DV, V1, BLOCK_M, True, HAS_MASK,
                 )
             for m0 in range(full, L, BLOCK_M):
                 dk1, dk2, dv_acc = _dkdv_tile(
-                    Q, G, Lse, Delta, Mu, Mask, k1, k2, v, n, n_ok, m0, b, head, H, L, offset, qk_scale, lam,
+                    Q, G, Terms, Mask, k1, k2, v, n, n_ok, m0, b, head, H, L, offset, qk_scale, lam,
                     sqb, sql, sqh, sqp, smb, sml, sms, dk1, dk2, dv_acc, DQK, DV, V1, BLOCK_M, False, HAS_MASK,
                 )
 
@@ -328,7 +331,7 @@ def _dq_tile(
 
 @triton.jit
 def _flash_diff_bwd_dq(
-    Q, K, V, Mask, Mu, G, Lse, Delta, DQ,
+    Q, K, V, Mask, Mu, G, Terms, DQ,
     sqb, sql, sqh, sqp, skb, skh, sks, svb, svh, svs, smb, sml, sms, sdqb, sdql, sdqh, sdqp,
     H, L, S, offset,
     SCALE: tl.constexpr, GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -340,7 +343,7 @@ def _flash_diff_bwd_dq(
     dqk = tl.arange(0, DQK)
     lam = tl.load(Mu).to(tl.float32) if V1 else 0.0
     q1, q2, go, lse1, lse2, delta1, delta2, mu = _query_rows(
-        Q, G, Lse, Delta, Mu, b, head, m, m_ok, H, L, sqb, sql, sqh, sqp, lam, DQK, DV, V1, False
+        Q, G, Terms, b, head, m, m_ok, H, L, sqb, sql, sqh, sqp, lam, DQK, DV, V1, False
     )
     k_ptr = K + b * skb + kvh * skh
     v_ptr = V + b * svb + kvh * svh
