@@ -2,6 +2,7 @@
 
     python benchmarks/attention_bench.py --seq 2048 8192
     python benchmarks/attention_bench.py --sweep     # V1's flash-diff backward kernels over a grid of block sizes
+    python benchmarks/attention_bench.py --sweep --mode v2     # V2's (one key head for both maps, V of d)
     python benchmarks/attention_bench.py --sweep --seq 2048 --kernels dkdv     # the dK/dV kernel alone
     python benchmarks/attention_bench.py --profile --seq 2048 8192   # each layer's step by kernel (torch.profiler)
 
@@ -13,9 +14,9 @@ projection are included, as in the model. Tokens per batch: 8192 (4 x 2048, or 1
 `--profile` puts each layer's forward + backward down to its kernels: GPU ms a step per kernel name, the
 attention's own kernels (flash-diff's three, or cuDNN's) beside the projections' matmuls.
 
-`--sweep` times each of V1's two backward kernels (dK/dV, dQ) alone at the model's shapes for every block size,
-warp count and pipeline depth of a grid, beside the candidate the autotuner picked: what to put among the
-autotuner's candidates in `triton_flash_diff.py`.
+`--sweep` times each of the two flash-diff backward kernels (dK/dV, dQ) of V1 or V2 (`--mode`) alone at the
+model's shapes for every block size, warp count and pipeline depth of a grid, beside the candidate the autotuner
+picked: what to put among the autotuner's candidates in `triton_flash_diff.py`.
 """
 
 import argparse
@@ -133,34 +134,42 @@ def _grid(blocks, warps, stages):
 DKDV_BLOCKS = [(16, 32), (32, 32), (64, 32), (128, 32), (16, 64), (32, 64), (64, 64), (32, 128)]
 # 8 warps at 128 keys: two warpgroups of 64 keys share the query tiles; 16 x 128 is the grid's one fast-sized
 # config that spills nothing (`kernel_registers.py`), 32 x 128 at 2 stages spills only outside the query loops
+# V2's accumulators (dK, dK, dV of 64 wide) take half of V1's registers: larger tiles and deeper pipelines for it
 DKDV_GRID = [*_grid(DKDV_BLOCKS, [4], [2, 3]), *_grid([(32, 64), (64, 64), (16, 128), (32, 128)], [8], [3]),
-             *_grid([(16, 128), (32, 128)], [8], [2])]
+             *_grid([(16, 128), (32, 128)], [8], [2]), *_grid([(64, 128), (128, 64)], [8], [2, 3]),
+             *_grid([(32, 128), (64, 64)], [4], [4])]
 DQ_GRID = _grid([(64, 32), (64, 64), (128, 32), (128, 64)], [4, 8], [2, 3])
 SWEEP_KERNELS = ("dkdv", "dq")
 
 
-def sweep_backward(seq: int, tokens: int, kernels_timed=SWEEP_KERNELS) -> list[dict]:
-    """V1's backward kernels at the ~1.1B model's shapes (16 heads, 4 kv heads, d 64, V 128), each config of the
-    grid timed alone (median ms of triton.testing.do_bench), the other kernel left to its autotuner. Each config's
-    gradients are compared with the autotuned kernels' (max relative error). kernels_timed: those of SWEEP_KERNELS
-    to time."""
+def sweep_backward(seq: int, tokens: int, kernels_timed=SWEEP_KERNELS, mode: str = "v1") -> list[dict]:
+    """The flash-diff backward kernels of `mode` at the ~1.1B model's shapes (V1: 16 heads, 4 kv heads, d 64, K1|K2
+    and V 128 wide, lambda and subln; V2: 32 heads, 8 kv heads, one key head of 64 for both maps, V 64, a noise
+    weight per token), each config of the grid timed alone (median ms of triton.testing.do_bench), the other kernel
+    left to its autotuner. Each config's gradients are compared with the autotuned kernels' (max relative error).
+    kernels_timed: those of SWEEP_KERNELS to time."""
     import triton
 
     import modeling_diff.kernels.flash_diff as flash_diff
     import modeling_diff.kernels.triton_flash_diff as kernels
 
-    config = preset_config("1.1b-v1")
+    config = preset_config(f"1.1b-{mode}")
     batch, heads, kv_heads, d = max(1, tokens // seq), config.num_attention_heads, config.num_key_value_heads, 64
+    v1 = mode == "v1"
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
     query = torch.randn(batch, seq, heads, 2, d, **bf16, requires_grad=True)
-    key = torch.randn(batch, kv_heads, seq, 2 * d, **bf16, requires_grad=True)
-    value = torch.randn(batch, kv_heads, seq, 2 * d, **bf16, requires_grad=True)
-    lam = torch.tensor(0.3, device="cuda", requires_grad=True)
-    norm = LlamaRMSNorm(2 * d).to(**bf16)  # V1's subln
-    grad = torch.randn(batch, seq, heads, 2 * d, **bf16)
+    key = torch.randn(batch, kv_heads, seq, 2 * d if v1 else d, **bf16, requires_grad=True)
+    value = torch.randn(batch, kv_heads, seq, 2 * d if v1 else d, **bf16, requires_grad=True)
+    if v1:
+        mu = torch.tensor(0.3, device="cuda", requires_grad=True)
+        norm = LlamaRMSNorm(2 * d).to(**bf16)  # V1's subln
+    else:  # V2's noise weight per token and head, in (0, 1) as its sigmoid gives it
+        mu = torch.rand(batch, seq, heads, **bf16).requires_grad_()
+        norm = None
+    grad = torch.randn(batch, seq, heads, value.shape[-1], **bf16)
 
     def step():
-        out = flash_diff.flash_diff_attention(query, key, value, None, lam, d**-0.5, norm=norm, norm_scale=0.8)
+        out = flash_diff.flash_diff_attention(query, key, value, None, mu, d**-0.5, norm=norm, norm_scale=0.8)
         return torch.autograd.grad(out, (query, key, value), grad)
 
     reference = step()  # the autotuned kernels' choice
@@ -174,7 +183,7 @@ def sweep_backward(seq: int, tokens: int, kernels_timed=SWEEP_KERNELS) -> list[d
         for options in tqdm(candidates, desc=f"{name} {seq}"):
             fixed = FixedLaunch(raw, **options)
             setattr(flash_diff, attribute, fixed)
-            row = dict(kernel=name, seq=seq, batch=batch, **options)
+            row = dict(kernel=name, mode=mode, seq=seq, batch=batch, **options)
             try:
                 grads = step()
                 row["err"] = max(((g - r).norm() / r.norm()).item() for g, r in zip(grads, reference))
@@ -195,7 +204,8 @@ def main(argv=None):
     parser.add_argument("--seq", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--sweep", action="store_true", help="V1's backward kernels over a grid of block sizes")
+    parser.add_argument("--sweep", action="store_true", help="the backward kernels over a grid of block sizes")
+    parser.add_argument("--mode", choices=("v1", "v2"), default="v1", help="--sweep: the model whose shapes")
     parser.add_argument("--profile", action="store_true", help="each layer's forward + backward by kernel")
     parser.add_argument("--top", type=int, default=8, help="--profile: the kernels shown per layer")
     parser.add_argument("--kernels", nargs="+", choices=SWEEP_KERNELS, default=SWEEP_KERNELS,
@@ -204,12 +214,12 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("attention_bench.py needs a CUDA GPU")
     if args.sweep:
-        rows = [r for s in args.seq for r in sweep_backward(s, args.tokens, args.kernels)]
-        print("| kernel | seq x batch | BLOCK_M | BLOCK_N | warps | stages | ms | registers / spills | grad error | "
+        rows = [r for s in args.seq for r in sweep_backward(s, args.tokens, args.kernels, args.mode)]
+        print("| kernel | mode | seq x batch | BLOCK_M | BLOCK_N | warps | stages | ms | registers / spills | grad error | "
               "autotuner's pick |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in sorted(rows, key=lambda r: (r["kernel"], r["seq"], r["ms"])):
-            print(f"| {r['kernel']} | {r['seq']} x {r['batch']} | {r['BLOCK_M']} | {r['BLOCK_N']} | "
+            print(f"| {r['kernel']} | {r['mode']} | {r['seq']} x {r['batch']} | {r['BLOCK_M']} | {r['BLOCK_N']} | "
                   f"{r['num_warps']} | {r['num_stages']} | {r['ms']:.3f} | "
                   f"{r.get('regs', '')} / {r.get('spills', '')} | {r.get('err', float('nan')):.1e} | "
                   f"{'yes' if r['picked'] else ''} |")
