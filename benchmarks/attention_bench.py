@@ -215,8 +215,8 @@ def main(argv=None):
         sys.exit("attention_bench.py needs a CUDA GPU")
     if args.sweep:
         rows = [r for s in args.seq for r in sweep_backward(s, args.tokens, args.kernels, args.mode)]
-        print("| kernel | mode | seq x batch | BLOCK_M | BLOCK_N | warps | stages | ms | registers / spills | grad error | "
-              "autotuner's pick |")
+        print("| kernel | mode | seq x batch | BLOCK_M | BLOCK_N | warps | stages | ms | registers / spills | "
+              "grad error | autotuner's pick |")
         print("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in sorted(rows, key=lambda r: (r["kernel"], r["seq"], r["ms"])):
             print(f"| {r['kernel']} | {r['mode']} | {r['seq']} x {r['batch']} | {r['BLOCK_M']} | {r['BLOCK_N']} | "

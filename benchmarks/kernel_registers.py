@@ -32,8 +32,7 @@ from modeling_diff.kernels.triton_flash_diff import _flash_diff_bwd_dkdv
 
 BIN = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin")
 PTXAS, NVDISASM = os.path.join(BIN, "ptxas"), os.path.join(BIN, "nvdisasm")
-POINTERS = {"Mu": "*fp32", "Lse": "*fp32", "Delta": "*fp32", "Terms": "*fp32", "Mask": "*u8", "Part": "*fp32", "Written": "*i64",
-            **dict.fromkeys("Q K V G DK DVout".split(), "*bf16")}
+POINTERS = {"Mu": "*fp32", "Terms": "*fp32", "Mask": "*u8", **dict.fromkeys("Q K V G DK DVout".split(), "*bf16")}
 # the GPU's constants (S_STATIC and L_STATIC: their defaults, the interpreter's loop bounds off)
 V1_SHAPES = dict(SCALE=0.125, GROUP=4, DQK=64, DV=128, SPLIT_K=True, V1=True, HAS_MASK=False, S_STATIC=0,
                  L_STATIC=0)

@@ -72,7 +72,8 @@ def _forward(query, key, value, mask, mu, norm_weight, eps, norm_scale, scale, s
         query, key, value, mask_arg, mu, query if norm_weight is None else norm_weight, y, pairs, lse, rstd,
         *query.stride()[:4], *key.stride()[:3], *value.stride()[:3], *mask_strides,
         heads, length, kv_length, causal_offset(length, kv_length, mask is not None), eps, norm_scale,
-        SCALE=scale, GROUP=heads // kv_heads, DQK=dqk, DV=dv, SPLIT_K=key.shape[-1] == 2 * dqk, V1=norm_weight is not None,
+        SCALE=scale, GROUP=heads // kv_heads, DQK=dqk, DV=dv, SPLIT_K=key.shape[-1] == 2 * dqk,
+        V1=norm_weight is not None,
         HAS_MASK=mask is not None, SAVE=save, **FWD_FIXED, **_static_bounds(length, kv_length),
     )
     return y, pairs, lse, rstd
