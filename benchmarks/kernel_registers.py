@@ -1,21 +1,28 @@
-"""Registers and spills of the flash-diff dK/dV kernel for the H200, compiled without a GPU.
+"""Registers, spills and loop lengths of the flash-diff kernels for the H200, compiled without a GPU.
 
-    python benchmarks/kernel_registers.py              # V1's shapes
-    python benchmarks/kernel_registers.py --mode v2    # V2's
+    python benchmarks/kernel_registers.py              # the dK/dV kernel at V1's shapes
+    python benchmarks/kernel_registers.py --mode v2    # at V2's
+    python benchmarks/kernel_registers.py --kernel fwd --mode v2 --opcodes    # the forward, and each loop's opcodes
 
-Triton compiles each config of `attention_bench.py --sweep`'s dK/dV grid for sm_90a at the ~1.1B model's shapes
-(V1: keys K1|K2 of 64 each, V 128, 4 differential heads per kv head; V2: one 64-wide key head for both maps, V 64,
-4 pairs per kv head), and ptxas (shipped with triton) reports the registers per thread and the bytes spilled.
-The H200's sweep found the kernel's fast configs all spilling (`results_h200_flash_diff_backward_sweep.md`), so a
-change meant to remove spills can be checked here first, on the CPU, before device time goes to timing it.
+Triton compiles each config of a grid for sm_90a at the ~1.1B model's shapes (V1: keys K1|K2 of 64 each, V 128,
+4 differential heads per kv head; V2: one 64-wide key head for both maps, V 64, 4 pairs per kv head): the dK/dV
+and dQ kernels over `attention_bench.py --sweep`'s grids, the forward over its autotuner's candidates. ptxas (shipped
+with triton) reports the registers per thread and the bytes spilled. The H200's sweep found the dK/dV kernel's fast
+configs all spilling (`results_h200_flash_diff_backward_sweep.md`), so a change meant to remove spills can be
+checked here first, on the CPU, before device time goes to timing it.
 
 ptxas's totals do not say where the spills run. nvdisasm (also shipped with triton) gives the SASS, and the
-last columns count the spill instructions (LDL + STL) inside each query loop (the innermost loops: the diagonal
-tiles, then the tiles every query sees), which run once a query tile, against those in the rest of the kernel,
-which run once a query head or once a program.
+last columns count the spill instructions (LDL + STL) inside each tile loop (the innermost loops, in program order:
+dK/dV's over the diagonal query tiles, then over those that see every key; the forward's and dQ's over the key
+tiles every query sees, then the diagonal), which run once a tile, against those in the rest of the kernel, which
+run once a head or once a program. Each loop's length is also given per score element of its tile (instructions x
+threads / (BLOCK_M x BLOCK_N)): what the loop issues for each query-key pair, comparable across tile sizes and
+kernels. `--opcodes` lists each loop's most frequent opcodes (say, the compares and selects of masked loads, or a
+multiply the exponent's fused multiply-add could take).
 """
 
 import argparse
+import collections
 import inspect
 import os
 import re
@@ -27,12 +34,17 @@ import triton.backends.nvidia
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from attention_bench import DKDV_GRID
-from modeling_diff.kernels.triton_flash_diff import _flash_diff_bwd_dkdv
+from attention_bench import DKDV_GRID, DQ_GRID
+from modeling_diff.kernels.triton_flash_diff import _FWD as FWD_CANDIDATES
+from modeling_diff.kernels.triton_flash_diff import _flash_diff_bwd_dkdv, _flash_diff_bwd_dq, _flash_diff_fwd
 
 BIN = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin")
 PTXAS, NVDISASM = os.path.join(BIN, "ptxas"), os.path.join(BIN, "nvdisasm")
-POINTERS = {"Mu": "*fp32", "Terms": "*fp32", "Mask": "*u8", **dict.fromkeys("Q K V G DK DVout".split(), "*bf16")}
+# the arguments' types as the model's launches give them (the flash-diff kernels', the decode kernel's Part and
+# Written); any other argument is an int32
+ARGUMENT_TYPES = {"Mu": "*fp32", "Terms": "*fp32", "Lse": "*fp32", "Rstd": "*fp32", "Mask": "*u8", "Part": "*fp32",
+                  "Written": "*i64", "eps": "fp32", "norm_scale": "fp32",
+                  **dict.fromkeys("Q K V G DK DVout DQ NormW Y Pairs".split(), "*bf16")}
 # the GPU's constants (S_STATIC and L_STATIC: their defaults, the interpreter's loop bounds off)
 V1_SHAPES = dict(SCALE=0.125, GROUP=4, DQK=64, DV=128, SPLIT_K=True, V1=True, HAS_MASK=False, S_STATIC=0,
                  L_STATIC=0)
@@ -41,15 +53,16 @@ SHAPES = dict(v1=V1_SHAPES, v2=V2_SHAPES)
 
 
 def compile_sm90(kernel, constants: dict, num_warps: int, num_stages: int):
-    """`kernel` compiled for sm_90a: the pointers of POINTERS, the `constants` as constexprs, every other argument
-    an int32."""
+    """`kernel` compiled for sm_90a: the `constants` as constexprs, the other arguments of the types of
+    ARGUMENT_TYPES."""
     params = list(inspect.signature(kernel.fn).parameters)
     constants = {name: value for name, value in constants.items() if name in params}
-    signature = {p: "constexpr" if p in constants else POINTERS.get(p, "i32") for p in params}
+    signature = {p: "constexpr" if p in constants else ARGUMENT_TYPES.get(p, "i32") for p in params}
     # As the GPU's launcher specializes them: pointers 16-byte aligned, ints multiples of 16 (the model's strides
     # and lengths are). Without it no load is vectorized or pipelined and the kernel is not the one that runs
     # (32 x 64, 4 warps, 3 stages: 824 bytes of spill stores unaligned, 380 aligned).
-    aligned = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if signature[p] != "constexpr"}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params)
+               if signature[p] != "constexpr" and not signature[p].startswith("fp")}
     source = ASTSource(fn=kernel, signature=signature, attrs=aligned,
                        constexprs={(params.index(name),): value for name, value in constants.items()})
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
@@ -59,8 +72,8 @@ def compile_sm90(kernel, constants: dict, num_warps: int, num_stages: int):
 def ptxas_counts(kernel, constants: dict, num_warps: int, num_stages: int) -> dict:
     """ptxas's counts for `kernel` (`compile_sm90`): registers (per thread), stack (bytes of local memory a thread:
     the GPU's `n_spills` is stack / 4, the unit of `attention_bench.py --sweep`'s spills column), stores and loads
-    (bytes of spill stores and loads); and loops: (SASS instructions, LDL + STL among them) of each innermost loop,
-    in program order; rest: the LDL + STL outside them."""
+    (bytes of spill stores and loads); and loops: (SASS instructions, LDL + STL among them, opcode counts) of each
+    innermost loop, in program order; rest: the LDL + STL outside them."""
     compiled = compile_sm90(kernel, constants, num_warps, num_stages)
     with tempfile.TemporaryDirectory() as folder:
         ptx, cubin = os.path.join(folder, "kernel.ptx"), os.path.join(folder, "kernel.cubin")
@@ -78,9 +91,10 @@ def ptxas_counts(kernel, constants: dict, num_warps: int, num_stages: int) -> di
                 loops=loops, rest=rest)
 
 
-def spills_by_loop(sass: str) -> tuple[list[tuple[int, int]], int]:
-    """([(instructions, LDL + STL)] of each innermost loop of nvdisasm's `sass`, LDL + STL outside them). A loop: a
-    branch back to a label before it."""
+def spills_by_loop(sass: str) -> tuple[list[tuple[int, int, collections.Counter]], int]:
+    """([(instructions, LDL + STL, opcode counts)] of each innermost loop of nvdisasm's `sass`, LDL + STL outside
+    them). A loop: a branch back to a label before it. An opcode: the instruction's name without its predicate and
+    modifiers (HGMMA, MUFU, FFMA, ...)."""
     labels, instructions, label = {}, [], None
     for line in sass.splitlines():
         if found := re.match(r"\s*\.(L_x_\d+):", line):
@@ -93,8 +107,10 @@ def spills_by_loop(sass: str) -> tuple[list[tuple[int, int]], int]:
              if (found := re.search(r"BRA\b.*?\.(L_x_\d+)", text)) and labels.get(found.group(1), i) < i]
     innermost = [(a, b) for a, b in spans if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in spans)]
     spill = [bool(re.search(r"\b(LDL|STL)\b", text)) for text in instructions]
-    loops = [(b - a + 1, sum(spill[a:b + 1])) for a, b in innermost]
-    return loops, sum(spill) - sum(n for _, n in loops)
+    opcode = lambda text: re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]  # noqa: E731
+    loops = [(b - a + 1, sum(spill[a:b + 1]), collections.Counter(map(opcode, instructions[a:b + 1])))
+             for a, b in innermost]
+    return loops, sum(spill) - sum(n for _, n, _ in loops)
 
 
 def ptxas_report(kernel, constants: dict, num_warps: int, num_stages: int) -> tuple[int, int]:
@@ -103,19 +119,36 @@ def ptxas_report(kernel, constants: dict, num_warps: int, num_stages: int) -> tu
     return counts["registers"], counts["stores"]
 
 
+# each kernel: (the kernel, its grid, constants beyond the shapes): the forward as training runs it (SAVE)
+KERNELS = dict(
+    dkdv=(_flash_diff_bwd_dkdv, DKDV_GRID, {}),
+    dq=(_flash_diff_bwd_dq, DQ_GRID, {}),
+    fwd=(_flash_diff_fwd, FWD_CANDIDATES, dict(SAVE=True)),
+)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mode", choices=sorted(SHAPES), default="v1", help="the model's shapes to compile for")
-    shapes = SHAPES[parser.parse_args(argv).mode]
+    parser.add_argument("--kernel", choices=sorted(KERNELS), default="dkdv", help="the flash-diff kernel")
+    parser.add_argument("--opcodes", type=int, nargs="?", const=12, default=0,
+                        help="list each loop's N most frequent opcodes (12 if N is left out)")
+    args = parser.parse_args(argv)
+    kernel, grid, extra = KERNELS[args.kernel]
     print("| BLOCK_M | BLOCK_N | warps | stages | registers | stack bytes (GPU spills x 4) | spill stores / loads "
-          "(bytes) | LDL + STL a query tile (instructions of the loop) | LDL + STL elsewhere |\n"
+          "(bytes) | LDL + STL a tile (instructions of the loop; per score element) | LDL + STL elsewhere |\n"
           "|---|---|---|---|---|---|---|---|---|")
-    for config in DKDV_GRID:
+    for config in grid:
         options = {k: config[k] for k in ("num_warps", "num_stages")}
-        c = ptxas_counts(_flash_diff_bwd_dkdv, {**shapes, **config}, **options)
-        loops = ", ".join(f"{spills} ({size})" for size, spills in c["loops"])
+        blocks = {k: config[k] for k in ("BLOCK_M", "BLOCK_N")}
+        c = ptxas_counts(kernel, {**SHAPES[args.mode], **extra, **blocks}, **options)
+        threads_per_element = 32 * options["num_warps"] / (blocks["BLOCK_M"] * blocks["BLOCK_N"])
+        loops = ", ".join(f"{spills} ({size}; {size * threads_per_element:.1f})" for size, spills, _ in c["loops"])
         print(f"| {config['BLOCK_M']} | {config['BLOCK_N']} | {options['num_warps']} | {options['num_stages']} | "
               f"{c['registers']} | {c['stack']} | {c['stores']} / {c['loads']} | {loops} | {c['rest']} |", flush=True)
+        for number, (_, _, opcodes) in enumerate(c["loops"] if args.opcodes else [], start=1):
+            print(f"|   | loop {number}: " + ", ".join(f"{op} {n}" for op, n in opcodes.most_common(args.opcodes)) +
+                  " | | | | | | | |")
 
 
 if __name__ == "__main__":

@@ -2099,20 +2099,30 @@ def test_readme_gpu_snippet_runs():
         exec(compile(block.split("```")[0], "README.md", "exec"), {})
 
 
-def test_kernel_registers_compiles_the_dkdv_kernel_for_the_h200_without_a_gpu():
+def test_kernel_registers_compiles_the_flash_diff_kernels_for_the_h200_without_a_gpu():
     """benchmarks/kernel_registers.py's promise (README): the dK/dV kernel compiled for sm_90a on this machine, at
     V1's and V2's shapes (`--mode`), with ptxas's registers (at most 255 a thread) and spill bytes; the config that
     spills nothing on the H200 (16 x 32 keys, 4 warps, 2 stages, `results_h200_flash_diff_backward_sweep.md`) spills
-    nothing here either, in both modes."""
+    nothing here either, in both modes. `--kernel dq` and `--kernel fwd` compile too, and each has its two tile loops
+    (the keys every query sees, the diagonal), each with tensor-core products (HGMMA) and, in the forward, the
+    softmax's exponentials (MUFU)."""
     pytest.importorskip("triton.backends.nvidia", reason="triton's CUDA backend (and its ptxas) is not installed")
     benchmarks = Path(__file__).resolve().parents[1] / "benchmarks"
     script = (
         "import kernel_registers as k\n"
         "for mode in ('v1', 'v2'):\n"
-        "    print(*k.ptxas_report(k._flash_diff_bwd_dkdv, dict(k.SHAPES[mode], BLOCK_M=16, BLOCK_N=32), 4, 2))"
+        "    print(*k.ptxas_report(k._flash_diff_bwd_dkdv, dict(k.SHAPES[mode], BLOCK_M=16, BLOCK_N=32), 4, 2))\n"
+        "for name in ('dq', 'fwd'):\n"
+        "    kernel, _, extra = k.KERNELS[name]\n"
+        "    c = k.ptxas_counts(kernel, dict(k.SHAPES['v2'], **extra, BLOCK_M=64, BLOCK_N=32), 4, 2)\n"
+        "    print(c['registers'], *(f\"{n}:{o['HGMMA'] > 0}:{o['MUFU'] > 0}\" for n, _, o in c['loops']))\n"
     )
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}  # compiled, not interpreted
     run = subprocess.run([sys.executable, "-c", script], cwd=benchmarks, env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
-    reports = [tuple(map(int, line.split())) for line in run.stdout.split("\n") if line]
+    lines = [line.split() for line in run.stdout.split("\n") if line]
+    reports = [tuple(map(int, line)) for line in lines[:2]]
     assert len(reports) == 2 and all(0 < registers <= 255 and spilled == 0 for registers, spilled in reports)
+    for registers, *loops in lines[2:]:  # dq, fwd
+        assert 0 < int(registers) <= 255 and len(loops) == 2, lines
+        assert all(loop.endswith(":True:True") and int(loop.split(":")[0]) > 100 for loop in loops), lines
