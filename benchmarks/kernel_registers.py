@@ -41,7 +41,8 @@ from modeling_diff.kernels.triton_flash_diff import _flash_diff_bwd_dkdv, _flash
 BIN = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin")
 PTXAS, NVDISASM = os.path.join(BIN, "ptxas"), os.path.join(BIN, "nvdisasm")
 # the arguments' types as the model's launches give them (the flash-diff kernels', the decode kernel's Part and
-# Written); any other argument is an int32
+# Written); any other argument is an int32. One differs: V2's forward gets Mu (the noise weight) in the model's
+# dtype, which changes only the loads of its epilogue, outside the tile loops
 ARGUMENT_TYPES = {"Mu": "*fp32", "Terms": "*fp32", "Lse": "*fp32", "Rstd": "*fp32", "Mask": "*u8", "Part": "*fp32",
                   "Written": "*i64", "eps": "fp32", "norm_scale": "fp32",
                   **dict.fromkeys("Q K V G DK DVout DQ NormW Y Pairs".split(), "*bf16")}

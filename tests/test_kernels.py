@@ -2104,8 +2104,8 @@ def test_kernel_registers_compiles_the_flash_diff_kernels_for_the_h200_without_a
     V1's and V2's shapes (`--mode`), with ptxas's registers (at most 255 a thread) and spill bytes; the config that
     spills nothing on the H200 (16 x 32 keys, 4 warps, 2 stages, `results_h200_flash_diff_backward_sweep.md`) spills
     nothing here either, in both modes. `--kernel dq` and `--kernel fwd` compile too, and each has its two tile loops
-    (the keys every query sees, the diagonal), each with tensor-core products (HGMMA) and, in the forward, the
-    softmax's exponentials (MUFU)."""
+    (the keys every query sees, the diagonal), each with tensor-core products (HGMMA) and the probabilities'
+    exponentials (MUFU)."""
     pytest.importorskip("triton.backends.nvidia", reason="triton's CUDA backend (and its ptxas) is not installed")
     benchmarks = Path(__file__).resolve().parents[1] / "benchmarks"
     script = (
