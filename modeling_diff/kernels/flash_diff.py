@@ -30,7 +30,7 @@ from .masks import causal_offset, kernel_mask
 
 if TRITON_AVAILABLE:
     from .triton_flash_diff import (
-        DKDV_FIXED, DQ_FIXED, FWD_FIXED, flash_diff_bwd_dkdv, flash_diff_bwd_dq, flash_diff_fwd,
+        DKDV_FIXED, DKDV_WHOLE_TILES_OF, DQ_FIXED, FWD_FIXED, flash_diff_bwd_dkdv, flash_diff_bwd_dq, flash_diff_fwd,
     )
 
 MIN_QUERY_TOKENS = 16  # fewer new tokens without gradients: a decoding step, for the split-KV decode kernel
@@ -149,7 +149,7 @@ class _FlashDiff(torch.autograd.Function):
             query, key, value, mask_arg, mu, grad_o1, terms, grad_k, grad_v,
             *q_strides, *key.stride()[:3], *value.stride()[:3], *mask_strides,
             *grad_k.stride()[:3], *grad_v.stride()[:3],
-            heads, length, kv_length, offset, **common, **DKDV_FIXED,
+            heads, length, kv_length, offset, **common, WHOLE_TILES=length % DKDV_WHOLE_TILES_OF == 0, **DKDV_FIXED,
         )
         flash_diff_bwd_dq[lambda meta: (batch * heads, cdiv(length, meta["BLOCK_M"]))](
             query, key, value, mask_arg, mu, grad_o1, terms, grad_q,

@@ -57,8 +57,18 @@ def _query_program(H, L, GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _load_query_pair(Q, b, head, m, m_ok, sqb, sql, sqh, sqp, DQK: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """Q1, Q2 of the rows m of one head: (rows, DQK), or (DQK, rows) if TRANSPOSED; 0 beyond L."""
+def _load_rows(pointers, ok, other, ROWS_CHECKED: tl.constexpr):
+    """tl.load of query rows: `other` where not ok; not ROWS_CHECKED, no mask at all (every row is below L)."""
+    if ROWS_CHECKED:
+        return tl.load(pointers, mask=ok, other=other)
+    return tl.load(pointers)
+
+
+@triton.jit
+def _load_query_pair(Q, b, head, m, m_ok, sqb, sql, sqh, sqp, DQK: tl.constexpr, TRANSPOSED: tl.constexpr,
+                     ROWS_CHECKED: tl.constexpr = True):
+    """Q1, Q2 of the rows m of one head: (rows, DQK), or (DQK, rows) if TRANSPOSED; 0 beyond L. Not
+    ROWS_CHECKED: the caller knows every row is below L (no mask, no selects)."""
     dqk = tl.arange(0, DQK)
     if TRANSPOSED:
         q_ptr = Q + b * sqb + head * sqh + m[None, :] * sql + dqk[:, None]
@@ -66,7 +76,7 @@ def _load_query_pair(Q, b, head, m, m_ok, sqb, sql, sqh, sqp, DQK: tl.constexpr,
     else:
         q_ptr = Q + b * sqb + head * sqh + m[:, None] * sql + dqk[None, :]
         ok = m_ok[:, None]
-    return tl.load(q_ptr, mask=ok, other=0.0), tl.load(q_ptr + sqp, mask=ok, other=0.0)
+    return _load_rows(q_ptr, ok, 0.0, ROWS_CHECKED), _load_rows(q_ptr + sqp, ok, 0.0, ROWS_CHECKED)
 
 
 @triton.jit
@@ -181,23 +191,26 @@ def _flash_diff_fwd(
 
 @triton.jit
 def _query_rows(Q, G, Terms, b, head, m, m_ok, H, L, sqb, sql, sqh, sqp, lam,
-                DQK: tl.constexpr, DV: tl.constexpr, V1: tl.constexpr, TRANSPOSED: tl.constexpr):
+                DQK: tl.constexpr, DV: tl.constexpr, V1: tl.constexpr, TRANSPOSED: tl.constexpr,
+                ROWS_CHECKED: tl.constexpr = True):
     """What the backward reads per query row: Q1, Q2 ((DQK, rows) if TRANSPOSED), g = dO1, the logsumexp and
     D term of each map, and mu (V1: lam; V2: the row's noise weight). Terms (B, H, 4 or 5, L): each row term of a
     head contiguous along L, so that a tile's rows are one contiguous load per term. Rows beyond L get logsumexp
-    +1e30, so their probabilities recompute as 0."""
+    +1e30, so their probabilities recompute as 0. Not ROWS_CHECKED: the caller knows every row is below L, and the
+    loads take no mask (in the dK/dV kernel's query loop the masks' compares and selects were an eighth of the loop's
+    instructions on sm_90a)."""
     rows = (b * L + m) * H + head
-    q1, q2 = _load_query_pair(Q, b, head, m, m_ok, sqb, sql, sqh, sqp, DQK, TRANSPOSED)
-    go = tl.load(G + rows[:, None] * DV + tl.arange(0, DV)[None, :], mask=m_ok[:, None], other=0.0)
+    q1, q2 = _load_query_pair(Q, b, head, m, m_ok, sqb, sql, sqh, sqp, DQK, TRANSPOSED, ROWS_CHECKED)
+    go = _load_rows(G + rows[:, None] * DV + tl.arange(0, DV)[None, :], m_ok[:, None], 0.0, ROWS_CHECKED)
     terms = Terms + (b * H + head) * (4 if V1 else 5) * L + m
-    lse1 = tl.load(terms, mask=m_ok, other=1.0e30)
-    lse2 = tl.load(terms + L, mask=m_ok, other=1.0e30)
-    delta1 = tl.load(terms + 2 * L, mask=m_ok, other=0.0)
-    delta2 = tl.load(terms + 3 * L, mask=m_ok, other=0.0)
+    lse1 = _load_rows(terms, m_ok, 1.0e30, ROWS_CHECKED)
+    lse2 = _load_rows(terms + L, m_ok, 1.0e30, ROWS_CHECKED)
+    delta1 = _load_rows(terms + 2 * L, m_ok, 0.0, ROWS_CHECKED)
+    delta2 = _load_rows(terms + 3 * L, m_ok, 0.0, ROWS_CHECKED)
     if V1:
         mu = tl.zeros_like(lse1) + lam
     else:
-        mu = tl.load(terms + 4 * L, mask=m_ok, other=0.0)
+        mu = _load_rows(terms + 4 * L, m_ok, 0.0, ROWS_CHECKED)
     return q1, q2, go, lse1, lse2, delta1, delta2, mu
 
 
@@ -206,14 +219,15 @@ def _dkdv_tile(
     Q, G, Terms, Mask, k1, k2, v, n, n_ok, m0, b, head, H, L, offset, qk_scale, lam,
     sqb, sql, sqh, sqp, smb, sml, sms, dk1, dk2, dv_acc,
     DQK: tl.constexpr, DV: tl.constexpr, V1: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
-    MASKED: tl.constexpr, HAS_MASK: tl.constexpr,
+    MASKED: tl.constexpr, HAS_MASK: tl.constexpr, WHOLE_TILES: tl.constexpr,
 ):
     """The queries m0 .. m0 + BLOCK_M of one head against the program's keys: their share of dK and dV (without
-    SPLIT_K, both maps' shares of dK in dk1: one key head; dk2 is left as it is)."""
+    SPLIT_K, both maps' shares of dK in dk1: one key head; dk2 is left as it is). Not MASKED: every query of the
+    tile sees every key; WHOLE_TILES: L is a multiple of BLOCK_M, so the rows of an unmasked tile need no check."""
     m = m0 + tl.arange(0, BLOCK_M)
     m_ok = m < L
     q1t, q2t, go, lse1, lse2, delta1, delta2, mu = _query_rows(
-        Q, G, Terms, b, head, m, m_ok, H, L, sqb, sql, sqh, sqp, lam, DQK, DV, V1, True
+        Q, G, Terms, b, head, m, m_ok, H, L, sqb, sql, sqh, sqp, lam, DQK, DV, V1, True, MASKED or not WHOLE_TILES
     )
     p1t = tl.exp2(tl.dot(k1, q1t) * qk_scale - lse1[None, :])  # (BLOCK_N, BLOCK_M)
     p2t = tl.exp2(tl.dot(k2, q2t) * qk_scale - lse2[None, :])
@@ -239,12 +253,13 @@ def _flash_diff_bwd_dkdv(
     sqb, sql, sqh, sqp, skb, skh, sks, svb, svh, svs, smb, sml, sms, sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
     H, L, S, offset,
     SCALE: tl.constexpr, GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, SPLIT_K: tl.constexpr,
-    V1: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    S_STATIC: tl.constexpr = 0, L_STATIC: tl.constexpr = 0,
+    V1: tl.constexpr, HAS_MASK: tl.constexpr, WHOLE_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, S_STATIC: tl.constexpr = 0, L_STATIC: tl.constexpr = 0,
 ):
     # G (B*L*H, DV) = dO1; Terms (B, H, 4 or 5, L) as `_query_rows` reads them. A program: BLOCK_N keys of one
     # (batch, kv head) and the queries of every head of its GQA group; it writes their dK and dV. Grid (B * H_kv, key
-    # blocks): the first key blocks, which the most queries see, start first (as in `_query_program`).
+    # blocks): the first key blocks, which the most queries see, start first (as in `_query_program`). WHOLE_TILES:
+    # L is a multiple of every candidate BLOCK_M (DKDV_WHOLE_TILES_OF), so no query tile reaches past L.
     pid_bh = tl.program_id(0)
     pid_n = tl.program_id(1)
     b = pid_bh // (H // GROUP)
@@ -274,20 +289,20 @@ def _flash_diff_bwd_dkdv(
                 dk1, dk2, dv_acc = _dkdv_tile(
                     Q, G, Terms, Mask, k1, k2, v, n, n_ok, m0, b, head, H, L, offset, qk_scale, lam,
                     sqb, sql, sqh, sqp, smb, sml, sms, dk1, dk2, dv_acc, DQK, DV, V1, SPLIT_K, BLOCK_M, True,
-                    HAS_MASK,
+                    HAS_MASK, WHOLE_TILES,
                 )
         else:
             for m0 in range(lo, full, BLOCK_M):  # the diagonal
                 dk1, dk2, dv_acc = _dkdv_tile(
                     Q, G, Terms, Mask, k1, k2, v, n, n_ok, m0, b, head, H, L, offset, qk_scale, lam,
                     sqb, sql, sqh, sqp, smb, sml, sms, dk1, dk2, dv_acc, DQK, DV, V1, SPLIT_K, BLOCK_M, True,
-                    HAS_MASK,
+                    HAS_MASK, WHOLE_TILES,
                 )
             for m0 in range(full, L, BLOCK_M):
                 dk1, dk2, dv_acc = _dkdv_tile(
                     Q, G, Terms, Mask, k1, k2, v, n, n_ok, m0, b, head, H, L, offset, qk_scale, lam,
                     sqb, sql, sqh, sqp, smb, sml, sms, dk1, dk2, dv_acc, DQK, DV, V1, SPLIT_K, BLOCK_M, False,
-                    HAS_MASK,
+                    HAS_MASK, WHOLE_TILES,
                 )
 
     dk_ptr = DK + b * sdkb + kvh * sdkh + n[:, None] * sdks + dqk[None, :]
@@ -420,5 +435,6 @@ else:  # H100/H200-class GPUs; two fp32 accumulators of DV per row bound the til
 
 
 flash_diff_fwd, FWD_FIXED = _tuned(_flash_diff_fwd, _FWD, _KEY + ["SAVE"])
+DKDV_WHOLE_TILES_OF = max(c["BLOCK_M"] for c in _DKDV)  # lengths whose query tiles are whole at every candidate
 flash_diff_bwd_dkdv, DKDV_FIXED = _tuned(_flash_diff_bwd_dkdv, _DKDV, _KEY + ["GROUP"])
 flash_diff_bwd_dq, DQ_FIXED = _tuned(_flash_diff_bwd_dq, _DQ, _KEY)
