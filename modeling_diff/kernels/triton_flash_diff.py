@@ -80,10 +80,12 @@ def _load_query_pair(Q, b, head, m, m_ok, sqb, sql, sqh, sqp, DQK: tl.constexpr,
 
 
 @triton.jit
-def _softmax_step(s, running_max, running_sum, acc, v):
-    """One key tile of an online softmax (base 2): the running max, sum and P V accumulator, rescaled."""
-    new_max = tl.maximum(running_max, tl.max(s, axis=1))
-    p = tl.exp2(s - new_max[:, None])
+def _softmax_step(s, qk_scale, running_max, running_sum, acc, v):
+    """One key tile of an online softmax (base 2): the running max, sum and P V accumulator, rescaled. s: the tile's
+    unscaled Q.K (-inf where masked); qk_scale (scale x log2 e) > 0 goes into the exponent's fused multiply-add, and
+    the max is of scaled scores (the max of s, scaled: the same number)."""
+    new_max = tl.maximum(running_max, tl.max(s, axis=1) * qk_scale)
+    p = tl.exp2(s * qk_scale - new_max[:, None])
     alpha = tl.exp2(running_max - new_max)
     return new_max, running_sum * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
 
@@ -110,14 +112,14 @@ def _fwd_tile(
         k1 = tl.load(k_tile)
         k2 = tl.load(k_tile + DQK) if SPLIT_K else k1
         v = tl.load(v_tile)
-    s1 = tl.dot(q1, k1) * qk_scale
-    s2 = tl.dot(q2, k2) * qk_scale
+    s1 = tl.dot(q1, k1)
+    s2 = tl.dot(q2, k2)
     if MASKED:
         allowed = _visible(Mask, b, m, n, m_ok, n_ok, offset, smb, sml, sms, HAS_MASK)
         s1 = tl.where(allowed, s1, float("-inf"))
         s2 = tl.where(allowed, s2, float("-inf"))
-    max1, sum1, acc1 = _softmax_step(s1, max1, sum1, acc1, v)
-    max2, sum2, acc2 = _softmax_step(s2, max2, sum2, acc2, v)
+    max1, sum1, acc1 = _softmax_step(s1, qk_scale, max1, sum1, acc1, v)
+    max2, sum2, acc2 = _softmax_step(s2, qk_scale, max2, sum2, acc2, v)
     return max1, sum1, acc1, max2, sum2, acc2
 
 
