@@ -225,27 +225,45 @@ def _dkdv_tile(
 ):
     """The queries m0 .. m0 + BLOCK_M of one head against the program's keys: their share of dK and dV (without
     SPLIT_K, both maps' shares of dK in dk1: one key head; dk2 is left as it is). Not MASKED: every query of the
-    tile sees every key; WHOLE_TILES: L is a multiple of BLOCK_M, so the rows of an unmasked tile need no check."""
+    tile sees every key; WHOLE_TILES: L is a multiple of BLOCK_M, so the rows of an unmasked tile need no check.
+    V1's tile has the keys as its rows. V2's has the queries, as the dQ kernel's (and FlashAttention-3's): its five
+    row terms then broadcast along rows, and P and dS enter dV's and dK's products transposed. Each is the faster
+    for its mode, at 8K on the H200: V2 1.977 ms against 2.142, V1 1.231 against 1.783
+    (results_h200_dkdv_orientation.md). Operands named `_t` have the keys as rows: (BLOCK_N, BLOCK_M)."""
     m = m0 + tl.arange(0, BLOCK_M)
     m_ok = m < L
-    q1t, q2t, go, lse1, lse2, delta1, delta2, mu = _query_rows(
-        Q, G, Terms, b, head, m, m_ok, H, L, sqb, sql, sqh, sqp, lam, DQK, DV, V1, True, MASKED or not WHOLE_TILES
-    )
-    p1t = tl.exp2(tl.dot(k1, q1t) * qk_scale - lse1[None, :])  # (BLOCK_N, BLOCK_M)
-    p2t = tl.exp2(tl.dot(k2, q2t) * qk_scale - lse2[None, :])
-    if MASKED:
-        allowed_t = tl.trans(_visible(Mask, b, m, n, m_ok, n_ok, offset, smb, sml, sms, HAS_MASK))
-        p1t = tl.where(allowed_t, p1t, 0.0)
-        p2t = tl.where(allowed_t, p2t, 0.0)
-    dv_acc += tl.dot((p1t - p2t * mu[None, :]).to(go.dtype), go)  # (P1 - mu P2)^T g
-    dpt = tl.dot(v, tl.trans(go))  # (g V^T)^T = dP1^T; dP2 = -mu dP1
-    ds1t = p1t * (dpt - delta1[None, :])
-    ds2t = p2t * (-mu[None, :] * dpt - delta2[None, :])
-    dk1 += tl.dot(ds1t.to(q1t.dtype), tl.trans(q1t))
+    q1, q2, go, lse1, lse2, delta1, delta2, mu = _query_rows(
+        Q, G, Terms, b, head, m, m_ok, H, L, sqb, sql, sqh, sqp, lam, DQK, DV, V1, V1, MASKED or not WHOLE_TILES
+    )  # V1: q1, q2 (DQK, BLOCK_M); V2: (BLOCK_M, DQK)
+    if V1:
+        p1_t = tl.exp2(tl.dot(k1, q1) * qk_scale - lse1[None, :])
+        p2_t = tl.exp2(tl.dot(k2, q2) * qk_scale - lse2[None, :])
+        if MASKED:
+            allowed_t = tl.trans(_visible(Mask, b, m, n, m_ok, n_ok, offset, smb, sml, sms, HAS_MASK))
+            p1_t = tl.where(allowed_t, p1_t, 0.0)
+            p2_t = tl.where(allowed_t, p2_t, 0.0)
+        dv_acc += tl.dot((p1_t - p2_t * mu[None, :]).to(go.dtype), go)  # (P1 - mu P2)^T g
+        dp_t = tl.dot(v, tl.trans(go))  # (g V^T)^T = dP1^T; dP2 = -mu dP1
+        ds1_t = p1_t * (dp_t - delta1[None, :])
+        ds2_t = p2_t * (-mu[None, :] * dp_t - delta2[None, :])
+        q1 = tl.trans(q1)
+        q2 = tl.trans(q2)
+    else:
+        p1 = tl.exp2(tl.dot(q1, tl.trans(k1)) * qk_scale - lse1[:, None])  # (BLOCK_M, BLOCK_N)
+        p2 = tl.exp2(tl.dot(q2, tl.trans(k2)) * qk_scale - lse2[:, None])
+        if MASKED:
+            allowed = _visible(Mask, b, m, n, m_ok, n_ok, offset, smb, sml, sms, HAS_MASK)
+            p1 = tl.where(allowed, p1, 0.0)
+            p2 = tl.where(allowed, p2, 0.0)
+        dv_acc += tl.dot(tl.trans((p1 - p2 * mu[:, None]).to(go.dtype)), go)
+        dp = tl.dot(go, tl.trans(v))
+        ds1_t = tl.trans((p1 * (dp - delta1[:, None])).to(q1.dtype))  # the bf16 tile through shared memory
+        ds2_t = tl.trans((p2 * (-mu[:, None] * dp - delta2[:, None])).to(q2.dtype))
+    dk1 += tl.dot(ds1_t.to(q1.dtype), q1)  # dS1^T Q1
     if SPLIT_K:
-        dk2 += tl.dot(ds2t.to(q2t.dtype), tl.trans(q2t))
+        dk2 += tl.dot(ds2_t.to(q2.dtype), q2)
     else:  # one accumulator fewer: 3.8% faster on V2's dK/dV at 8K (results_h200_dkdv_sweep_v2.md)
-        dk1 += tl.dot(ds2t.to(q2t.dtype), tl.trans(q2t))
+        dk1 += tl.dot(ds2_t.to(q2.dtype), q2)
     return dk1, dk2, dv_acc
 
 
