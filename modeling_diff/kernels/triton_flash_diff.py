@@ -227,9 +227,12 @@ def _dkdv_tile(
     SPLIT_K, both maps' shares of dK in dk1: one key head; dk2 is left as it is). Not MASKED: every query of the
     tile sees every key; WHOLE_TILES: L is a multiple of BLOCK_M, so the rows of an unmasked tile need no check.
     V1's tile has the keys as its rows. V2's has the queries, as the dQ kernel's (and FlashAttention-3's): its five
-    row terms then broadcast along rows, and P and dS enter dV's and dK's products transposed. Each is the faster
-    for its mode, at 8K on the H200: V2 1.977 ms against 2.142, V1 1.231 against 1.783
-    (results_h200_dkdv_orientation.md). Operands named `_t` have the keys as rows: (BLOCK_N, BLOCK_M)."""
+    row terms then broadcast along rows. Each is the faster for its mode, at 8K on the H200: V2 1.977 ms against
+    2.142, V1 1.231 against 1.783 (results_h200_dkdv_orientation.md). V2 accumulates dV^T = g^T (P1 - mu P2) and
+    dK^T = Q^T dS (dk1, dk2, dv_acc: (DQK or DV, BLOCK_N)), so that P and dS are the products' second operands, which
+    the tensor cores read from shared memory as stored, in place of transposed tiles loaded back into registers
+    (dV^T and dK^T at 8K: 1.930 ms against 2.017-2.025, results_h200_dkdv_transposed_accumulators.md). Operands
+    named `_t` have the keys as rows: (BLOCK_N, BLOCK_M)."""
     m = m0 + tl.arange(0, BLOCK_M)
     m_ok = m < L
     q1, q2, go, lse1, lse2, delta1, delta2, mu = _query_rows(
@@ -246,24 +249,27 @@ def _dkdv_tile(
         dp_t = tl.dot(v, tl.trans(go))  # (g V^T)^T = dP1^T; dP2 = -mu dP1
         ds1_t = p1_t * (dp_t - delta1[None, :])
         ds2_t = p2_t * (-mu[None, :] * dp_t - delta2[None, :])
-        q1 = tl.trans(q1)
-        q2 = tl.trans(q2)
-    else:
+        dk1 += tl.dot(ds1_t.to(q1.dtype), tl.trans(q1))  # dS1^T Q1
+        if SPLIT_K:
+            dk2 += tl.dot(ds2_t.to(q2.dtype), tl.trans(q2))
+        else:  # one accumulator fewer: 3.8% faster on V2's dK/dV at 8K (results_h200_dkdv_sweep_v2.md)
+            dk1 += tl.dot(ds2_t.to(q2.dtype), tl.trans(q2))
+    else:  # dV^T and dK^T: P and dS are the products' second operands, read from shared memory as they are
         p1 = tl.exp2(tl.dot(q1, tl.trans(k1)) * qk_scale - lse1[:, None])  # (BLOCK_M, BLOCK_N)
         p2 = tl.exp2(tl.dot(q2, tl.trans(k2)) * qk_scale - lse2[:, None])
         if MASKED:
             allowed = _visible(Mask, b, m, n, m_ok, n_ok, offset, smb, sml, sms, HAS_MASK)
             p1 = tl.where(allowed, p1, 0.0)
             p2 = tl.where(allowed, p2, 0.0)
-        dv_acc += tl.dot(tl.trans((p1 - p2 * mu[:, None]).to(go.dtype)), go)
+        dv_acc += tl.dot(tl.trans(go), (p1 - p2 * mu[:, None]).to(go.dtype))  # g^T (P1 - mu P2)
         dp = tl.dot(go, tl.trans(v))
-        ds1_t = tl.trans((p1 * (dp - delta1[:, None])).to(q1.dtype))  # the bf16 tile through shared memory
-        ds2_t = tl.trans((p2 * (-mu[:, None] * dp - delta2[:, None])).to(q2.dtype))
-    dk1 += tl.dot(ds1_t.to(q1.dtype), q1)  # dS1^T Q1
-    if SPLIT_K:
-        dk2 += tl.dot(ds2_t.to(q2.dtype), q2)
-    else:  # one accumulator fewer: 3.8% faster on V2's dK/dV at 8K (results_h200_dkdv_sweep_v2.md)
-        dk1 += tl.dot(ds2_t.to(q2.dtype), q2)
+        ds1 = (p1 * (dp - delta1[:, None])).to(q1.dtype)
+        ds2 = (p2 * (-mu[:, None] * dp - delta2[:, None])).to(q2.dtype)
+        dk1 += tl.dot(tl.trans(q1), ds1)  # Q1^T dS1
+        if SPLIT_K:
+            dk2 += tl.dot(tl.trans(q2), ds2)
+        else:
+            dk1 += tl.dot(tl.trans(q2), ds2)
     return dk1, dk2, dv_acc
 
 
@@ -296,9 +302,14 @@ def _flash_diff_bwd_dkdv(
     qk_scale = SCALE * 1.4426950408889634
     lam = tl.load(Mu).to(tl.float32) if V1 else 0.0
 
-    dk1 = tl.zeros((BLOCK_N, DQK), tl.float32)
-    dk2 = tl.zeros((BLOCK_N, DQK), tl.float32)
-    dv_acc = tl.zeros((BLOCK_N, DV), tl.float32)
+    if V1:  # keys as rows (see _dkdv_tile)
+        dk1 = tl.zeros((BLOCK_N, DQK), tl.float32)
+        dk2 = tl.zeros((BLOCK_N, DQK), tl.float32)
+        dv_acc = tl.zeros((BLOCK_N, DV), tl.float32)
+    else:  # dK^T, dV^T: keys as columns, transposed once at the store
+        dk1 = tl.zeros((DQK, BLOCK_N), tl.float32)
+        dk2 = tl.zeros((DQK, BLOCK_N), tl.float32)
+        dv_acc = tl.zeros((DV, BLOCK_N), tl.float32)
     lo = tl.maximum(n_start - offset, 0) // BLOCK_M * BLOCK_M  # causal: earlier queries see none of these keys
     # queries from `full` on see every key of the tile (a tile reaching past S has none such)
     full = tl.minimum(tl.maximum((n_start + BLOCK_N - 1 - offset + BLOCK_M - 1) // BLOCK_M * BLOCK_M, lo), L)
@@ -325,6 +336,8 @@ def _flash_diff_bwd_dkdv(
                     HAS_MASK, WHOLE_TILES,
                 )
 
+    if not V1:
+        dk1, dk2, dv_acc = tl.trans(dk1), tl.trans(dk2), tl.trans(dv_acc)
     dk_ptr = DK + b * sdkb + kvh * sdkh + n[:, None] * sdks + dqk[None, :]
     tl.store(dk_ptr, (dk1 * SCALE).to(DK.dtype.element_ty), mask=n_ok[:, None])
     if SPLIT_K:
