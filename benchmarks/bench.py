@@ -9,7 +9,8 @@
     python benchmarks/bench.py --phases train --seq 2048 8192 32768 65536 --repeats 3 \
         --models llama-liger v1 v2 dex v1-liger v2-liger dex-liger          (the training table against Liger)
     python benchmarks/bench.py --phases train --seq 32768 --models v2-liger --attention fused_diff
-                                        (V2 on the flash-diff kernel, where `sdpa` gives it cuDNN's attention)
+                                        (V2 on the flash-diff kernel, where `sdpa` gives it cuDNN's attention
+                                        beyond 4096 keys)
     python benchmarks/bench.py --phases train --seq 2048 --repeats 10 --passes 3 --models llama-liger v1-liger
                                         (each model in 3 processes, in turn: ratios paired within a pass)
 
@@ -712,7 +713,8 @@ def main(argv=None):
     parser.add_argument("--generate-rounds", type=int, default=3, help="timed rounds of the generate rows")
     parser.add_argument("--attention", default="sdpa", choices=["sdpa", "fused_diff"],
                         help="train, prefill and decode rows: the attn_implementation of modeling_diff's models "
-                             "(sdpa, their default on CUDA; fused_diff: V1 and V2 on the flash-diff kernel)")
+                             "(sdpa, their default on CUDA; fused_diff: V1 and V2 on the flash-diff kernel at every "
+                             "length)")
     parser.add_argument("--out", help="write the rows (JSON) and the table (.md beside it) here")
     args = parser.parse_args(argv)
     for name in ("seq", "tokens", "prefill_chunk", "new_tokens", "repeats", "passes", "rounds", "generate_prompt",

@@ -164,9 +164,10 @@ class DexLambda(nn.Module):
 class _DiffAttentionBase(nn.Module, metaclass=abc.ABCMeta):
     """What the three variants share: sizes, scaling, dropout and the choice of attention implementation."""
 
-    # Whether `diff_triton` (what `sdpa` is on CUDA) takes the flash-diff kernel: where it measured faster than
-    # the one SDPA call plus the fused combine on the H200 (benchmarks/RESULTS.md). `fused_diff` always does.
-    flash_diff_by_default = False
+    # Up to how many keys `diff_triton` (what `sdpa` is on CUDA) takes the flash-diff kernel: where it measured
+    # faster than the one SDPA call plus the fused combine on the H200 (benchmarks/RESULTS.md). `fused_diff` always
+    # does.
+    flash_diff_max_keys: float = 0
 
     def __init__(self, config: DiffLlamaConfig, layer_idx: int):
         super().__init__()
@@ -215,9 +216,11 @@ class _DiffAttentionBase(nn.Module, metaclass=abc.ABCMeta):
 
     def flash_diff_applies(self, implementation, pairs, key, value, attention_mask, kwargs) -> bool:
         """Whether both maps and the combine go to the fused flash-diff kernel (`kernels/flash_diff.py`):
-        `fused_diff`, or `diff_triton` where the mode prefers it; no extra attention options; shapes it covers."""
+        `fused_diff`, or `diff_triton` up to the mode's `flash_diff_max_keys`; no extra attention options; shapes it
+        covers."""
         return (
-            (implementation == FUSED_DIFF or (implementation == DIFF_TRITON and self.flash_diff_by_default))
+            (implementation == FUSED_DIFF
+             or (implementation == DIFF_TRITON and key.shape[-2] <= self.flash_diff_max_keys))
             and not has_extra_options(kwargs)
             and flash_diff_applies(pairs, key, value, attention_mask, self.dropout_p())
         )
@@ -300,7 +303,7 @@ class DiffAttentionV1(_DiffAttentionBase):
     decoding step the decode kernel does, reading Q1 and Q2 as they are (`decode_heads`).
     """
 
-    flash_diff_by_default = True
+    flash_diff_max_keys = math.inf
 
     def __init__(self, config: DiffLlamaConfig, layer_idx: int):
         super().__init__(config, layer_idx)
@@ -447,6 +450,11 @@ class DiffAttentionV2(_LlamaLayoutAttention):
     2h query heads; heads 2i (signal) and 2i+1 (noise) form pair i and share a GQA group.
     out = o_proj(A[2i] - f * sigmoid(lambda_proj(x))_i * A[2i+1]), f = min(1, t/T) the anneal factor (1 if T = 0).
     """
+
+    # On the H200, flash-diff against one SDPA call (cuDNN) and the fused combine: training at 2K 1.2-1.8% faster
+    # (three sessions' runs), at 8K 0-1.1%, at 16K-64K 1-3.5% slower; a prefill at 2K equal, and a prefill's
+    # 4096-token chunks against 8K-32K keys 7-26% slower (RESULTS.md, "V2's attention by length").
+    flash_diff_max_keys = 4096
 
     def __init__(self, config: DiffLlamaConfig, layer_idx: int):
         # 2h query heads; 2h / h_kv is even, so the pair (2i, 2i+1) never straddles two GQA groups.

@@ -1486,12 +1486,17 @@ def padded_batch(vocab, batch=2, length=12, pad=4):
 FAST = "sdpa" if GPU else "diff_triton"  # what a model on CUDA gets by default
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("implementation", [FAST, "fused_diff"])
+BEYOND_V2_KEYS = "beyond V2's flash_diff_max_keys"  # the default where V2 has more keys than the kernel takes
+
+
+@pytest.mark.parametrize(
+    "mode, implementation",
+    [(mode, implementation) for implementation in (FAST, "fused_diff") for mode in MODES] + [("v2", BEYOND_V2_KEYS)],
+)
 def test_fast_path_forward_and_gradients_equal_eager(mode, implementation, monkeypatch):
-    """The fast paths equal eager: by default V1 through the flash-diff kernel, V2 through one SDPA call and the
-    fused combine, DEX through SDPA; `fused_diff` puts V2 on the kernel too. RoPE, the decoder's RMSNorm and the
-    MLP take their Triton kernels on both."""
+    """The fast paths equal eager: by default V1 through the flash-diff kernel, V2 too at these lengths (up to 4096
+    keys) and beyond them through one SDPA call and the fused combine, DEX through SDPA; `fused_diff` puts V1 and V2
+    on the kernel. RoPE, the decoder's RMSNorm and the MLP take their Triton kernels on all of them."""
     import modeling_diff.diff_attention as attention
 
     import modeling_diff.kernels.rope as rope
@@ -1506,8 +1511,11 @@ def test_fast_path_forward_and_gradients_equal_eager(mode, implementation, monke
     monkeypatch.setattr(modeling, "add_rms_norm", lambda *a: add_norm_calls.append(1) or add_norm(*a))
     deferred = recorded_deferrals(monkeypatch)
     monkeypatch.setattr(modeling, "swiglu_mlp", lambda *a: mlp_calls.append(1) or mlp(*a))
+    on_kernel = mode in ("v1", "v2")
+    if implementation == BEYOND_V2_KEYS:  # these lengths' keys count as more than the kernel takes
+        monkeypatch.setattr(attention.DiffAttentionV2, "flash_diff_max_keys", 0)
+        implementation, on_kernel = FAST, False
     eager, fast = model_pair(mode, implementation)
-    on_kernel = mode == "v1" or (mode == "v2" and implementation == "fused_diff")
     eager.train(), fast.train()
     ids, mask = padded_batch(eager.config.vocab_size, length=256 if GPU else 12)
     for use_mask in (None, mask):
@@ -1529,6 +1537,24 @@ def test_fast_path_forward_and_gradients_equal_eager(mode, implementation, monke
     assert len(norm_calls) == 2 and len(add_norm_calls) == 2 * 2 * layers
     assert deferred == [True] * 4  # eager's loop asks too (its adds and norms then run as two ops each)
     assert len(mlp_calls) == 2 * layers  # two steps, one MLP per layer
+
+
+@pytest.mark.parametrize("mode, keys, on_kernel", [("v2", 4096, True), ("v2", 4097, False), ("v1", 8192, True)])
+def test_the_default_fast_path_takes_the_flash_diff_kernel_up_to_the_modes_key_count(mode, keys, on_kernel):
+    """`diff_triton` (`sdpa` on CUDA) puts V2 on the flash-diff kernel up to 4096 keys and on one SDPA call beyond
+    (where the kernel measured slower on the H200), V1 at every length; `fused_diff` takes the kernel for both."""
+    from modeling_diff.diff_attention import ATTENTION_CLASSES
+
+    config = preset_config(f"tiny-{mode}", hidden_size=128)  # heads of 16: widths the kernel covers
+    module = ATTENTION_CLASSES[mode](config, layer_idx=0)
+    d, heads, kv_heads = module.head_dim, config.num_attention_heads, config.num_key_value_heads
+    dtype = torch.bfloat16 if GPU else torch.float32
+    pairs = torch.zeros(1, 16, heads, 2, d, dtype=dtype, device=DEVICE)  # (B, L, h, 2, d)
+    key_width = 2 * d if mode == "v1" else d  # V1's K1|K2
+    key = torch.zeros(1, kv_heads, keys, key_width, dtype=dtype, device=DEVICE)
+    value = torch.zeros(1, kv_heads, keys, key_width, dtype=dtype, device=DEVICE)
+    assert module.flash_diff_applies("diff_triton", pairs, key, value, None, {}) is on_kernel
+    assert module.flash_diff_applies("fused_diff", pairs, key, value, None, {})
 
 
 def test_dex_folded_weight_and_its_gradients_match_the_formula():
