@@ -1,6 +1,6 @@
 """Liger's kernels against the project's own and PyTorch's, one operation at a time, at the ~1.1B model's shapes.
 
-    python benchmarks/liger_kernels.py [--tokens 8192]
+    python benchmarks/liger_kernels.py [--tokens 8192] [--ops rmsnorm rope swiglu mlp loss] [--chunk-budgets 1 4]
 
 bf16 on one GPU, forward and forward + backward (median ms, `triton.testing.do_bench`), for the operations that
 `apply_liger_kernel_to_diff_llama` can take over:
@@ -12,8 +12,9 @@ bf16 on one GPU, forward and forward + backward (median ms, `triton.testing.do_b
 - the whole MLP (hidden 2048, MLP 8192): transformers' LlamaMLP, Liger's `LigerSwiGLUMLP` and modeling_diff's
   `DiffLlamaMLP` (`kernels/swiglu.py`: the activation computed again in the backward instead of kept), with the
   peak memory of each;
-- lm_head + cross-entropy over vocab 32000: transformers' loss on materialised logits and Liger's fused linear
-  cross-entropy, with the peak memory of each.
+- lm_head + cross-entropy over vocab 32000: transformers' loss on materialised logits, Liger's fused linear
+  cross-entropy at each `--chunk-budgets` value (its `chunk_mem_const`; `modeling_diff.liger` picks one per call)
+  and lm_head's product alone (the floor of any fused loss), with the peak memory of each.
 """
 
 import argparse
@@ -100,15 +101,25 @@ def mlp_rows(tokens: int) -> list[tuple]:
              (x, *module.parameters())) for name, module in zip(("transformers", "liger", "modeling_diff"), modules)]
 
 
-def loss_rows(tokens: int) -> list[tuple]:
+def loss_rows(tokens: int, chunk_budgets=(1,)) -> list[tuple]:
+    """lm_head + loss: transformers' on materialised logits, Liger's fused one at each chunk budget (Liger's
+    `chunk_mem_const`: a chunk's logits hold at most budget x tokens x hidden elements), and lm_head's product
+    alone (its three matmuls: what any fused loss costs at least)."""
     hidden = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     weight = (0.02 * torch.randn(VOCAB, HIDDEN, device="cuda", dtype=torch.bfloat16)).requires_grad_()
     labels = torch.randint(0, VOCAB, (1, tokens), device="cuda")
     materialised = lambda h, w: ForCausalLMLoss(h @ w.T, labels, VOCAB)  # noqa: E731
     shifted = F.pad(labels, (0, 1), value=-100)[:, 1:].reshape(-1)
-    fused = lambda h, w: liger_fused_linear_cross_entropy(h, w, shifted)  # noqa: E731
-    return [("lm_head + loss", f"{tokens} x {HIDDEN} -> {VOCAB}", name, fn, (hidden, weight)) for name, fn in
-            (("transformers", materialised), ("liger fused", fused))]
+    rows = [("transformers", materialised)]
+    for budget in chunk_budgets:
+        name = "liger fused" + ("" if budget == 1 else f", chunk budget {budget}")
+        rows.append((name, lambda h, w, budget=budget: liger_fused_linear_cross_entropy(
+            h, w, shifted, chunk_mem_const=budget)))
+    rows.append(("lm_head product alone", lambda h, w: h @ w.T))
+    return [("lm_head + loss", f"{tokens} x {HIDDEN} -> {VOCAB}", name, fn, (hidden, weight)) for name, fn in rows]
+
+
+OPS = {"rmsnorm": rms_norm_rows, "rope": rope_rows, "swiglu": swiglu_rows, "mlp": mlp_rows, "loss": loss_rows}
 
 
 def peak_gib(fn, inputs) -> float:
@@ -127,15 +138,21 @@ def peak_gib(fn, inputs) -> float:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--ops", nargs="+", default=list(OPS), choices=list(OPS))
+    parser.add_argument("--chunk-budgets", type=int, nargs="+", default=[1],
+                        help="Liger's chunk_mem_const values for the fused loss rows (1: Liger's default)")
     args = parser.parse_args(argv)
     if args.tokens < 1:
         parser.error("--tokens must be >= 1")
+    if min(args.chunk_budgets) < 1:
+        parser.error("--chunk-budgets must be >= 1")
     if not torch.cuda.is_available():
         sys.exit("liger_kernels.py needs a CUDA GPU")
     lines = ["| op | shape | implementation | forward ms | forward + backward ms | extra peak GiB (fwd + bwd) |",
              "|---|---|---|---|---|---|"]
-    for op, shape, name, fn, inputs in (rms_norm_rows(args.tokens) + rope_rows(args.tokens)
-                                        + swiglu_rows(args.tokens) + mlp_rows(args.tokens) + loss_rows(args.tokens)):
+    rows = [row for op in args.ops for row in (
+        loss_rows(args.tokens, args.chunk_budgets) if op == "loss" else OPS[op](args.tokens))]
+    for op, shape, name, fn, inputs in rows:
         forward, both = timed(fn, inputs, backward=False), timed(fn, inputs, backward=True)
         memory = f"{peak_gib(fn, inputs):.2f}" if op in ("mlp", "lm_head + loss") else ""
         lines.append(f"| {op} | {shape} | {name} | {forward:.3f} | {both:.3f} | {memory} |")

@@ -7,6 +7,7 @@ ways Liger's kernels meet; none changes their arithmetic).
 """
 
 import copy
+import functools
 import subprocess
 import sys
 
@@ -19,6 +20,7 @@ from transformers import Trainer, TrainingArguments
 
 from modeling_diff import DiffLlamaConfig, DiffLlamaForCausalLM, apply_liger_kernel_to_diff_llama, modeling_diff_llama
 from modeling_diff.diff_attention import SublnRMSNorm
+from modeling_diff.liger import fused_loss_chunk_budget
 
 pytest.importorskip("liger_kernel", reason="liger-kernel (the [liger] extra) is not installed")
 from liger_kernel.transformers.rms_norm import LigerRMSNorm  # noqa: E402
@@ -272,6 +274,43 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="cross_entropy and fused_linear_cross_entropy cannot both be True"):
         apply_liger_kernel_to_diff_llama(cross_entropy=True, fused_linear_cross_entropy=True)
     apply_liger_kernel_to_diff_llama(model=tiny_model("v2", hidden_act="gelu"))  # the MLP is the project's: any act
+
+
+def liger_chunk_rows(tokens: int, hidden: int, vocab: int, budget: int) -> int:
+    """Rows of a chunk of Liger's fused loss (liger_kernel/ops/fused_linear_cross_entropy.py, 0.8.5)."""
+    per_chunk = -(-tokens // -(-vocab // (budget * hidden)))
+    return min(1 << (per_chunk - 1).bit_length(), tokens)
+
+
+@pytest.mark.parametrize("tokens", [1, 1000, 2048, 4096, 8192, 32768, 65536, 262144])
+@pytest.mark.parametrize("hidden, vocab", [(2048, 32000), (4096, 128256), (576, 49152), (64, 128)])
+def test_fused_loss_chunks_hold_2048_rows_or_every_row(tokens, hidden, vocab):
+    """The budget passed to Liger gives chunks of >= 2048 rows (all rows, if fewer), and Liger's own default
+    where that already does."""
+    budget = fused_loss_chunk_budget(tokens, hidden, vocab)
+    assert liger_chunk_rows(tokens, hidden, vocab, budget) >= min(2048, tokens)
+    if liger_chunk_rows(tokens, hidden, vocab, 1) >= 2048:
+        assert budget == 1
+
+
+def test_fused_loss_passes_the_chunk_budget_and_a_callers_own(monkeypatch):
+    from liger_kernel.transformers.model import loss_utils
+
+    real, budgets = loss_utils.F.liger_fused_linear_cross_entropy, []
+
+    @functools.wraps(real)  # Liger keeps only the keyword arguments its signature names
+    def spy(*args, **kwargs):
+        budgets.append(kwargs["chunk_mem_const"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loss_utils.F, "liger_fused_linear_cross_entropy", spy)
+    plain, liger = plain_and_liger("v2")
+    input_ids, labels = masked_batch(plain.config.vocab_size)
+    config = plain.config
+    want = liger(input_ids=input_ids, labels=labels).loss
+    got = liger(input_ids=input_ids, labels=labels, chunk_mem_const=1).loss
+    assert budgets == [fused_loss_chunk_budget(input_ids.numel(), config.hidden_size, config.vocab_size), 1]
+    assert rel_err(got, want) < TOL
 
 
 @pytest.mark.skipif(not GPU, reason="the ~1.1B model's lm_head on the GPU")
