@@ -198,7 +198,8 @@ def test_passes_merge_into_medians_with_ratios_paired_within_a_pass():
 
 
 def test_passes_run_every_model_once_a_pass_in_rotated_order(monkeypatch):
-    """`bench.py --passes 3`: the models' processes in the order a, b, c / b, c, a / c, a, b, and one merged row each."""
+    """`bench.py --passes 3`: the models' processes in the order a, b, c / b, c, a / c, a, b, and one merged row each;
+    the matmul peak is the higher of the readings before and after the rows."""
     order = []
 
     def model_rows(name, phases, args):
@@ -206,12 +207,14 @@ def test_passes_run_every_model_once_a_pass_in_rotated_order(monkeypatch):
         return [dict(seq=2048, model=name, phase="train", batch=4, tok_s=100.0 + len(order), peak_gib=1.0, work=1.0)]
 
     monkeypatch.setattr(bench, "in_fresh_process", lambda fn, *args: fn(*args))
-    monkeypatch.setattr(bench, "device_peaks", lambda: (1e15, 1e15, 1e12))
+    monkeypatch.setattr(bench, "device_peaks", lambda: (1e15, 0.9e15, 1e12))
+    monkeypatch.setattr(bench, "matmul_peak", lambda: (1.1e15, 0.9e15))  # the reading after the rows
     monkeypatch.setattr(bench, "bench_model_all_lengths", model_rows)
     models = ["llama-liger", "v1-liger", "v2-liger"]
     args = argparse.Namespace(models=models, seq=[2048], phases=["train"], passes=3, prefill_chunk=4096,
                                     generate_models=[])
-    results, _, _ = bench.run(args)
+    results, peak, _ = bench.run(args)
+    assert peak == 1.1e15  # MFU's denominator: the higher of the two readings
     assert order == models + models[1:] + models[:1] + models[2:] + models[:2]
     assert [r["model"] for r in results] == models
     assert [r["passes"] for r in results] == [[101.0, 106.0, 108.0], [102.0, 104.0, 109.0], [103.0, 105.0, 107.0]]
