@@ -30,6 +30,7 @@ What it replaces (Liger's kernels are Triton: CUDA tensors, or Triton's interpre
   V2's 2h query heads) are rotated there in one call. benchmarks/RESULTS.md compares it with Liger's kernel.
 """
 
+import inspect
 from types import MethodType
 
 import torch
@@ -39,7 +40,7 @@ from .configuration import DiffLlamaConfig
 from .modeling_diff_llama import DiffLlamaForCausalLM, DiffLlamaRMSNorm
 
 try:
-    from liger_kernel.transformers.functional import liger_cross_entropy
+    from liger_kernel.transformers.functional import liger_cross_entropy, liger_fused_linear_cross_entropy
     from liger_kernel.transformers.model.llama import lce_maybe_trainable_lm_head
     from liger_kernel.transformers.model.loss_utils import unpack_cross_entropy_result
     from liger_kernel.transformers.monkey_patch import (
@@ -50,6 +51,8 @@ except ImportError:  # the optional extra [liger] is not installed: everything e
     LIGER_AVAILABLE = False
 else:
     LIGER_AVAILABLE = True
+    # Liger versions before `chunk_mem_const` get their own chunks (their loss would refuse the argument)
+    LIGER_TAKES_CHUNK_BUDGET = "chunk_mem_const" in inspect.signature(liger_fused_linear_cross_entropy).parameters
 
     class LigerDiffLlamaRMSNorm(LigerRMSNorm):
         """What `apply_liger_kernel_to_diff_llama()` builds in place of DiffLlamaRMSNorm: Liger's RMSNorm with
@@ -77,8 +80,9 @@ def liger_fused_linear_loss(self: DiffLlamaForCausalLM, hidden_states, labels, *
     against `labels` (B, L), through Liger's fused linear cross-entropy (which unwraps a PEFT `modules_to_save`
     lm_head and gathers an FSDP-sharded one, as for Llama)."""
     shift_labels = loss_kwargs.pop("shift_labels", None)
-    loss_kwargs.setdefault("chunk_mem_const", fused_loss_chunk_budget(
-        hidden_states.shape[:-1].numel(), self.config.hidden_size, self.config.vocab_size))
+    if LIGER_TAKES_CHUNK_BUDGET:
+        loss_kwargs.setdefault("chunk_mem_const", fused_loss_chunk_budget(
+            hidden_states.shape[:-1].numel(), self.config.hidden_size, self.config.vocab_size))
     # Liger views the rows flat: logits_to_keep's slice is copied (keeping all positions, it is a no-op)
     result = lce_maybe_trainable_lm_head(
         self, hidden_states=hidden_states.contiguous(), hidden_size=self.config.hidden_size, labels=labels,

@@ -294,13 +294,15 @@ def test_fused_loss_chunks_hold_2048_rows_or_every_row(tokens, hidden, vocab):
 
 
 def test_fused_loss_passes_the_chunk_budget_and_a_callers_own(monkeypatch):
+    """The budget goes to Liger's loss; a caller's own `chunk_mem_const` wins; a Liger without the argument gets
+    none."""
     from liger_kernel.transformers.model import loss_utils
 
     real, budgets = loss_utils.F.liger_fused_linear_cross_entropy, []
 
     @functools.wraps(real)  # Liger keeps only the keyword arguments its signature names
     def spy(*args, **kwargs):
-        budgets.append(kwargs["chunk_mem_const"])
+        budgets.append(kwargs.get("chunk_mem_const"))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(loss_utils.F, "liger_fused_linear_cross_entropy", spy)
@@ -309,8 +311,10 @@ def test_fused_loss_passes_the_chunk_budget_and_a_callers_own(monkeypatch):
     config = plain.config
     want = liger(input_ids=input_ids, labels=labels).loss
     got = liger(input_ids=input_ids, labels=labels, chunk_mem_const=1).loss
-    assert budgets == [fused_loss_chunk_budget(input_ids.numel(), config.hidden_size, config.vocab_size), 1]
-    assert rel_err(got, want) < TOL
+    monkeypatch.setattr("modeling_diff.liger.LIGER_TAKES_CHUNK_BUDGET", False)  # a Liger without the argument
+    older = liger(input_ids=input_ids, labels=labels).loss
+    assert budgets == [fused_loss_chunk_budget(input_ids.numel(), config.hidden_size, config.vocab_size), 1, None]
+    assert rel_err(got, want) < TOL and rel_err(older, want) < TOL
 
 
 @pytest.mark.skipif(not GPU, reason="the ~1.1B model's lm_head on the GPU")
