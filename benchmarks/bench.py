@@ -588,8 +588,8 @@ def run(args) -> tuple[list[dict], float, float]:
         failed = [dict(seq=args.generate_prompt, model=name, phase=p) for p, _ in paths
                   for name in args.generate_models]
         results += rows_or_errors(bench_generate_lockstep, (args.generate_models, paths, args), failed)
-    # The burst rate read 744-813 TFLOP/s in different runs on one machine while the models' tok/s held within 1%:
-    # measured again after the rows, MFU takes the higher reading (the lower would flatter it).
+    # Runs minutes apart on one H200 read the burst rate at 798 and 744 TFLOP/s while the models' tok/s held within
+    # 1%: read again after the rows, MFU takes the higher reading (the lower would flatter it).
     again, _ = in_fresh_process(matmul_peak)
     tqdm.write(f"bf16 matmul peak after the rows: {again / 1e12:.0f} TFLOP/s; MFU of {max(peak, again) / 1e12:.0f}")
     order, names = [p for p, _ in PHASES], list(dict.fromkeys(args.models + args.generate_models))
