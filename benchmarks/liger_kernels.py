@@ -18,6 +18,7 @@ bf16 on one GPU, forward and forward + backward (median ms, `triton.testing.do_b
 """
 
 import argparse
+import functools
 import sys
 
 import torch
@@ -150,9 +151,8 @@ def main(argv=None):
         sys.exit("liger_kernels.py needs a CUDA GPU")
     lines = ["| op | shape | implementation | forward ms | forward + backward ms | extra peak GiB (fwd + bwd) |",
              "|---|---|---|---|---|---|"]
-    rows = [row for op in args.ops for row in (
-        loss_rows(args.tokens, args.chunk_budgets) if op == "loss" else OPS[op](args.tokens))]
-    for op, shape, name, fn, inputs in rows:
+    ops = dict(OPS, loss=functools.partial(loss_rows, chunk_budgets=args.chunk_budgets))
+    for op, shape, name, fn, inputs in [row for op in args.ops for row in ops[op](args.tokens)]:
         forward, both = timed(fn, inputs, backward=False), timed(fn, inputs, backward=True)
         memory = f"{peak_gib(fn, inputs):.2f}" if op in ("mlp", "lm_head + loss") else ""
         lines.append(f"| {op} | {shape} | {name} | {forward:.3f} | {both:.3f} | {memory} |")
