@@ -45,7 +45,7 @@ PTXAS, NVDISASM = os.path.join(BIN, "ptxas"), os.path.join(BIN, "nvdisasm")
 # dtype, which changes only the loads of its epilogue, outside the tile loops
 ARGUMENT_TYPES = {"Mu": "*fp32", "Terms": "*fp32", "Lse": "*fp32", "Rstd": "*fp32", "Mask": "*u8", "Part": "*fp32",
                   "Written": "*i64", "eps": "fp32", "norm_scale": "fp32",
-                  **dict.fromkeys("Q K V G DK DVout DQ NormW Y Pairs".split(), "*bf16")}
+                  **dict.fromkeys("Q K V G DK DVout DQ NormW Y Pairs".split(), "*bf16")}  # and `descriptor_types`
 # the GPU's constants (S_STATIC and L_STATIC: their defaults, the interpreter's loop bounds off)
 V1_SHAPES = dict(SCALE=0.125, GROUP=4, DQK=64, DV=128, SPLIT_K=True, V1=True, HAS_MASK=False, WHOLE_TILES=True,
                  S_STATIC=0, L_STATIC=0)
@@ -53,17 +53,24 @@ V2_SHAPES = dict(V1_SHAPES, DV=64, SPLIT_K=False, V1=False)
 SHAPES = dict(v1=V1_SHAPES, v2=V2_SHAPES)
 
 
+def descriptor_types(constants: dict) -> dict:
+    """The kernels' key and value descriptors as the launches give them: blocks of a tile of keys (`tile_descriptors`)."""
+    n, dqk, dv = (constants[name] for name in ("BLOCK_N", "DQK", "DV"))
+    return dict(Kd=f"tensordesc<bf16[{n}, {dqk}]>", Vd=f"tensordesc<bf16[{n}, {dv}]>")
+
+
 def compile_sm90(kernel, constants: dict, num_warps: int, num_stages: int):
     """`kernel` compiled for sm_90a: the `constants` as constexprs, the other arguments of the types of
     ARGUMENT_TYPES."""
     params = list(inspect.signature(kernel.fn).parameters)
+    types = {**ARGUMENT_TYPES, **descriptor_types(constants)}
     constants = {name: value for name, value in constants.items() if name in params}
-    signature = {p: "constexpr" if p in constants else ARGUMENT_TYPES.get(p, "i32") for p in params}
+    signature = {p: "constexpr" if p in constants else types.get(p, "i32") for p in params}
     # As the GPU's launcher specializes them: pointers 16-byte aligned, ints multiples of 16 (the model's strides
     # and lengths are). Without it no load is vectorized or pipelined and the kernel is not the one that runs
     # (32 x 64, 4 warps, 3 stages: 824 bytes of spill stores unaligned, 380 aligned).
     aligned = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params)
-               if signature[p] != "constexpr" and not signature[p].startswith("fp")}
+               if signature[p] != "constexpr" and not signature[p].startswith(("fp", "tensordesc"))}
     source = ASTSource(fn=kernel, signature=signature, attrs=aligned,
                        constexprs={(params.index(name),): value for name, value in constants.items()})
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),

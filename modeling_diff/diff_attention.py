@@ -164,10 +164,11 @@ class DexLambda(nn.Module):
 class _DiffAttentionBase(nn.Module, metaclass=abc.ABCMeta):
     """What the three variants share: sizes, scaling, dropout and the choice of attention implementation."""
 
-    # Up to how many keys `diff_triton` (what `sdpa` is on CUDA) takes the flash-diff kernel: where it measured
-    # faster than the one SDPA call plus the fused combine on the H200 (benchmarks/RESULTS.md). `fused_diff` always
-    # does.
+    # Where `diff_triton` (what `sdpa` is on CUDA) takes the flash-diff kernel: up to `flash_diff_max_keys` keys, and
+    # at every length while the module is training if `flash_diff_in_training`; where it measured faster than the
+    # one SDPA call plus the fused combine on the H200 (benchmarks/RESULTS.md). `fused_diff` always does.
     flash_diff_max_keys: float = 0
+    flash_diff_in_training: bool = False
 
     def __init__(self, config: DiffLlamaConfig, layer_idx: int):
         super().__init__()
@@ -216,11 +217,11 @@ class _DiffAttentionBase(nn.Module, metaclass=abc.ABCMeta):
 
     def flash_diff_applies(self, implementation, pairs, key, value, attention_mask, kwargs) -> bool:
         """Whether both maps and the combine go to the fused flash-diff kernel (`kernels/flash_diff.py`):
-        `fused_diff`, or `diff_triton` up to the mode's `flash_diff_max_keys`; no extra attention options; shapes it
-        covers."""
+        `fused_diff`, or `diff_triton` up to the mode's `flash_diff_max_keys` (at every length in training where the
+        mode's `flash_diff_in_training`); no extra attention options; shapes it covers."""
+        keys_taken = key.shape[-2] <= self.flash_diff_max_keys or (self.training and self.flash_diff_in_training)
         return (
-            (implementation == FUSED_DIFF
-             or (implementation == DIFF_TRITON and key.shape[-2] <= self.flash_diff_max_keys))
+            (implementation == FUSED_DIFF or (implementation == DIFF_TRITON and keys_taken))
             and not has_extra_options(kwargs)
             and flash_diff_applies(pairs, key, value, attention_mask, self.dropout_p())
         )
@@ -452,9 +453,11 @@ class DiffAttentionV2(_LlamaLayoutAttention):
     """
 
     # On the H200, flash-diff against one SDPA call (cuDNN) and the fused combine: training at 2K 1.2-1.8% faster
-    # (three sessions' runs), at 8K 0-1.1%, at 16K-64K 1-3.5% slower; a prefill at 2K equal, and a prefill's
-    # 4096-token chunks against 8K-32K keys 7-26% slower (RESULTS.md, "V2's attention by length").
+    # (three sessions' runs), and with keys and values through TMA (the forward and dQ kernels) 2.3% at 8K and 1.4%
+    # at 32K; a prefill at 2K-32K within 1.3%, and a prefill's 4096-token chunks against 8K-32K keys 7-31% slower
+    # (RESULTS.md, "V2's attention by length", "Keys and values through TMA").
     flash_diff_max_keys = 4096
+    flash_diff_in_training = True
 
     def __init__(self, config: DiffLlamaConfig, layer_idx: int):
         # 2h query heads; 2h / h_kv is even, so the pair (2i, 2i+1) never straddles two GQA groups.

@@ -1185,6 +1185,36 @@ def test_flash_diff_forward_and_gradients_match_the_formula(mode, heads, kv_head
         assert rel_err(got, want) < TOL
 
 
+@pytest.mark.parametrize("mode", ["v1", "v2"])
+def test_flash_diff_keeps_a_sequences_nan_keys_out_of_the_others(mode):
+    """The forward and dQ kernels read keys and values through TMA as one matrix of every sequence's tokens (the
+    projections' layout, key (B, S, h_kv, d) seen as (B, h_kv, S, d)): a last tile that reaches past S holds the
+    next sequence's first keys. With NaN keys and values in sequence 1 (the attack), sequence 0's output and
+    gradients equal those of sequence 0 alone, and are finite. S = 20 is no whole number of tiles (16 under the
+    interpreter, 64 on a GPU with 1000)."""
+    torch.manual_seed(6)
+    batch, length, heads, kv_heads, dqk = 2, 20 if not GPU else 1000, 4, 2, 16 if not GPU else 64
+    dv = 2 * dqk if mode == "v1" else dqk
+    q = rand(batch, length, heads, 2, dqk)
+    k = rand(batch, length, kv_heads, 2 * dqk if mode == "v1" else dqk)
+    v = rand(batch, length, kv_heads, dv)
+    k[1], v[1] = float("nan"), float("nan")
+    norm = Norm(dv) if mode == "v1" else None
+    mu = torch.tensor(0.37, device=DEVICE) if mode == "v1" else torch.sigmoid(rand(batch, length, heads))
+    grad_out = rand(batch, length, heads, dv)
+
+    def first_sequence(q, k, v, mu):  # output and gradients of sequence 0, from keys laid out (B, S, h_kv, d)
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        out = flash_diff_attention(q, k.transpose(1, 2), v.transpose(1, 2), None, mu, 0.3, norm, 0.56)
+        grads = torch.autograd.grad(out, (q, k, v), grad_out[: len(out)])
+        return [t[0] for t in (out, *grads)]
+
+    together = first_sequence(q, k, v, mu)
+    alone = first_sequence(q[:1], k[:1], v[:1], mu if mode == "v1" else mu[:1])
+    for got, want in zip(together, alone):
+        assert torch.isfinite(got).all() and torch.equal(got, want)
+
+
 def test_flash_diff_programs_start_longest_first(monkeypatch):
     """Under causal masking the programs of a flash-diff launch have unequal work: a query block sees the keys up to
     its last query, a key block is seen by the queries from its first key on. The GPU starts programs in the order
@@ -1486,7 +1516,7 @@ def padded_batch(vocab, batch=2, length=12, pad=4):
 FAST = "sdpa" if GPU else "diff_triton"  # what a model on CUDA gets by default
 
 
-BEYOND_V2_KEYS = "beyond V2's flash_diff_max_keys"  # the default where V2 has more keys than the kernel takes
+BEYOND_V2_KEYS = "beyond V2's flash_diff_max_keys"  # the default where V2 takes no kernel: more keys, no training
 
 
 @pytest.mark.parametrize(
@@ -1494,9 +1524,9 @@ BEYOND_V2_KEYS = "beyond V2's flash_diff_max_keys"  # the default where V2 has m
     [(mode, implementation) for implementation in (FAST, "fused_diff") for mode in MODES] + [("v2", BEYOND_V2_KEYS)],
 )
 def test_fast_path_forward_and_gradients_equal_eager(mode, implementation, monkeypatch):
-    """The fast paths equal eager: by default V1 through the flash-diff kernel, V2 too at these lengths (up to 4096
-    keys) and beyond them through one SDPA call and the fused combine, DEX through SDPA; `fused_diff` puts V1 and V2
-    on the kernel. RoPE, the decoder's RMSNorm and the MLP take their Triton kernels on all of them."""
+    """The fast paths equal eager: by default V1 through the flash-diff kernel, V2 too in training and up to 4096
+    keys, and otherwise (here with both of V2's rules off, as in inference beyond 4096 keys) through one SDPA call
+    and the fused combine, DEX through SDPA; `fused_diff` puts V1 and V2 on the kernel. RoPE, the decoder's RMSNorm and the MLP take their Triton kernels on all of them."""
     import modeling_diff.diff_attention as attention
 
     import modeling_diff.kernels.rope as rope
@@ -1514,6 +1544,7 @@ def test_fast_path_forward_and_gradients_equal_eager(mode, implementation, monke
     on_kernel = mode in ("v1", "v2")
     if implementation == BEYOND_V2_KEYS:  # these lengths' keys count as more than the kernel takes
         monkeypatch.setattr(attention.DiffAttentionV2, "flash_diff_max_keys", 0)
+        monkeypatch.setattr(attention.DiffAttentionV2, "flash_diff_in_training", False)
         implementation, on_kernel = FAST, False
     eager, fast = model_pair(mode, implementation)
     eager.train(), fast.train()
@@ -1539,14 +1570,17 @@ def test_fast_path_forward_and_gradients_equal_eager(mode, implementation, monke
     assert len(mlp_calls) == 2 * layers  # two steps, one MLP per layer
 
 
-@pytest.mark.parametrize("mode, keys, on_kernel", [("v2", 4096, True), ("v2", 4097, False), ("v1", 8192, True)])
-def test_the_default_fast_path_takes_the_flash_diff_kernel_up_to_the_modes_key_count(mode, keys, on_kernel):
-    """`diff_triton` (`sdpa` on CUDA) puts V2 on the flash-diff kernel up to 4096 keys and on one SDPA call beyond
-    (where the kernel measured slower on the H200), V1 at every length; `fused_diff` takes the kernel for both."""
+@pytest.mark.parametrize("mode, keys, training, on_kernel", [
+    ("v2", 4096, False, True), ("v2", 4097, False, False), ("v2", 65536, True, True), ("v1", 8192, False, True),
+])
+def test_the_default_fast_path_takes_the_flash_diff_kernel_up_to_the_modes_key_count(mode, keys, training, on_kernel):
+    """`diff_triton` (`sdpa` on CUDA) puts V2 on the flash-diff kernel in training at every length and otherwise up
+    to 4096 keys, on one SDPA call beyond (a prefill's chunks against more keys measured slower on the kernel on the
+    H200), V1 at every length; `fused_diff` takes the kernel for both."""
     from modeling_diff.diff_attention import ATTENTION_CLASSES
 
     config = preset_config(f"tiny-{mode}", hidden_size=128)  # heads of 16: widths the kernel covers
-    module = ATTENTION_CLASSES[mode](config, layer_idx=0)
+    module = ATTENTION_CLASSES[mode](config, layer_idx=0).train(training)
     d, heads, kv_heads = module.head_dim, config.num_attention_heads, config.num_key_value_heads
     dtype = torch.bfloat16 if GPU else torch.float32
     pairs = torch.zeros(1, 16, heads, 2, d, dtype=dtype, device=DEVICE)  # (B, L, h, 2, d)

@@ -29,8 +29,11 @@ from .combine import v1_combine_backward, v1_combine_rows, v2_combine_backward, 
 from .masks import causal_offset, kernel_mask
 
 if TRITON_AVAILABLE:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
     from .triton_flash_diff import (
         DKDV_FIXED, DKDV_WHOLE_TILES_OF, DQ_FIXED, FWD_FIXED, flash_diff_bwd_dkdv, flash_diff_bwd_dq, flash_diff_fwd,
+        tile_descriptors,
     )
 
 MIN_QUERY_TOKENS = 16  # fewer new tokens without gradients: a decoding step, for the split-KV decode kernel
@@ -57,6 +60,35 @@ def _static_bounds(length: int, kv_length: int) -> dict:
     return dict(S_STATIC=kv_length, L_STATIC=length) if TRITON_INTERPRETING else {}
 
 
+def _tokens_as_rows(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` (B, h_kv, S, d) reads as one matrix (B * S, h_kv * d) through TMA, as the projections lay out
+    their outputs: a token's heads side by side in one row, rows a fixed stride apart through every sequence, 16-byte
+    aligned (TMA's unit)."""
+    batch, heads, tokens, width = tensor.shape
+    batch_stride, head_stride, row, last = tensor.stride()
+    return (last == 1 and (head_stride == width or heads == 1) and row >= heads * width
+            and batch_stride == tokens * row and tensor.data_ptr() % 16 == 0
+            and row * tensor.element_size() % 16 == 0)
+
+
+def _with_tokens_as_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` as it is if `_tokens_as_rows`, else a copy laid out so."""
+    return tensor if _tokens_as_rows(tensor) else tensor.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _key_descriptors(fixed: dict, key: torch.Tensor, value: torch.Tensor, dqk: int) -> list:
+    """TMA descriptors of key and value (B, h_kv, S, .) as the matrices (B * S, h_kv * .) (`_tokens_as_rows`),
+    blocks of a tile of keys by dqk (key) or the value's width: `tile_descriptors` sets the tile's rows, from `fixed`
+    (the interpreter's config) here; on a GPU, autotuning's pre-hook sets each config's."""
+    descriptors = {
+        name: TensorDescriptor(t, [t.shape[0] * t.shape[2], t.shape[1] * t.shape[3]], [t.stride(2), 1], [1, width])
+        for name, t, width in (("Kd", key, dqk), ("Vd", value, value.shape[-1]))
+    }
+    if fixed:
+        tile_descriptors({**descriptors, **fixed})
+    return list(descriptors.values())
+
+
 def _forward(query, key, value, mask, mu, norm_weight, eps, norm_scale, scale, save):
     batch, length, heads, _, dqk = query.shape
     kv_heads, kv_length, dv = key.shape[1], key.shape[2], value.shape[-1]
@@ -68,9 +100,10 @@ def _forward(query, key, value, mask, mu, norm_weight, eps, norm_scale, scale, s
     rstd = torch.empty(rows, dtype=torch.float32, device=device) if save and norm_weight is not None else y
     mask_arg, mask_strides = kernel_mask(mask, query)
     grid = lambda meta: (batch * heads, cdiv(length, meta["BLOCK_M"]))  # noqa: E731
+    keys, values = _key_descriptors(FWD_FIXED, key, value, dqk)
     flash_diff_fwd[grid](
-        query, key, value, mask_arg, mu, query if norm_weight is None else norm_weight, y, pairs, lse, rstd,
-        *query.stride()[:4], *key.stride()[:3], *value.stride()[:3], *mask_strides,
+        query, keys, values, mask_arg, mu, query if norm_weight is None else norm_weight, y, pairs, lse, rstd,
+        *query.stride()[:4], *mask_strides,
         heads, length, kv_length, causal_offset(length, kv_length, mask is not None), eps, norm_scale,
         SCALE=scale, GROUP=heads // kv_heads, DQK=dqk, DV=dv, SPLIT_K=key.shape[-1] == 2 * dqk,
         V1=norm_weight is not None,
@@ -151,9 +184,10 @@ class _FlashDiff(torch.autograd.Function):
             *grad_k.stride()[:3], *grad_v.stride()[:3],
             heads, length, kv_length, offset, **common, WHOLE_TILES=length % DKDV_WHOLE_TILES_OF == 0, **DKDV_FIXED,
         )
+        keys, values = _key_descriptors(DQ_FIXED, key, value, dqk)
         flash_diff_bwd_dq[lambda meta: (batch * heads, cdiv(length, meta["BLOCK_M"]))](
-            query, key, value, mask_arg, mu, grad_o1, terms, grad_q,
-            *q_strides, *key.stride()[:3], *value.stride()[:3], *mask_strides,
+            query, keys, values, mask_arg, mu, grad_o1, terms, grad_q,
+            *q_strides, *mask_strides,
             *grad_q.stride()[:4],
             heads, length, kv_length, offset, **common, **DQ_FIXED,
         )
@@ -165,7 +199,8 @@ def flash_diff_attention(query, key, value, mask, mu, scale: float, norm: nn.Mod
     """See the module docstring. Returns the combined head outputs (B, L, h, DV), or with `o_proj` its output
     (B, L, hidden): in training with a plain Linear, in the kernel's autograd node, which then keeps no combined
     heads for o_proj's backward."""
-    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    query = query if query.stride(-1) == 1 else query.contiguous()
+    key, value = _with_tokens_as_rows(key), _with_tokens_as_rows(value)  # for the TMA descriptors
     mask = None if mask is None else kernel_mask(mask, query)[0]  # uint8 once, for the forward and the backward
     norm_weight = None if norm is None else norm.weight
     eps = 0.0 if norm is None else norm.variance_epsilon

@@ -91,29 +91,40 @@ def _softmax_step(s, qk_scale, running_max, running_sum, acc, v):
 
 
 @triton.jit
+def _key_tile(Kd, Vd, b, kvh, n0, n_ok, S, DQK: tl.constexpr, DV: tl.constexpr, SPLIT_K: tl.constexpr,
+              MASKED: tl.constexpr):
+    """K1, K2 (BLOCK_N, DQK) and V (BLOCK_N, DV) of the keys n0 .. n0 + BLOCK_N of one (batch, kv head), through the
+    tensor descriptors (TMA) of K (B*S, H_kv * KD) and V (B*S, H_kv * DV): a token's heads side by side in a row.
+    A MASKED tile's keys beyond S are the next sequence's rows: zeroed, so that nothing of them (a NaN) reaches this
+    one's products. On the H200, V2's forward and dQ kernels at 8K took 1.134 / 1.165 ms this way against 1.213 /
+    1.213 with pointer loads, at 32K 18.6 / 19.1 against 20.2 / 20.3 (V1's: 0.79 / 0.75 against 0.78 / 0.73 at 8K);
+    the dK/dV kernel's query tiles through TMA were 10% slower and load through pointers
+    (results_h200_tma_descriptors.md)."""
+    KD: tl.constexpr = 2 * DQK if SPLIT_K else DQK
+    row = b * S + n0
+    k1 = Kd.load([row, kvh * KD])
+    k2 = Kd.load([row, kvh * KD + DQK]) if SPLIT_K else k1
+    v = Vd.load([row, kvh * DV])
+    if MASKED:
+        k1 = tl.where(n_ok[:, None], k1, 0.0)
+        k2 = tl.where(n_ok[:, None], k2, 0.0) if SPLIT_K else k1
+        v = tl.where(n_ok[:, None], v, 0.0)
+    return k1, k2, v
+
+
+@triton.jit
 def _fwd_tile(
-    q1, q2, k_ptr, v_ptr, n0, m, m_ok, offset, S, Mask, b, smb, sml, sms, sks, svs, qk_scale,
+    q1, q2, Kd, Vd, kvh, n0, m, m_ok, offset, S, Mask, b, smb, sml, sms, qk_scale,
     max1, sum1, acc1, max2, sum2, acc2,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
     MASKED: tl.constexpr, HAS_MASK: tl.constexpr,
 ):
     """Both maps over the keys n0 .. n0 + BLOCK_N. Not MASKED: every query sees every key of the tile."""
     n = n0 + tl.arange(0, BLOCK_N)
-    dqk = tl.arange(0, DQK)
-    dv = tl.arange(0, DV)
     n_ok = n < S
-    k_tile = k_ptr + n[None, :] * sks + dqk[:, None]  # (DQK, BLOCK_N)
-    v_tile = v_ptr + n[:, None] * svs + dv[None, :]  # (BLOCK_N, DV)
-    if MASKED:
-        k1 = tl.load(k_tile, mask=n_ok[None, :], other=0.0)
-        k2 = tl.load(k_tile + DQK, mask=n_ok[None, :], other=0.0) if SPLIT_K else k1
-        v = tl.load(v_tile, mask=n_ok[:, None], other=0.0)
-    else:
-        k1 = tl.load(k_tile)
-        k2 = tl.load(k_tile + DQK) if SPLIT_K else k1
-        v = tl.load(v_tile)
-    s1 = tl.dot(q1, k1)
-    s2 = tl.dot(q2, k2)
+    k1, k2, v = _key_tile(Kd, Vd, b, kvh, n0, n_ok, S, DQK, DV, SPLIT_K, MASKED)
+    s1 = tl.dot(q1, tl.trans(k1))
+    s2 = tl.dot(q2, tl.trans(k2))
     if MASKED:
         allowed = _visible(Mask, b, m, n, m_ok, n_ok, offset, smb, sml, sms, HAS_MASK)
         s1 = tl.where(allowed, s1, float("-inf"))
@@ -125,20 +136,19 @@ def _fwd_tile(
 
 @triton.jit
 def _flash_diff_fwd(
-    Q, K, V, Mask, Mu, NormW, Y, Pairs, Lse, Rstd,
-    sqb, sql, sqh, sqp, skb, skh, sks, svb, svh, svs, smb, sml, sms,
+    Q, Kd, Vd, Mask, Mu, NormW, Y, Pairs, Lse, Rstd,
+    sqb, sql, sqh, sqp, smb, sml, sms,
     H, L, S, offset, eps, norm_scale,
     SCALE: tl.constexpr, GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, SPLIT_K: tl.constexpr,
     V1: tl.constexpr, HAS_MASK: tl.constexpr, SAVE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     S_STATIC: tl.constexpr = 0, L_STATIC: tl.constexpr = 0,
 ):
-    # Q (B, L, H, 2, DQK) by strides; K (B, H_kv, S, 2*DQK or DQK); V (B, H_kv, S, DV); Y (B*L*H, DV);
+    # Q (B, L, H, 2, DQK) by strides; Kd, Vd: descriptors of K (B*S, H_kv * (2*DQK or DQK)) and V (B*S, H_kv * DV),
+    # blocks of (BLOCK_N, DQK or DV) (`_key_tile`); Y (B*L*H, DV);
     # SAVE (training): Pairs (B*L*H, 2, DV) = (O1, O2), Lse (B*L*H, 2), Rstd (B*L*H,) for the backward.
     pid_m, b, head, kvh, m, m_ok = _query_program(H, L, GROUP, BLOCK_M)
     dv = tl.arange(0, DV)
     q1, q2 = _load_query_pair(Q, b, head, m, m_ok, sqb, sql, sqh, sqp, DQK, False)
-    k_ptr = K + b * skb + kvh * skh
-    v_ptr = V + b * svb + kvh * svh
     qk_scale = SCALE * 1.4426950408889634
 
     # A finite "minus infinity" for the running max: fully masked tiles stay NaN-free.
@@ -154,19 +164,19 @@ def _flash_diff_fwd(
         # ids are arrays).
         for n0 in range(0, S_STATIC if S_STATIC > 0 else hi, BLOCK_N):
             max1, sum1, acc1, max2, sum2, acc2 = _fwd_tile(
-                q1, q2, k_ptr, v_ptr, n0, m, m_ok, offset, S, Mask, b, smb, sml, sms, sks, svs, qk_scale,
+                q1, q2, Kd, Vd, kvh, n0, m, m_ok, offset, S, Mask, b, smb, sml, sms, qk_scale,
                 max1, sum1, acc1, max2, sum2, acc2, DQK, DV, BLOCK_N, SPLIT_K, True, HAS_MASK,
             )
     else:
         full = (pid_m * BLOCK_M + offset + 1) // BLOCK_N * BLOCK_N  # keys [0, full): seen by every query
         for n0 in range(0, full, BLOCK_N):
             max1, sum1, acc1, max2, sum2, acc2 = _fwd_tile(
-                q1, q2, k_ptr, v_ptr, n0, m, m_ok, offset, S, Mask, b, smb, sml, sms, sks, svs, qk_scale,
+                q1, q2, Kd, Vd, kvh, n0, m, m_ok, offset, S, Mask, b, smb, sml, sms, qk_scale,
                 max1, sum1, acc1, max2, sum2, acc2, DQK, DV, BLOCK_N, SPLIT_K, False, HAS_MASK,
             )
         for n0 in range(full, hi, BLOCK_N):  # the diagonal
             max1, sum1, acc1, max2, sum2, acc2 = _fwd_tile(
-                q1, q2, k_ptr, v_ptr, n0, m, m_ok, offset, S, Mask, b, smb, sml, sms, sks, svs, qk_scale,
+                q1, q2, Kd, Vd, kvh, n0, m, m_ok, offset, S, Mask, b, smb, sml, sms, qk_scale,
                 max1, sum1, acc1, max2, sum2, acc2, DQK, DV, BLOCK_N, SPLIT_K, True, HAS_MASK,
             )
 
@@ -348,33 +358,22 @@ def _flash_diff_bwd_dkdv(
 
 @triton.jit
 def _dq_tile(
-    q1, q2, go, lse1, lse2, delta1, delta2, mu, k_ptr, v_ptr, n0, m, m_ok, offset, S, Mask, b,
-    smb, sml, sms, sks, svs, qk_scale, dq1, dq2,
+    q1, q2, go, lse1, lse2, delta1, delta2, mu, Kd, Vd, kvh, n0, m, m_ok, offset, S, Mask, b,
+    smb, sml, sms, qk_scale, dq1, dq2,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, MASKED: tl.constexpr,
     HAS_MASK: tl.constexpr,
 ):
     """The program's queries against the keys n0 .. n0 + BLOCK_N: their share of dQ1, dQ2."""
     n = n0 + tl.arange(0, BLOCK_N)
     n_ok = n < S
-    dqk = tl.arange(0, DQK)
-    dv = tl.arange(0, DV)
-    k_tile = k_ptr + n[:, None] * sks + dqk[None, :]  # (BLOCK_N, DQK)
-    v_tile = v_ptr + n[None, :] * svs + dv[:, None]  # (DV, BLOCK_N)
-    if MASKED:
-        k1 = tl.load(k_tile, mask=n_ok[:, None], other=0.0)
-        k2 = tl.load(k_tile + DQK, mask=n_ok[:, None], other=0.0) if SPLIT_K else k1
-        vt = tl.load(v_tile, mask=n_ok[None, :], other=0.0)
-    else:
-        k1 = tl.load(k_tile)
-        k2 = tl.load(k_tile + DQK) if SPLIT_K else k1
-        vt = tl.load(v_tile)
+    k1, k2, v = _key_tile(Kd, Vd, b, kvh, n0, n_ok, S, DQK, DV, SPLIT_K, MASKED)
     p1 = tl.exp2(tl.dot(q1, tl.trans(k1)) * qk_scale - lse1[:, None])
     p2 = tl.exp2(tl.dot(q2, tl.trans(k2)) * qk_scale - lse2[:, None])
     if MASKED:
         allowed = _visible(Mask, b, m, n, m_ok, n_ok, offset, smb, sml, sms, HAS_MASK)
         p1 = tl.where(allowed, p1, 0.0)
         p2 = tl.where(allowed, p2, 0.0)
-    dp = tl.dot(go, vt)  # dP1 = g V^T; dP2 = -mu dP1
+    dp = tl.dot(go, tl.trans(v))  # dP1 = g V^T; dP2 = -mu dP1
     ds1 = p1 * (dp - delta1[:, None])
     ds2 = p2 * (-mu[:, None] * dp - delta2[:, None])
     dq1 += tl.dot(ds1.to(k1.dtype), k1)
@@ -384,8 +383,8 @@ def _dq_tile(
 
 @triton.jit
 def _flash_diff_bwd_dq(
-    Q, K, V, Mask, Mu, G, Terms, DQ,
-    sqb, sql, sqh, sqp, skb, skh, sks, svb, svh, svs, smb, sml, sms, sdqb, sdql, sdqh, sdqp,
+    Q, Kd, Vd, Mask, Mu, G, Terms, DQ,
+    sqb, sql, sqh, sqp, smb, sml, sms, sdqb, sdql, sdqh, sdqp,
     H, L, S, offset,
     SCALE: tl.constexpr, GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, SPLIT_K: tl.constexpr,
     V1: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -398,8 +397,6 @@ def _flash_diff_bwd_dq(
     q1, q2, go, lse1, lse2, delta1, delta2, mu = _query_rows(
         Q, G, Terms, b, head, m, m_ok, H, L, sqb, sql, sqh, sqp, lam, DQK, DV, V1, False
     )
-    k_ptr = K + b * skb + kvh * skh
-    v_ptr = V + b * svb + kvh * svh
     qk_scale = SCALE * 1.4426950408889634
 
     dq1 = tl.zeros((BLOCK_M, DQK), tl.float32)
@@ -408,25 +405,33 @@ def _flash_diff_bwd_dq(
     if S_STATIC > 0 or HAS_MASK:  # every tile masked (S_STATIC: the interpreter, see _flash_diff_fwd)
         for n0 in range(0, S_STATIC if S_STATIC > 0 else hi, BLOCK_N):
             dq1, dq2 = _dq_tile(
-                q1, q2, go, lse1, lse2, delta1, delta2, mu, k_ptr, v_ptr, n0, m, m_ok, offset, S, Mask, b,
-                smb, sml, sms, sks, svs, qk_scale, dq1, dq2, DQK, DV, BLOCK_N, SPLIT_K, True, HAS_MASK,
+                q1, q2, go, lse1, lse2, delta1, delta2, mu, Kd, Vd, kvh, n0, m, m_ok, offset, S, Mask, b,
+                smb, sml, sms, qk_scale, dq1, dq2, DQK, DV, BLOCK_N, SPLIT_K, True, HAS_MASK,
             )
     else:
         full = (pid_m * BLOCK_M + offset + 1) // BLOCK_N * BLOCK_N
         for n0 in range(0, full, BLOCK_N):
             dq1, dq2 = _dq_tile(
-                q1, q2, go, lse1, lse2, delta1, delta2, mu, k_ptr, v_ptr, n0, m, m_ok, offset, S, Mask, b,
-                smb, sml, sms, sks, svs, qk_scale, dq1, dq2, DQK, DV, BLOCK_N, SPLIT_K, False, HAS_MASK,
+                q1, q2, go, lse1, lse2, delta1, delta2, mu, Kd, Vd, kvh, n0, m, m_ok, offset, S, Mask, b,
+                smb, sml, sms, qk_scale, dq1, dq2, DQK, DV, BLOCK_N, SPLIT_K, False, HAS_MASK,
             )
         for n0 in range(full, hi, BLOCK_N):  # the diagonal
             dq1, dq2 = _dq_tile(
-                q1, q2, go, lse1, lse2, delta1, delta2, mu, k_ptr, v_ptr, n0, m, m_ok, offset, S, Mask, b,
-                smb, sml, sms, sks, svs, qk_scale, dq1, dq2, DQK, DV, BLOCK_N, SPLIT_K, True, HAS_MASK,
+                q1, q2, go, lse1, lse2, delta1, delta2, mu, Kd, Vd, kvh, n0, m, m_ok, offset, S, Mask, b,
+                smb, sml, sms, qk_scale, dq1, dq2, DQK, DV, BLOCK_N, SPLIT_K, True, HAS_MASK,
             )
 
     dq_ptr = DQ + b * sdqb + head * sdqh + m[:, None] * sdql + dqk[None, :]
     tl.store(dq_ptr, (dq1 * SCALE).to(DQ.dtype.element_ty), mask=m_ok[:, None])
     tl.store(dq_ptr + sdqp, (dq2 * SCALE).to(DQ.dtype.element_ty), mask=m_ok[:, None])
+
+
+def tile_descriptors(args: dict) -> None:
+    """The key and value descriptors among a launch's `args` (Kd, Vd) get the config's BLOCK_N keys as their block's
+    rows: autotuning's pre-hook, before each config it launches; under the interpreter, the caller's."""
+    for name in ("Kd", "Vd"):
+        if name in args:
+            args[name].block_shape[0] = args["BLOCK_N"]
 
 
 def _tuned(kernel, configs, key):
@@ -435,7 +440,7 @@ def _tuned(kernel, configs, key):
         return kernel, configs[0]
     tuned = [
         triton.Config({k: v for k, v in c.items() if k.startswith("BLOCK")}, num_warps=c["num_warps"],
-                      num_stages=c["num_stages"])
+                      num_stages=c["num_stages"], pre_hook=tile_descriptors)
         for c in configs
     ]
     return triton.autotune(configs=tuned, key=key)(kernel), {}
