@@ -8,9 +8,9 @@
                                         one call of the device must stay short: the static paths' compiles)
     python benchmarks/bench.py --phases train --seq 2048 8192 32768 65536 --repeats 3 \
         --models llama-liger v1 v2 dex v1-liger v2-liger dex-liger          (the training table against Liger)
-    python benchmarks/bench.py --phases train --seq 32768 --models v2-liger --attention fused_diff
-                                        (V2 on the flash-diff kernel, where `sdpa` gives it cuDNN's attention
-                                        beyond 4096 keys)
+    python benchmarks/bench.py --phases prefill --seq 32768 --models v2 --attention fused_diff
+                                        (V2 on the flash-diff kernel, where `sdpa` gives its prefill cuDNN's
+                                        attention beyond 4096 keys; its training takes the kernel either way)
     python benchmarks/bench.py --phases train --seq 2048 --repeats 10 --passes 3 --models llama-liger v1-liger
                                         (each model in 3 processes, in turn: ratios paired within a pass)
 

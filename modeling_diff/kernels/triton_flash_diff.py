@@ -96,10 +96,11 @@ def _key_tile(Kd, Vd, b, kvh, n0, n_ok, S, DQK: tl.constexpr, DV: tl.constexpr, 
     """K1, K2 (BLOCK_N, DQK) and V (BLOCK_N, DV) of the keys n0 .. n0 + BLOCK_N of one (batch, kv head), through the
     tensor descriptors (TMA) of K (B*S, H_kv * KD) and V (B*S, H_kv * DV): a token's heads side by side in a row.
     A MASKED tile's keys beyond S are the next sequence's rows: zeroed, so that nothing of them (a NaN) reaches this
-    one's products. On the H200, V2's forward and dQ kernels at 8K took 1.134 / 1.165 ms this way against 1.213 /
-    1.213 with pointer loads, at 32K 18.6 / 19.1 against 20.2 / 20.3 (V1's: 0.79 / 0.75 against 0.78 / 0.73 at 8K);
-    the dK/dV kernel's query tiles through TMA were 10% slower and load through pointers
-    (results_h200_tma_descriptors.md)."""
+    one's products. On the H200 (one layer, the ~1.1B shapes), V2's forward and dQ kernels took 1.13-1.15 /
+    1.16-1.17 ms a step at 8K this way against 1.21 / 1.19 with pointer loads, and 18.6 / 19.4 against 20.0 / 19.8
+    at 32K; V1's 0.74-0.79 / 0.75 against 0.78 / 0.73 at 8K and 0.27 / 0.24 against 0.27 / 0.23 at 2K. The dK/dV
+    kernel's query tiles through TMA took 11% longer (V2 at 8K: 2.18 against 1.96 ms), so it loads through pointers
+    (benchmarks/results_h200_tma_descriptors.md)."""
     KD: tl.constexpr = 2 * DQK if SPLIT_K else DQK
     row = b * S + n0
     k1 = Kd.load([row, kvh * KD])
