@@ -101,7 +101,8 @@ def ptxas_counts(kernel, constants: dict, num_warps: int, num_stages: int) -> di
 
 def spills_by_loop(sass: str) -> tuple[list[tuple[int, int, collections.Counter]], int]:
     """([(instructions, LDL + STL, opcode counts)] of each innermost loop of nvdisasm's `sass`, LDL + STL outside
-    them). A loop: a branch back to a label before it. An opcode: the instruction's name without its predicate and
+    them). A loop: a branch back to a label before it; not the out-of-line retries of a TMA barrier's wait (a SYNCS,
+    a MOV and the branch back), which are no tile loop. An opcode: the instruction's name without its predicate and
     modifiers (HGMMA, MUFU, FFMA, ...)."""
     labels, instructions, label = {}, [], None
     for line in sass.splitlines():
@@ -118,6 +119,8 @@ def spills_by_loop(sass: str) -> tuple[list[tuple[int, int, collections.Counter]
     opcode = lambda text: re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]  # noqa: E731
     loops = [(b - a + 1, sum(spill[a:b + 1]), collections.Counter(map(opcode, instructions[a:b + 1])))
              for a, b in innermost]
+    barrier_wait = {"SYNCS", "MOV", "BRA"}
+    loops = [loop for loop in loops if not ("SYNCS" in loop[2] and set(loop[2]) <= barrier_wait)]
     return loops, sum(spill) - sum(n for _, n, _ in loops)
 
 

@@ -1215,6 +1215,24 @@ def test_flash_diff_keeps_a_sequences_nan_keys_out_of_the_others(mode):
         assert torch.isfinite(got).all() and torch.equal(got, want)
 
 
+def test_flash_diff_reads_the_projections_key_layout_as_it_is_and_copies_others():
+    """Keys as the projections give them ((B, S, h_kv, d) transposed, also a slice of a wider fused row) go to the
+    TMA descriptors as they are; head-major keys, or keys off TMA's 16-byte alignment, are copied into that layout
+    (equal values)."""
+    from modeling_diff.kernels.flash_diff import _tokens_as_rows, _with_tokens_as_rows
+
+    batch, tokens, heads, d = 2, 20, 3, 16
+    projected = torch.randn(batch, tokens, heads, d).transpose(1, 2)
+    fused_row = torch.randn(batch, tokens, 5 * heads * d)[..., : heads * d].view(batch, tokens, heads, d).transpose(1, 2)
+    head_major = torch.randn(batch, heads, tokens, d)
+    off_alignment = torch.randn(batch * tokens * heads * d + 1)[1:].view(batch, tokens, heads, d).transpose(1, 2)
+    for key in (projected, fused_row):
+        assert _tokens_as_rows(key) and _with_tokens_as_rows(key) is key
+    for key in (head_major, off_alignment):
+        copied = _with_tokens_as_rows(key)
+        assert not _tokens_as_rows(key) and _tokens_as_rows(copied) and torch.equal(copied, key)
+
+
 def test_flash_diff_programs_start_longest_first(monkeypatch):
     """Under causal masking the programs of a flash-diff launch have unequal work: a query block sees the keys up to
     its last query, a key block is seen by the queries from its first key on. The GPU starts programs in the order

@@ -5,7 +5,8 @@
 
 - query (B, L, h, 2, DQK): Q1 and Q2 of every differential head (any strides, the last dim contiguous);
 - key (B, h_kv, S, 2*DQK) = K1|K2 (V1) or (B, h_kv, S, DQK), one key head for both maps (V2);
-- value (B, h_kv, S, DV); head i reads kv head i // (h / h_kv);
+- value (B, h_kv, S, DV); head i reads kv head i // (h / h_kv); key and value as the projections lay them out (a
+  token's heads side by side: (B, S, h_kv, .) transposed), which the kernels read through TMA, or copied into it;
 - V1: mu = lambda (a float32 scalar tensor), norm = the subln RMSNorm, norm_scale = 1 - lambda_init;
   V2: mu = the per-token noise weight (B, L, h), norm = None.
 
@@ -72,8 +73,11 @@ def _tokens_as_rows(tensor: torch.Tensor) -> bool:
 
 
 def _with_tokens_as_rows(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` as it is if `_tokens_as_rows`, else a copy laid out so."""
-    return tensor if _tokens_as_rows(tensor) else tensor.transpose(1, 2).contiguous().transpose(1, 2)
+    """`tensor` as it is if `_tokens_as_rows`, else a copy laid out so (a clone: `contiguous` would keep a contiguous
+    tensor off the alignment as it is)."""
+    if _tokens_as_rows(tensor):
+        return tensor
+    return tensor.transpose(1, 2).clone(memory_format=torch.contiguous_format).transpose(1, 2)
 
 
 def _key_descriptors(fixed: dict, key: torch.Tensor, value: torch.Tensor, dqk: int) -> list:
