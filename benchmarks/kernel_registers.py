@@ -54,7 +54,10 @@ SHAPES = dict(v1=V1_SHAPES, v2=V2_SHAPES)
 
 
 def descriptor_types(constants: dict) -> dict:
-    """The kernels' key and value descriptors as the launches give them: blocks of a tile of keys (`tile_descriptors`)."""
+    """The flash-diff kernels' key and value descriptors as the launches give them: blocks of a tile of keys
+    (`tile_descriptors`); none for a kernel without those constants (the decode kernel's)."""
+    if not {"BLOCK_N", "DQK", "DV"} <= constants.keys():
+        return {}
     n, dqk, dv = (constants[name] for name in ("BLOCK_N", "DQK", "DV"))
     return dict(Kd=f"tensordesc<bf16[{n}, {dqk}]>", Vd=f"tensordesc<bf16[{n}, {dv}]>")
 

@@ -30,11 +30,9 @@ from .combine import v1_combine_backward, v1_combine_rows, v2_combine_backward, 
 from .masks import causal_offset, kernel_mask
 
 if TRITON_AVAILABLE:
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     from .triton_flash_diff import (
-        DKDV_FIXED, DKDV_WHOLE_TILES_OF, DQ_FIXED, FWD_FIXED, flash_diff_bwd_dkdv, flash_diff_bwd_dq, flash_diff_fwd,
-        tile_descriptors,
+        DKDV_FIXED, DKDV_WHOLE_TILES_OF, DQ_FIXED, FWD_FIXED, TensorDescriptor, flash_diff_bwd_dkdv, flash_diff_bwd_dq,
+        flash_diff_fwd, tile_descriptors,
     )
 
 MIN_QUERY_TOKENS = 16  # fewer new tokens without gradients: a decoding step, for the split-KV decode kernel

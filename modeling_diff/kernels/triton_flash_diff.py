@@ -25,6 +25,7 @@ Imported only when triton is installed (see `kernels/flash_diff.py` for the refe
 try:
     import triton
     import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401 (flash_diff.py's launches build them)
 except ImportError as error:
     raise ImportError("modeling_diff's Triton kernels need the triton package") from error
 
