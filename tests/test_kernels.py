@@ -1215,6 +1215,28 @@ def test_flash_diff_keeps_a_sequences_nan_keys_out_of_the_others(mode):
         assert torch.isfinite(got).all() and torch.equal(got, want)
 
 
+def test_an_older_triton_leaves_the_model_on_its_pytorch_paths():
+    """The kernels need triton >= 3.4 (host tensor descriptors' `load`). A triton that reports 3.3 (the attack, in a
+    fresh process) is not taken: the package imports, no kernel module is, and a V1 model trains a step on the
+    PyTorch paths."""
+    assert _triton.triton_is_recent("3.4.0") and _triton.triton_is_recent("3.6.0+git1a2b3c")
+    assert not _triton.triton_is_recent("3.3.1") and not _triton.triton_is_recent("2.3.0")
+    script = (
+        "import importlib.metadata, sys, torch\n"
+        "real = importlib.metadata.version\n"
+        "importlib.metadata.version = lambda name: '3.3.0' if name == 'triton' else real(name)\n"
+        "from modeling_diff import DiffLlamaForCausalLM, preset_config\n"
+        "from modeling_diff.kernels import _triton\n"
+        "model = DiffLlamaForCausalLM(preset_config('tiny-v1', hidden_size=64))\n"
+        "ids = torch.randint(0, model.config.vocab_size, (1, 12))\n"
+        "model(ids, labels=ids).loss.backward()\n"
+        "print(_triton.TRITON_AVAILABLE, 'modeling_diff.kernels.triton_flash_diff' in sys.modules)\n"
+    )
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.split() == ["False", "False"], run.stderr[-2000:]
+
+
 def test_flash_diff_reads_the_projections_key_layout_as_it_is_and_copies_others():
     """Keys as the projections give them ((B, S, h_kv, d) transposed, also a slice of a wider fused row) go to the
     TMA descriptors as they are; head-major keys, or keys off TMA's 16-byte alignment, are copied into that layout

@@ -7,13 +7,36 @@ paths are simply not chosen there.
 """
 
 import functools
+import importlib.metadata
 import importlib.util
 import os
 import weakref
 
 import torch
+from packaging.version import Version
 
-TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
+# The kernels take host tensor descriptors (TMA), whose in-kernel `load` came with triton 3.4 (torch 2.8's).
+MIN_TRITON = (3, 4)
+
+
+def triton_is_recent(version: str) -> bool:
+    """Whether a triton of `version` ("3.6.0", "3.4.0+git1a2b3c") has what the kernels use (MIN_TRITON)."""
+    return Version(version).release[:2] >= MIN_TRITON
+
+
+def _installed_triton_version() -> str | None:
+    """The installed triton's version, None without one; a build under another name (pytorch-triton) counts as
+    recent."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    try:
+        return importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        return ".".join(map(str, MIN_TRITON))
+
+
+# An older triton leaves the model on its PyTorch paths, as no triton does.
+TRITON_AVAILABLE = (version := _installed_triton_version()) is not None and triton_is_recent(version)
 # TRITON_INTERPRET=1 (set before triton is first imported) runs the kernels on CPU tensors through Triton's
 # interpreter: how CI tests them.
 TRITON_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
