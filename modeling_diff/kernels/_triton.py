@@ -10,10 +10,10 @@ import functools
 import importlib.metadata
 import importlib.util
 import os
+import re
 import weakref
 
 import torch
-from packaging.version import Version
 
 # The kernels take host tensor descriptors (TMA), whose in-kernel `load` came with triton 3.4 (torch 2.8's).
 MIN_TRITON = (3, 4)
@@ -21,7 +21,8 @@ MIN_TRITON = (3, 4)
 
 def triton_is_recent(version: str) -> bool:
     """Whether a triton of `version` ("3.6.0", "3.4.0+git1a2b3c") has what the kernels use (MIN_TRITON)."""
-    return Version(version).release[:2] >= MIN_TRITON
+    major_minor = re.match(r"(\d+)\.(\d+)", version)
+    return major_minor is not None and tuple(map(int, major_minor.groups())) >= MIN_TRITON
 
 
 def _installed_triton_version() -> str | None:
