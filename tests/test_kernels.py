@@ -1566,7 +1566,8 @@ BEYOND_V2_KEYS = "beyond V2's flash_diff_max_keys"  # the default where V2 takes
 def test_fast_path_forward_and_gradients_equal_eager(mode, implementation, monkeypatch):
     """The fast paths equal eager: by default V1 through the flash-diff kernel, V2 too in training and up to 4096
     keys, and otherwise (here with both of V2's rules off, as in inference beyond 4096 keys) through one SDPA call
-    and the fused combine, DEX through SDPA; `fused_diff` puts V1 and V2 on the kernel. RoPE, the decoder's RMSNorm and the MLP take their Triton kernels on all of them."""
+    and the fused combine, DEX through SDPA; `fused_diff` puts V1 and V2 on the kernel. RoPE, the decoder's RMSNorm
+    and the MLP take their Triton kernels on all of them."""
     import modeling_diff.diff_attention as attention
 
     import modeling_diff.kernels.rope as rope
@@ -1582,7 +1583,7 @@ def test_fast_path_forward_and_gradients_equal_eager(mode, implementation, monke
     deferred = recorded_deferrals(monkeypatch)
     monkeypatch.setattr(modeling, "swiglu_mlp", lambda *a: mlp_calls.append(1) or mlp(*a))
     on_kernel = mode in ("v1", "v2")
-    if implementation == BEYOND_V2_KEYS:  # these lengths' keys count as more than the kernel takes
+    if implementation == BEYOND_V2_KEYS:  # these lengths' keys count as more than the kernel takes, training too
         monkeypatch.setattr(attention.DiffAttentionV2, "flash_diff_max_keys", 0)
         monkeypatch.setattr(attention.DiffAttentionV2, "flash_diff_in_training", False)
         implementation, on_kernel = FAST, False

@@ -25,19 +25,19 @@ def triton_is_recent(version: str) -> bool:
     return major_minor is not None and tuple(map(int, major_minor.groups())) >= MIN_TRITON
 
 
-def _installed_triton_version() -> str | None:
-    """The installed triton's version, None without one; a build under another name (pytorch-triton) counts as
-    recent."""
+def _recent_triton_installed() -> bool:
+    """Whether a triton is installed and recent (`triton_is_recent`); a build under another name (pytorch-triton)
+    counts as recent."""
     if importlib.util.find_spec("triton") is None:
-        return None
+        return False
     try:
-        return importlib.metadata.version("triton")
+        return triton_is_recent(importlib.metadata.version("triton"))
     except importlib.metadata.PackageNotFoundError:
-        return ".".join(map(str, MIN_TRITON))
+        return True
 
 
 # An older triton leaves the model on its PyTorch paths, as no triton does.
-TRITON_AVAILABLE = (version := _installed_triton_version()) is not None and triton_is_recent(version)
+TRITON_AVAILABLE = _recent_triton_installed()
 # TRITON_INTERPRET=1 (set before triton is first imported) runs the kernels on CPU tensors through Triton's
 # interpreter: how CI tests them.
 TRITON_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
