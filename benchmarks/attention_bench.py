@@ -1,7 +1,7 @@
 """One attention layer of the ~1.1B models, forward and forward + backward, on one GPU: which path is faster.
 
     python benchmarks/attention_bench.py --seq 2048 8192
-    python benchmarks/attention_bench.py --sweep     # V1's flash-diff backward kernels over a grid of block sizes
+    python benchmarks/attention_bench.py --sweep     # V1's flash-diff kernels over a grid of block sizes
     python benchmarks/attention_bench.py --sweep --mode v2     # V2's (one key head for both maps, V of d)
     python benchmarks/attention_bench.py --sweep --seq 2048 --kernels dkdv     # the dK/dV kernel alone
     python benchmarks/attention_bench.py --profile --seq 2048 8192   # each layer's step by kernel (torch.profiler)
@@ -14,7 +14,7 @@ projection are included, as in the model. Tokens per batch: 8192 (4 x 2048, or 1
 `--profile` puts each layer's forward + backward down to its kernels: GPU ms a step per kernel name, the
 attention's own kernels (flash-diff's three, or cuDNN's) beside the projections' matmuls.
 
-`--sweep` times each of the two flash-diff backward kernels (dK/dV, dQ) of V1 or V2 (`--mode`) alone at the
+`--sweep` times each of the three flash-diff kernels (forward, dK/dV, dQ) of V1 or V2 (`--mode`) alone at the
 model's shapes for every block size, warp count and pipeline depth of a grid, beside the candidate the autotuner
 picked: what to put among the autotuner's candidates in `triton_flash_diff.py`.
 """
@@ -109,7 +109,8 @@ def profile_kernels(name: str, seq: int, tokens: int, repeats: int = 10) -> Coun
 
 class FixedLaunch:
     """A Triton kernel launched with fixed block sizes and options in place of its autotuned wrapper; it keeps its
-    last launch so that the kernel can be timed alone (`relaunch`, which returns the compiled kernel)."""
+    last launch so that the kernel can be timed alone (`relaunch`, which returns the compiled kernel). Its key and
+    value descriptors get the config's tiles, as the autotuner's pre-hook gives them (`tile_descriptors`)."""
 
     def __init__(self, kernel, **options):
         self.kernel, self.options, self.last = kernel, options, None
@@ -122,7 +123,10 @@ class FixedLaunch:
         return launch
 
     def relaunch(self):
+        from modeling_diff.kernels.triton_flash_diff import tile_descriptors
+
         grid, args, meta = self.last
+        tile_descriptors({**dict(zip(self.kernel.arg_names, args)), **meta})
         return self.kernel[grid](*args, **meta)
 
 
@@ -139,14 +143,16 @@ DKDV_GRID = [*_grid(DKDV_BLOCKS, [4], [2, 3]), *_grid([(32, 64), (64, 64), (16, 
              *_grid([(16, 128), (32, 128)], [8], [2]), *_grid([(64, 128), (128, 64)], [8], [2, 3]),
              *_grid([(32, 128), (64, 64)], [4], [4])]
 DQ_GRID = _grid([(64, 32), (64, 64), (128, 32), (128, 64)], [4, 8], [2, 3])
-SWEEP_KERNELS = ("dkdv", "dq")
+FWD_GRID = [*_grid([(64, 64), (128, 32), (128, 64)], [4, 8], [2, 3, 4]), *_grid([(64, 128), (128, 128)], [8], [2, 3])]
+SWEEP_KERNELS = ("fwd", "dkdv", "dq")
 
 
-def sweep_backward(seq: int, tokens: int, kernels_timed=SWEEP_KERNELS, mode: str = "v1") -> list[dict]:
-    """The flash-diff backward kernels of `mode` at the ~1.1B model's shapes (V1: 16 heads, 4 kv heads, d 64, K1|K2
+def sweep_kernels(seq: int, tokens: int, kernels_timed=SWEEP_KERNELS, mode: str = "v1") -> list[dict]:
+    """The flash-diff kernels of `mode` at the ~1.1B model's shapes (V1: 16 heads, 4 kv heads, d 64, K1|K2
     and V 128 wide, lambda and subln; V2: 32 heads, 8 kv heads, one key head of 64 for both maps, V 64, a noise
-    weight per token), each config of the grid timed alone (median ms of triton.testing.do_bench), the other kernel
-    left to its autotuner. Each config's gradients are compared with the autotuned kernels' (max relative error).
+    weight per token), each config of the grid timed alone (median ms of triton.testing.do_bench), the other kernels
+    left to their autotuner. Each config's output and gradients are compared with the autotuned kernels' (max
+    relative error).
     kernels_timed: those of SWEEP_KERNELS to time."""
     import triton
 
@@ -170,13 +176,14 @@ def sweep_backward(seq: int, tokens: int, kernels_timed=SWEEP_KERNELS, mode: str
 
     def step():
         out = flash_diff.flash_diff_attention(query, key, value, None, mu, d**-0.5, norm=norm, norm_scale=0.8)
-        return torch.autograd.grad(out, (query, key, value), grad)
+        return out, *torch.autograd.grad(out, (query, key, value), grad)
 
     reference = step()  # the autotuned kernels' choice
     rows = []
-    runs = [("dkdv", kernels._flash_diff_bwd_dkdv, DKDV_GRID), ("dq", kernels._flash_diff_bwd_dq, DQ_GRID)]
-    for name, raw, candidates in (run for run in runs if run[0] in kernels_timed):
-        attribute = f"flash_diff_bwd_{name}"
+    runs = [("fwd", "flash_diff_fwd", kernels._flash_diff_fwd, FWD_GRID),
+            ("dkdv", "flash_diff_bwd_dkdv", kernels._flash_diff_bwd_dkdv, DKDV_GRID),
+            ("dq", "flash_diff_bwd_dq", kernels._flash_diff_bwd_dq, DQ_GRID)]
+    for name, attribute, raw, candidates in (run for run in runs if run[0] in kernels_timed):
         tuned = getattr(flash_diff, attribute)
         picked = {**tuned.best_config.kwargs, "num_warps": tuned.best_config.num_warps,
                   "num_stages": tuned.best_config.num_stages}
@@ -204,7 +211,7 @@ def main(argv=None):
     parser.add_argument("--seq", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--sweep", action="store_true", help="the backward kernels over a grid of block sizes")
+    parser.add_argument("--sweep", action="store_true", help="the flash-diff kernels over a grid of block sizes")
     parser.add_argument("--mode", choices=("v1", "v2"), default="v1", help="--sweep: the model whose shapes")
     parser.add_argument("--profile", action="store_true", help="each layer's forward + backward by kernel")
     parser.add_argument("--top", type=int, default=8, help="--profile: the kernels shown per layer")
@@ -214,7 +221,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("attention_bench.py needs a CUDA GPU")
     if args.sweep:
-        rows = [r for s in args.seq for r in sweep_backward(s, args.tokens, args.kernels, args.mode)]
+        rows = [r for s in args.seq for r in sweep_kernels(s, args.tokens, args.kernels, args.mode)]
         print("| kernel | mode | seq x batch | BLOCK_M | BLOCK_N | warps | stages | ms | registers / spills | "
               "grad error | autotuner's pick |")
         print("|---|---|---|---|---|---|---|---|---|---|---|")

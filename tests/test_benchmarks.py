@@ -252,3 +252,27 @@ def test_attention_bench_profile_sums_each_kernels_gpu_time_per_step():
     ]
     times = attention_bench.per_kernel_ms(averages, repeats=2)
     assert times == {"_flash_diff_fwd": pytest.approx(0.4), "nvjet_gemm": pytest.approx(0.1)}
+
+
+def test_attention_bench_sweep_gives_the_descriptors_each_configs_key_tile():
+    """`attention_bench.py --sweep` launches each config of its grid in place of the autotuner, whose pre-hook gives
+    the key and value descriptors the config's BLOCK_N rows: the fixed launch must do the same, at every launch and
+    relaunch, or the forward and dQ kernels would read tiles of another config's size."""
+    from types import SimpleNamespace
+
+    launches = []
+
+    class Kernel:  # a JIT function's launch interface: kernel[grid](*args, **meta)
+        arg_names = ["Q", "Kd", "Vd", "H"]
+
+        def __getitem__(self, grid):
+            return lambda *args, **meta: launches.append((grid, [a.block_shape[:] for a in args[1:3]], meta))
+
+    keys, values = SimpleNamespace(block_shape=[1, 64]), SimpleNamespace(block_shape=[1, 128])
+    for block_n in (32, 128):
+        fixed = attention_bench.FixedLaunch(Kernel(), BLOCK_M=64, BLOCK_N=block_n, num_warps=4, num_stages=3)
+        fixed[lambda meta: (8, meta["BLOCK_M"])]("q", keys, values, 2, SCALE=0.125)
+        fixed.relaunch()
+        for grid, shapes, meta in launches[-2:]:
+            assert grid == (8, 64) and shapes == [[block_n, 64], [block_n, 128]]
+            assert meta == dict(SCALE=0.125, BLOCK_M=64, BLOCK_N=block_n, num_warps=4, num_stages=3)
