@@ -140,7 +140,9 @@ def build(name: str, max_positions: int, attention: str = "sdpa"):
                 module.forward = lambda x, m=module: rms_norm(x, m.weight, m.variance_epsilon)
     if name.endswith("-liger") and name != "llama-liger":
         apply_liger_kernel_to_diff_llama(model=model)
-    return model.to("cuda")  # parameters created outside the device context (V1's lambdas) follow
+    # Parameters created outside the device context (V1's lambdas) follow. In eval mode, as from_pretrained gives a
+    # model (bench_train puts it in training mode for its steps): the prefill and decoding rows are inference's.
+    return model.to("cuda").eval()
 
 
 def attention_work(name: str, config) -> tuple[float, float]:
@@ -302,7 +304,7 @@ def bench_dynamic_lockstep(names, seq: int, args, batch: int = 32) -> list[dict]
     steps = {}
     for name in names:
         with kernels_patched(name):
-            model = build(name, max_positions=seq + 128).eval()
+            model = build(name, max_positions=seq + 128)
             steps[name] = DecodingSteps(model, DynamicCache(config=model.config), batch, seq, args.prefill_chunk)
     warmup = 4
     speeds = {name: [] for name in names}
@@ -377,7 +379,7 @@ def bench_generate_lockstep(names, paths, args) -> list[dict]:
     models = {}
     for name in names:
         with kernels_patched(name):
-            models[name] = build(name, max_positions=args.generate_prompt + args.generate_new_tokens).eval()
+            models[name] = build(name, max_positions=args.generate_prompt + args.generate_new_tokens)
     vocab = min(model.config.vocab_size for model in models.values())
     prompts = {batch: torch.randint(0, vocab, (batch, args.generate_prompt), device="cuda") for _, batch in paths}
 

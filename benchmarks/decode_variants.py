@@ -219,7 +219,7 @@ def main(argv=None):
     print("| model | batch | variant | step ms (range) | share |\n|---|---|---|---|---|")
     for name in args.models:
         with kernels_patched(name):
-            model = build(name, max_positions=args.seq + args.steps + 16).eval()
+            model = build(name, max_positions=args.seq + args.steps + 16)
             for batch in args.batch:
                 floor = decode_work(name, model, batch, args.seq, args.steps) * batch / bandwidth  # seconds a step
                 times = {v: [] for v in args.variants}

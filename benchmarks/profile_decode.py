@@ -38,7 +38,7 @@ from bench import MODELS, DecodingSteps, build, kernels_patched, profiling_args,
 
 @torch.no_grad()
 def profile_model(name: str, seq: int, batch: int, steps: int, out: str | None, host: bool = False) -> dict:
-    model = build(name, max_positions=seq + 2 * steps + 16).eval()
+    model = build(name, max_positions=seq + 2 * steps + 16)
     cache = DynamicCache(config=model.config)
     step = DecodingSteps(model, cache, batch, seq, chunk_tokens=4096)
     for _ in range(4):  # warm-up: compiles the Triton kernels
@@ -78,7 +78,7 @@ def profile_static_graph(name: str, seq: int, batch: int, steps: int, out: str |
     """The graph-replayed StaticCache step (bench.py's decode rows): its kernels one by one, from the profiler's
     trace of `steps` replays (CUPTI sees the kernels inside a graph), as (name, calls a step, us a step)."""
     replays = 4 + 1 + 10 + 2 * steps  # warm-up, capture, untimed, timed and profiled: a position each
-    model = build(name, max_positions=seq + replays + 16).eval()
+    model = build(name, max_positions=seq + replays + 16)
     cache = StaticCache(config=model.config, max_cache_len=seq + replays)
     step = DecodingSteps(model, cache, batch, seq, chunk_tokens=4096)
     warm_up_steps(step, 4)

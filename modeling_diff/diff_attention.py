@@ -29,9 +29,9 @@ from .configuration import DiffLlamaConfig
 from .kernels import (
     DIFF_TRITON, FUSED_DIFF, DexCombine, V1Combine, V2Combine, apply_rope, combined_decode_applies,
     combined_decode_attention, dex_folded_weight, differential_lambda, flash_diff_applies, flash_diff_attention,
-    has_extra_options, is_plain_linear, keep_own_forward, linear_maps, mark_written, projection_cache_layer, resolve,
-    rotated_projections, rotated_projections_apply, runs_own_forward, split_linear, split_linear_applies, update_cache,
-    uses_fast_kernels, v1_combine, v2_combine_projected, written_layer,
+    has_extra_options, is_plain_linear, keep_own_forward, linear_maps, mark_written, needs_grad, projection_cache_layer,
+    resolve, rotated_projections, rotated_projections_apply, runs_own_forward, split_linear, split_linear_applies,
+    update_cache, uses_fast_kernels, v1_combine, v2_combine_projected, written_layer,
 )
 
 
@@ -165,10 +165,11 @@ class _DiffAttentionBase(nn.Module, metaclass=abc.ABCMeta):
     """What the three variants share: sizes, scaling, dropout and the choice of attention implementation."""
 
     # Where `diff_triton` (what `sdpa` is on CUDA) takes the flash-diff kernel: up to `flash_diff_max_keys` keys, and
-    # at every length while the module is training if `flash_diff_in_training`; where it measured faster than the
-    # one SDPA call plus the fused combine on the H200 (benchmarks/RESULTS.md). `fused_diff` always does.
+    # at every length where autograd records the attention (a backward follows) if `flash_diff_with_gradients`; where
+    # it measured faster than the one SDPA call plus the fused combine on the H200 (benchmarks/RESULTS.md).
+    # `fused_diff` always does.
     flash_diff_max_keys: float = 0
-    flash_diff_in_training: bool = False
+    flash_diff_with_gradients: bool = False
 
     def __init__(self, config: DiffLlamaConfig, layer_idx: int):
         super().__init__()
@@ -217,9 +218,12 @@ class _DiffAttentionBase(nn.Module, metaclass=abc.ABCMeta):
 
     def flash_diff_applies(self, implementation, pairs, key, value, attention_mask, kwargs) -> bool:
         """Whether both maps and the combine go to the fused flash-diff kernel (`kernels/flash_diff.py`):
-        `fused_diff`, or `diff_triton` up to the mode's `flash_diff_max_keys` (at every length in training where the
-        mode's `flash_diff_in_training`); no extra attention options; shapes it covers."""
-        keys_taken = key.shape[-2] <= self.flash_diff_max_keys or (self.training and self.flash_diff_in_training)
+        `fused_diff`, or `diff_triton` up to the mode's `flash_diff_max_keys` (at every length where gradients are
+        recorded, if the mode's `flash_diff_with_gradients`: not by the module's training mode, which a model built
+        from its config is in for inference too); no extra attention options; shapes it covers."""
+        keys_taken = key.shape[-2] <= self.flash_diff_max_keys or (
+            self.flash_diff_with_gradients and needs_grad(pairs, key, value)
+        )
         return (
             (implementation == FUSED_DIFF or (implementation == DIFF_TRITON and keys_taken))
             and not has_extra_options(kwargs)
@@ -457,7 +461,7 @@ class DiffAttentionV2(_LlamaLayoutAttention):
     # at 32K; a prefill at 2K-32K within 1.3%, and a prefill's 4096-token chunks against 8K-32K keys 7-31% slower
     # (RESULTS.md, "V2's attention by length", "Keys and values through TMA").
     flash_diff_max_keys = 4096
-    flash_diff_in_training = True
+    flash_diff_with_gradients = True
 
     def __init__(self, config: DiffLlamaConfig, layer_idx: int):
         # 2h query heads; 2h / h_kv is even, so the pair (2i, 2i+1) never straddles two GQA groups.

@@ -1585,7 +1585,7 @@ def test_fast_path_forward_and_gradients_equal_eager(mode, implementation, monke
     on_kernel = mode in ("v1", "v2")
     if implementation == BEYOND_V2_KEYS:  # these lengths' keys count as more than the kernel takes, training too
         monkeypatch.setattr(attention.DiffAttentionV2, "flash_diff_max_keys", 0)
-        monkeypatch.setattr(attention.DiffAttentionV2, "flash_diff_in_training", False)
+        monkeypatch.setattr(attention.DiffAttentionV2, "flash_diff_with_gradients", False)
         implementation, on_kernel = FAST, False
     eager, fast = model_pair(mode, implementation)
     eager.train(), fast.train()
@@ -1611,25 +1611,31 @@ def test_fast_path_forward_and_gradients_equal_eager(mode, implementation, monke
     assert len(mlp_calls) == 2 * layers  # two steps, one MLP per layer
 
 
-@pytest.mark.parametrize("mode, keys, training, on_kernel", [
-    ("v2", 4096, False, True), ("v2", 4097, False, False), ("v2", 65536, True, True), ("v1", 8192, False, True),
+@pytest.mark.parametrize("mode, keys, training, grads, on_kernel", [
+    ("v2", 4096, False, False, True), ("v2", 4097, False, False, False), ("v2", 65536, True, True, True),
+    ("v2", 65536, False, True, True), ("v2", 65536, True, False, False), ("v1", 8192, True, False, True),
 ])
-def test_the_default_fast_path_takes_the_flash_diff_kernel_up_to_the_modes_key_count(mode, keys, training, on_kernel):
-    """`diff_triton` (`sdpa` on CUDA) puts V2 on the flash-diff kernel in training at every length and otherwise up
-    to 4096 keys, on one SDPA call beyond (a prefill's chunks against more keys measured slower on the kernel on the
-    H200), V1 at every length; `fused_diff` takes the kernel for both."""
+def test_the_default_fast_path_takes_the_flash_diff_kernel_up_to_the_modes_key_count(
+    mode, keys, training, grads, on_kernel
+):
+    """`diff_triton` (`sdpa` on CUDA) puts V2 on the flash-diff kernel at every length where gradients are recorded
+    and otherwise up to 4096 keys, on one SDPA call beyond (a prefill's chunks against more keys measured slower on
+    the kernel on the H200), V1 at every length; `fused_diff` takes the kernel for both. The module's training mode
+    does not decide: a model built from its config is in training mode for inference too."""
     from modeling_diff.diff_attention import ATTENTION_CLASSES
 
     config = preset_config(f"tiny-{mode}", hidden_size=128)  # heads of 16: widths the kernel covers
     module = ATTENTION_CLASSES[mode](config, layer_idx=0).train(training)
     d, heads, kv_heads = module.head_dim, config.num_attention_heads, config.num_key_value_heads
     dtype = torch.bfloat16 if GPU else torch.float32
-    pairs = torch.zeros(1, 16, heads, 2, d, dtype=dtype, device=DEVICE)  # (B, L, h, 2, d)
+    pairs = torch.zeros(1, 16, heads, 2, d, dtype=dtype, device=DEVICE, requires_grad=grads)  # (B, L, h, 2, d)
     key_width = 2 * d if mode == "v1" else d  # V1's K1|K2
     key = torch.zeros(1, kv_heads, keys, key_width, dtype=dtype, device=DEVICE)
     value = torch.zeros(1, kv_heads, keys, key_width, dtype=dtype, device=DEVICE)
     assert module.flash_diff_applies("diff_triton", pairs, key, value, None, {}) is on_kernel
     assert module.flash_diff_applies("fused_diff", pairs, key, value, None, {})
+    with torch.no_grad():  # nothing recorded: the key count decides
+        assert module.flash_diff_applies("diff_triton", pairs, key, value, None, {}) is (keys <= 4096 or mode == "v1")
 
 
 def test_dex_folded_weight_and_its_gradients_match_the_formula():

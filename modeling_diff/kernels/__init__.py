@@ -31,7 +31,7 @@ every path is plain PyTorch, so the model (and its Hub export) loads anywhere.
 """
 
 from ._modules import is_plain_linear, keep_own_forward, runs_own_forward
-from ._triton import triton_available
+from ._triton import needs_grad, triton_available
 from .attention import (
     FUSED_DIFF, NAME as DIFF_TRITON, diff_triton_attention_forward, has_extra_options, register, resolve,
     uses_fast_kernels,
@@ -57,7 +57,7 @@ __all__ = [
     "apply_rope", "combined_decode_applies", "combined_decode_attention", "dex_folded_weight", "differential_lambda",
     "diff_triton_attention_forward", "flash_diff_applies", "flash_diff_attention", "gated_projection",
     "gated_projection_applies", "greedy_step", "greedy_tokens", "has_extra_options", "is_plain_linear",
-    "keep_own_forward", "linear_maps", "mark_written", "projection_cache_layer", "resolve", "rms_norm",
+    "keep_own_forward", "linear_maps", "mark_written", "needs_grad", "projection_cache_layer", "resolve", "rms_norm",
     "rms_norm_kernel_applies", "rope_cos_sin", "rope_cos_sin_applies", "rotated_projections",
     "rotated_projections_apply", "silu_mul", "silu_mul_applies", "runs_own_forward", "split_linear",
     "split_linear_applies", "static_step_mask", "swiglu_mlp", "swiglu_mlp_applies", "triton_available",
