@@ -117,16 +117,16 @@ class FixedLaunch:
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
+            from modeling_diff.kernels.triton_flash_diff import tile_descriptors
+
             meta = {**kwargs, **self.options}
+            tile_descriptors({**dict(zip(self.kernel.arg_names, args)), **meta})  # kept by every relaunch
             self.last = (grid(meta) if callable(grid) else grid, args, meta)
             self.relaunch()
         return launch
 
     def relaunch(self):
-        from modeling_diff.kernels.triton_flash_diff import tile_descriptors
-
         grid, args, meta = self.last
-        tile_descriptors({**dict(zip(self.kernel.arg_names, args)), **meta})
         return self.kernel[grid](*args, **meta)
 
 
