@@ -136,11 +136,11 @@ def _fwd_tile(
     return max1, sum1, acc1, max2, sum2, acc2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["KEYS_BUCKET"])
 def _flash_diff_fwd(
     Q, Kd, Vd, Mask, Mu, NormW, Y, Pairs, Lse, Rstd,
     sqb, sql, sqh, sqp, smb, sml, sms,
-    H, L, S, offset, eps, norm_scale,
+    H, L, S, offset, eps, norm_scale, KEYS_BUCKET,
     SCALE: tl.constexpr, GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, SPLIT_K: tl.constexpr,
     V1: tl.constexpr, HAS_MASK: tl.constexpr, SAVE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     S_STATIC: tl.constexpr = 0, L_STATIC: tl.constexpr = 0,
@@ -285,11 +285,11 @@ def _dkdv_tile(
     return dk1, dk2, dv_acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["KEYS_BUCKET"])
 def _flash_diff_bwd_dkdv(
     Q, K, V, Mask, Mu, G, Terms, DK, DVout,
     sqb, sql, sqh, sqp, skb, skh, sks, svb, svh, svs, smb, sml, sms, sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
-    H, L, S, offset,
+    H, L, S, offset, KEYS_BUCKET,
     SCALE: tl.constexpr, GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, SPLIT_K: tl.constexpr,
     V1: tl.constexpr, HAS_MASK: tl.constexpr, WHOLE_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, S_STATIC: tl.constexpr = 0, L_STATIC: tl.constexpr = 0,
@@ -383,11 +383,11 @@ def _dq_tile(
     return dq1, dq2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["KEYS_BUCKET"])
 def _flash_diff_bwd_dq(
     Q, Kd, Vd, Mask, Mu, G, Terms, DQ,
     sqb, sql, sqh, sqp, smb, sml, sms, sdqb, sdql, sdqh, sdqp,
-    H, L, S, offset,
+    H, L, S, offset, KEYS_BUCKET,
     SCALE: tl.constexpr, GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, SPLIT_K: tl.constexpr,
     V1: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     S_STATIC: tl.constexpr = 0, L_STATIC: tl.constexpr = 0,
@@ -448,7 +448,16 @@ def _tuned(kernel, configs, key):
     return triton.autotune(configs=tuned, key=key)(kernel), {}
 
 
-_KEY = ["DQK", "DV", "SPLIT_K", "HAS_MASK"]
+def keys_bucket(keys: int) -> int:
+    """The autotuners' KEYS_BUCKET of a launch against `keys` keys: one per power of 4 (2K; 4K-8K; 16K-32K; 64K-128K),
+    so that long sequences get picks of their own, while a process that meets many lengths (prefills, bench.py's rows)
+    tunes a few times, not once a length. On the H200 V1's forward picked 64 x 64 keys / 4 warps at 2K and 8K and
+    128 x 64 / 8 warps at 32K, and V1's 32K training step took 1091 ms with 32K's picks against 1101 ms with 2K's
+    (benchmarks/RESULTS.md); V2's picks were the same at every length."""
+    return (max(keys, 1) - 1).bit_length() // 2
+
+
+_KEY = ["DQK", "DV", "SPLIT_K", "HAS_MASK", "KEYS_BUCKET"]
 if TRITON_INTERPRETING:  # tiny shapes on CPU: tl.dot wants 16 x 16 at least
     _FWD = _DKDV = _DQ = [dict(BLOCK_M=16, BLOCK_N=16)]
 else:  # H100/H200-class GPUs; two fp32 accumulators of DV per row bound the tile sizes
