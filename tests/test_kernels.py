@@ -2054,13 +2054,29 @@ def test_dependent_launches_change_no_bit_of_a_decoding_step(monkeypatch):
                 assert torch.equal(runs[0], runs[1])
 
 
+def assert_peft_gradients_equal_eager(model, ids, bound=lambda name: GRAD_TOL) -> dict:
+    """One loss backward of the PEFT `model` on FAST attention and one of its float32 copy on eager attention: the
+    same parameters get gradients, and each nonzero one of the copy's is the model's within bound(name) (relative
+    error); returns the copy's, by parameter name."""
+    reference = copy.deepcopy(model).float()
+    reference.base_model.model.set_attn_implementation("eager")
+    model.base_model.model.set_attn_implementation(FAST)
+    grads = []
+    for peft_model in (reference, model):
+        peft_model(input_ids=ids, labels=ids).loss.backward()
+        grads.append({n: p.grad for n, p in peft_model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for name, grad in grads[0].items():
+        if grad.norm() > 0:
+            assert rel_err(grads[1][name], grad) < bound(name), name
+    return grads[0]
+
+
 def test_lora_model_on_the_flash_diff_kernel_equals_eager(monkeypatch):
     """Under PEFT, V1's subln is a ModulesToSaveWrapper: the kernel must read the trained copy's weight, and the
     MLP of LoRA layers takes the activation kernel. The
     reference is the same LoRA model on eager attention in float32 (on a GPU the kernel runs in bfloat16, and
     lambda's gradient, a sum with much cancellation, would otherwise be measured against eager's own rounding)."""
-    import copy
-
     import modeling_diff.diff_attention as attention
     from modeling_diff.lora import get_lora_model, lora_config
 
@@ -2072,19 +2088,10 @@ def test_lora_model_on_the_flash_diff_kernel_equals_eager(monkeypatch):
     monkeypatch.setattr(modeling, "silu_mul", lambda *a: activation_calls.append(1) or activation(*a))
     eager, _ = model_pair("v1", FAST)
     model = get_lora_model(eager, lora_config(lora_dropout=0.0)).train()  # no RNG stream to keep aligned
-    reference = copy.deepcopy(model).float()
-    reference.base_model.model.set_attn_implementation("eager")
-    model.base_model.model.set_attn_implementation(FAST)
     ids = torch.randint(3, eager.config.vocab_size, (2, 24), device=DEVICE)
-    grads = []
-    for peft_model in (reference, model):
-        peft_model(input_ids=ids, labels=ids).loss.backward()
-        grads.append({n: p.grad for n, p in peft_model.named_parameters() if p.grad is not None})
+    grads = assert_peft_gradients_equal_eager(model, ids)
     assert len(kernel_calls) == len(activation_calls) == eager.config.num_hidden_layers  # LoRA on the MLP too
-    assert any("subln.modules_to_save" in n for n in grads[0])
-    for name, grad in grads[0].items():
-        if grad.norm() > 0:
-            assert rel_err(grads[1][name], grad) < GRAD_TOL, name
+    assert any("subln.modules_to_save" in n for n in grads)
 
 
 @pytest.mark.skipif(not GPU, reason="4352 tokens take too long under the interpreter; the rule is checked on the "
@@ -2093,8 +2100,6 @@ def test_v2_trained_through_peft_beyond_4096_keys_takes_the_flash_diff_kernel_an
     """Plain PEFT (LoRA on V2's projections) trains on 4352 tokens: more keys than V2's default takes the kernel for
     without gradients, but autograd records the attention, so every layer takes the flash-diff kernel; the LoRA
     gradients equal those of the same PEFT model on eager attention in float32."""
-    import copy
-
     from peft import LoraConfig, get_peft_model
 
     import modeling_diff.diff_attention as attention
@@ -2105,19 +2110,10 @@ def test_v2_trained_through_peft_beyond_4096_keys_takes_the_flash_diff_kernel_an
     eager, _ = model_pair("v2", FAST)  # two layers of the ~1.1B shape (up to 8192 positions)
     config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
     model = get_peft_model(eager, config).train()
-    reference = copy.deepcopy(model).float()
-    reference.base_model.model.set_attn_implementation("eager")
-    model.base_model.model.set_attn_implementation(FAST)
     ids = torch.randint(3, eager.config.vocab_size, (1, 4352), device=DEVICE)
-    grads = []
-    for peft_model in (reference, model):
-        peft_model(input_ids=ids, labels=ids).loss.backward()
-        grads.append({n: p.grad for n, p in peft_model.named_parameters() if p.grad is not None})
+    grads = assert_peft_gradients_equal_eager(model, ids)
     assert len(kernel_calls) == eager.config.num_hidden_layers
-    assert len(grads[0]) == 8 * eager.config.num_hidden_layers  # lora_A and lora_B of four projections a layer
-    for name, grad in grads[0].items():
-        if grad.norm() > 0:
-            assert rel_err(grads[1][name], grad) < GRAD_TOL, name
+    assert len(grads) == 8 * eager.config.num_hidden_layers  # lora_A and lora_B of four projections a layer
 
 
 def test_lora_on_attention_only_keeps_the_mlp_node_and_the_dex_fold(monkeypatch):
@@ -2138,22 +2134,14 @@ def test_lora_on_attention_only_keeps_the_mlp_node_and_the_dex_fold(monkeypatch)
     config = LoraConfig(r=4, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
                         modules_to_save=list(DIFFERENTIAL_MODULES))
     model = get_peft_model(eager, config).train()
-    reference = copy.deepcopy(model).float()
-    reference.base_model.model.set_attn_implementation("eager")
-    model.base_model.model.set_attn_implementation(FAST)
     length = eager.config.hidden_size // 2 + 8  # 2 x length tokens > hidden: the fold applies
     ids = torch.randint(3, eager.config.vocab_size, (2, length), device=DEVICE)
-    grads = []
-    for peft_model in (reference, model):
-        peft_model(input_ids=ids, labels=ids).loss.backward()
-        grads.append({n: p.grad for n, p in peft_model.named_parameters() if p.grad is not None})
+    grads = assert_peft_gradients_equal_eager(  # lambda's bound: see the DEX fold test
+        model, ids, bound=lambda name: max(GRAD_TOL, 0.1 if GPU and "lambda" in name else 0)
+    )
     layers = eager.config.num_hidden_layers
     assert calls.count("fold") == layers and calls.count("mlp") == layers
-    assert any("dex_proj.modules_to_save" in n for n in grads[0]) and grads[0].keys() == grads[1].keys()
-    for name, grad in grads[0].items():
-        if grad.norm() > 0:
-            bound = max(GRAD_TOL, 0.1 if GPU and "lambda" in name else 0)  # see the DEX fold test
-            assert rel_err(grads[1][name], grad) < bound, name
+    assert any("dex_proj.modules_to_save" in n for n in grads)
 
 
 @pytest.mark.parametrize("mode", MODES)
