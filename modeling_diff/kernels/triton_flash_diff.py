@@ -449,11 +449,12 @@ def _tuned(kernel, configs, key):
 
 
 def keys_bucket(keys: int) -> int:
-    """The autotuners' KEYS_BUCKET of a launch against `keys` keys: one per power of 4 (2K; 4K-8K; 16K-32K; 64K-128K),
-    so that long sequences get picks of their own, while a process that meets many lengths (prefills, bench.py's rows)
-    tunes a few times, not once a length. On the H200 V1's forward picked 64 x 64 keys / 4 warps at 2K and 8K and
-    128 x 64 / 8 warps at 32K, and V1's 32K training step took 1091 ms with 32K's picks against 1101 ms with 2K's
-    (benchmarks/RESULTS.md); V2's picks were the same at every length."""
+    """The autotuners' KEYS_BUCKET of a launch against `keys` keys, ceil(log2(keys)) // 2: keys in (512, 2K] share
+    one, (2K, 8K] the next, then (8K, 32K] and (32K, 128K]. Long sequences get picks of their own, while a process that
+    meets many lengths (prefills, bench.py's rows) tunes a few times, not once a length. The kernels do not read it.
+    On the H200 V1's forward picked 64 x 64 (queries x keys) / 4 warps at 2K and 8K and 128 x 64 / 8 warps at 32K,
+    and V1's 32K training step took 1091 ms with 32K's picks against 1101 ms with 2K's (benchmarks/RESULTS.md);
+    V2's picks were the same at every length."""
     return (max(keys, 1) - 1).bit_length() // 2
 
 
