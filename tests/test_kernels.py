@@ -2094,23 +2094,29 @@ def test_lora_model_on_the_flash_diff_kernel_equals_eager(monkeypatch):
     assert any("subln.modules_to_save" in n for n in grads)
 
 
-@pytest.mark.skipif(not GPU, reason="4352 tokens take too long under the interpreter; the rule is checked on the "
-                    "module by test_the_default_fast_path_takes_the_flash_diff_kernel_up_to_the_modes_key_count")
-def test_v2_trained_through_peft_beyond_4096_keys_takes_the_flash_diff_kernel_and_equals_eager(monkeypatch):
-    """Plain PEFT (LoRA on V2's projections) trains on 4352 tokens: more keys than V2's default takes the kernel for
-    without gradients, but autograd records the attention, so every layer takes the flash-diff kernel; the LoRA
-    gradients equal those of the same PEFT model on eager attention in float32."""
+def test_v2_trained_through_peft_beyond_its_key_limit_takes_the_flash_diff_kernel_and_equals_eager(monkeypatch):
+    """Plain PEFT (LoRA on V2's projections) trains on more keys than V2's default takes the kernel for without
+    gradients (`flash_diff_max_keys`: 4096 on the GPU, at 4352 tokens; under the interpreter the limit is lowered to
+    16 and the sequence has 24 tokens, the same rule at a length it can run): autograd records the attention, so
+    every layer takes the flash-diff kernel, and the LoRA gradients equal those of the same PEFT model on eager
+    attention in float32."""
     from peft import LoraConfig, get_peft_model
 
     import modeling_diff.diff_attention as attention
 
+    if GPU:
+        tokens = 4352
+    else:
+        tokens = 24
+        monkeypatch.setattr(attention.DiffAttentionV2, "flash_diff_max_keys", 16)
+    assert tokens > attention.DiffAttentionV2.flash_diff_max_keys
     kernel_calls = []
     kernel = attention.flash_diff_attention
     monkeypatch.setattr(attention, "flash_diff_attention", lambda *a, **k: kernel_calls.append(1) or kernel(*a, **k))
-    eager, _ = model_pair("v2", FAST)  # two layers of the ~1.1B shape (up to 8192 positions)
+    eager, _ = model_pair("v2", FAST)  # on the GPU two layers of the ~1.1B shape (up to 8192 positions)
     config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
     model = get_peft_model(eager, config).train()
-    ids = torch.randint(3, eager.config.vocab_size, (1, 4352), device=DEVICE)
+    ids = torch.randint(3, eager.config.vocab_size, (1, tokens), device=DEVICE)
     grads = assert_peft_gradients_equal_eager(model, ids)
     assert len(kernel_calls) == eager.config.num_hidden_layers
     assert len(grads) == 8 * eager.config.num_hidden_layers  # lora_A and lora_B of four projections a layer
