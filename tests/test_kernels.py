@@ -1215,6 +1215,43 @@ def test_flash_diff_keeps_a_sequences_nan_keys_out_of_the_others(mode):
         assert torch.isfinite(got).all() and torch.equal(got, want)
 
 
+@pytest.mark.parametrize("mode", ["v1", "v2"])
+def test_flash_diff_forward_is_exact_when_later_keys_outscore_earlier_ones_by_far(mode):
+    """The forward's online softmax rescales what it has summed whenever a key tile raises a row's maximum. Keys in
+    three segments of whole tiles: in the second every query's score (base 2) is 5 above the first's, in the third
+    200 above, where a sum left at the first tiles' maximum would overflow float32 (2^200). Output and gradients
+    against the formula."""
+    torch.manual_seed(3)
+    segment, dqk, heads, kv_heads = (128, 64, 4, 2) if GPU else (16, 16, 2, 1)
+    scale, length = 0.3, 3 * segment
+    dv = 2 * dqk if mode == "v1" else dqk
+    base2 = scale * math.log2(math.e)  # a score's base-2 exponent per unit of Q.K
+    q = torch.zeros(1, length, heads, 2, dqk, device=DEVICE)
+    q[..., 0] = 20.0  # and keys of at most ~23: large products, moderate factors (float32 keeps the gradients' digits)
+    k = 0.1 * torch.randn(1, kv_heads, length, 2 * dqk if mode == "v1" else dqk, device=DEVICE)
+    for m in range(2 if mode == "v1" else 1):  # each map's first column: the score of every query
+        k[:, :, segment:2 * segment, m * dqk] += 5.0 / base2 / 20.0
+        k[:, :, 2 * segment:, m * dqk] += 200.0 / base2 / 20.0
+    v = torch.randn(1, kv_heads, length, dv, device=DEVICE)
+    q, k, v = (t.to(DTYPE).requires_grad_() for t in (q, k, v))
+    visible = causally_visible(length, length, False)[None]
+    if mode == "v1":
+        norm, mu = Norm(dv), torch.tensor(0.37, device=DEVICE, requires_grad=True)
+        out = flash_diff_attention(q, k, v, None, mu, scale, norm, 0.56)
+        ref = flash_diff_formula(q, k, v, visible, mu, scale, norm.weight, norm.variance_epsilon, 0.56)
+        inputs = (q, k, v, mu, norm.weight)
+    else:
+        mu = torch.sigmoid(rand(1, length, heads)).detach().requires_grad_()
+        out, ref = flash_diff_attention(q, k, v, None, mu, scale), flash_diff_formula(q, k, v, visible, mu, scale)
+        inputs = (q, k, v, mu)
+    grad_out = rand(*out.shape)
+    assert torch.isfinite(out).all() and rel_err(out, ref) < TOL
+    grads = torch.autograd.grad(out, inputs, grad_out)
+    ref_grads = torch.autograd.grad(ref, inputs, grad_out.double())
+    for got, want in zip(grads, ref_grads):
+        assert rel_err(got, want) < TOL
+
+
 def test_an_older_triton_leaves_the_model_on_its_pytorch_paths():
     """The kernels need triton >= 3.4 (host tensor descriptors' `load`). A triton that reports 3.3 (the attack, in a
     fresh process) is not taken: the package imports, no kernel module is, and a V1 model trains a step on the
