@@ -1221,17 +1221,19 @@ def test_flash_diff_forward_is_exact_when_later_keys_outscore_earlier_ones_by_fa
     three segments of whole tiles: in the second every query's score (base 2) is 5 above the first's, in the third
     200 above, where a sum left at the first tiles' maximum would overflow float32 (2^200). Output and gradients
     against the formula."""
-    torch.manual_seed(3)
+    torch.manual_seed(5)
     segment, dqk, heads, kv_heads = (128, 64, 4, 2) if GPU else (16, 16, 2, 1)
     scale, length = 0.3, 3 * segment
     dv = 2 * dqk if mode == "v1" else dqk
     base2 = scale * math.log2(math.e)  # a score's base-2 exponent per unit of Q.K
-    q = torch.zeros(1, length, heads, 2, dqk, device=DEVICE)
-    q[..., 0] = 20.0  # and keys of at most ~23: large products, moderate factors (float32 keeps the gradients' digits)
+    # every query (a, a, ..., a); the segments' keys a little noise plus (c, c, ..., c): scores dqk a c base2 above
+    # the first segment's. a = c in the third, so that no factor is large (bf16's dS times a large key would lose
+    # the gradients' digits in the cancellation of dQ = dS K's rows)
+    a = math.sqrt(200.0 / (base2 * dqk))
+    q = torch.full((1, length, heads, 2, dqk), a, device=DEVICE)
     k = 0.1 * torch.randn(1, kv_heads, length, 2 * dqk if mode == "v1" else dqk, device=DEVICE)
-    for m in range(2 if mode == "v1" else 1):  # each map's first column: the score of every query
-        k[:, :, segment:2 * segment, m * dqk] += 5.0 / base2 / 20.0
-        k[:, :, 2 * segment:, m * dqk] += 200.0 / base2 / 20.0
+    for first, rise in ((segment, 5.0), (2 * segment, 200.0)):
+        k[:, :, first:first + segment] += rise / (base2 * a * dqk)
     v = torch.randn(1, kv_heads, length, dv, device=DEVICE)
     q, k, v = (t.to(DTYPE).requires_grad_() for t in (q, k, v))
     visible = causally_visible(length, length, False)[None]
