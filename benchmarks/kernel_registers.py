@@ -46,9 +46,8 @@ PTXAS, NVDISASM = os.path.join(BIN, "ptxas"), os.path.join(BIN, "nvdisasm")
 ARGUMENT_TYPES = {"Mu": "*fp32", "Terms": "*fp32", "Lse": "*fp32", "Rstd": "*fp32", "Mask": "*u8", "Part": "*fp32",
                   "Written": "*i64", "eps": "fp32", "norm_scale": "fp32",
                   **dict.fromkeys("Q K V G DK DVout DQ NormW Y Pairs".split(), "*bf16")}  # and `descriptor_types`
-# the GPU's constants (S_STATIC and L_STATIC: their defaults, the interpreter's loop bounds off)
-V1_SHAPES = dict(SCALE=0.125, GROUP=4, DQK=64, DV=128, SPLIT_K=True, V1=True, HAS_MASK=False, WHOLE_TILES=True,
-                 S_STATIC=0, L_STATIC=0)
+# the GPU's constants
+V1_SHAPES = dict(SCALE=0.125, GROUP=4, DQK=64, DV=128, SPLIT_K=True, V1=True, HAS_MASK=False, WHOLE_TILES=True)
 V2_SHAPES = dict(V1_SHAPES, DV=64, SPLIT_K=False, V1=False)
 SHAPES = dict(v1=V1_SHAPES, v2=V2_SHAPES)
 

@@ -1089,7 +1089,7 @@ def test_decode_kernel_shared_memory_bounds_what_triton_allocates_for_the_h200()
         "for rows, n, stages, dq, dk, mask in ((16, 128, 4, 64, 128, 0), (64, 128, 4, 64, 128, 0),\n"
         "                                      (64, 64, 4, 64, 128, 0), (16, 64, 4, 64, 64, 0),\n"
         "                                      (16, 128, 4, 64, 128, 1), (16, 64, 4, 64, 64, 1)):\n"
-        "    c = dict(SCALE=0.125, HAS_MASK=bool(mask), BLOCK_N=n, CHUNK_STATIC=0, FIRST_N=0, PDL=True, G=8,\n"
+        "    c = dict(SCALE=0.125, HAS_MASK=bool(mask), BLOCK_N=n, FIRST_N=0, PDL=True, G=8,\n"
         "             BLOCK_R=rows, DQ=dq, DK=dk, DV=dk, PAIRED=dk == 2 * dq)\n"
         "    shared = k.compile_sm90(_decode_partial, c, 4, stages).metadata.shared\n"
         "    print(shared, partial_shared_memory(rows, n, stages, dk, dk, 2, bool(mask)))\n"
@@ -1252,6 +1252,28 @@ def test_flash_diff_forward_is_exact_when_later_keys_outscore_earlier_ones_by_fa
     ref_grads = torch.autograd.grad(ref, inputs, grad_out.double())
     for got, want in zip(grads, ref_grads):
         assert rel_err(got, want) < TOL
+
+
+def test_kernels_loop_over_bounds_known_at_run_time_as_on_the_gpu():
+    """The kernels' loops run over bounds computed in the program (a causal key range), under the interpreter as on
+    a GPU: the interpreter's scalars are arrays of one element, which NumPy 2.4 refuses to turn into a loop bound
+    (`int`) unmended (`_triton.interpreter_takes_runtime_loop_bounds`, idempotent). The kernel sums 0 .. n - 1 for a
+    program's n = 3 + its id."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def sum_below(Out):
+        n = 3 + tl.program_id(0)
+        total = 0
+        for i in range(0, n):
+            total += i
+        tl.store(Out + tl.program_id(0), total)
+
+    _triton.interpreter_takes_runtime_loop_bounds()  # again: already mended at import under the interpreter
+    out = torch.zeros(4, dtype=torch.int32, device=DEVICE)
+    sum_below[(4,)](out)
+    assert out.tolist() == [sum(range(3 + p)) for p in range(4)]
 
 
 def test_an_older_triton_leaves_the_model_on_its_pytorch_paths():

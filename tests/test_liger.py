@@ -33,27 +33,22 @@ TOL = 1e-4  # relative error ||got - want|| / ||want||, float32 models
 @pytest.fixture(autouse=True)
 def liger_runs_on_the_interpreter(monkeypatch):
     """Where Triton's interpreter runs the kernels: compiled Triton passes a float argument (Liger's eps) as an fp32
-    scalar, the interpreter as a Python float; the interpreter holds scalars as 1-element arrays, of which numpy
-    >= 2.3 refuses int() (`range` over a size); libdevice's rsqrt returns None there."""
+    scalar, the interpreter as a Python float; libdevice's rsqrt returns None there. (Its scalars as loop bounds:
+    modeling_diff mends those under the interpreter, `_triton.interpreter_takes_runtime_loop_bounds`.)"""
     if GPU:
         return
     import liger_kernel.ops.rms_norm as liger_rms_norm
     import triton.language as tl
     from triton.runtime import interpreter
 
-    implicit_cvt, patch_lang_tensor = interpreter._implicit_cvt, interpreter._patch_lang_tensor
+    implicit_cvt = interpreter._implicit_cvt
 
     def float_as_fp32(arg):
         if isinstance(arg, float):
             return tl.tensor(interpreter.TensorHandle(np.array([arg], dtype=np.float32), tl.float32), tl.float32)
         return implicit_cvt(arg)
 
-    def index_of_one_element(tensor, scope):
-        patch_lang_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
     monkeypatch.setattr(interpreter, "_implicit_cvt", float_as_fp32)
-    monkeypatch.setattr(interpreter, "_patch_lang_tensor", index_of_one_element)
     monkeypatch.setattr(liger_rms_norm, "rsqrt", lambda x: tl.math.rsqrt(x))  # tl.math's, as patched at run time
 
 

@@ -2,8 +2,8 @@
 a call needs an autograd node (the kernels' forward-only launches serve the calls that do not), and the integer
 arithmetic of launch grids.
 
-Nothing here imports triton: the model (and its Hub export) loads where triton is absent, and the Triton
-paths are simply not chosen there.
+Nothing here imports triton, but under its interpreter (`interpreter_takes_runtime_loop_bounds`): the model (and its
+Hub export) loads where triton is absent, and the Triton paths are simply not chosen there.
 """
 
 import functools
@@ -41,6 +41,35 @@ TRITON_AVAILABLE = _recent_triton_installed()
 # TRITON_INTERPRET=1 (set before triton is first imported) runs the kernels on CPU tensors through Triton's
 # interpreter: how CI tests them.
 TRITON_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def interpreter_takes_runtime_loop_bounds() -> None:
+    """Lets the interpreter run the kernels' loops over bounds known only at run time (a program's causal key range),
+    as the GPU does. The interpreter holds a scalar as a NumPy array of one element and turns it into a loop bound
+    with `int(array)`, which NumPy 2.4 refuses for arrays that are not 0-dimensional ("only 0-dimensional arrays can
+    be converted to Python scalars"); this takes the element (`array.item()`), the value `int` gave before. Without
+    it the kernels could be tested on the CPU only through loops of compile-time bounds, which no GPU runs. Idempotent;
+    does nothing where the interpreter has no `_patch_lang_tensor` (triton 3.6's has)."""
+    try:  # in a try block: transformers' remote-code loader requires every import outside one (of a Hub export's
+        # files) to be installed
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch_tensor is None or getattr(patch_tensor, "indexes_one_element", False):
+        return
+
+    def patch_tensor_indexing_one_element(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    patch_tensor_indexing_one_element.indexes_one_element = True
+    interpreter._patch_lang_tensor = patch_tensor_indexing_one_element
+
+
+if TRITON_AVAILABLE and TRITON_INTERPRETING:
+    interpreter_takes_runtime_loop_bounds()
+
 # Programmatic dependent launch (PDL, compute capability 9.0+): a kernel launched with it may start while the
 # kernel before it in the stream finishes, and waits (griddepcontrol.wait, `triton_launch.py`) before it reads
 # anything the kernels before it wrote; before that wait it reads only weights. It is for steps of at most

@@ -54,11 +54,6 @@ def flash_diff_applies(query, key, value, mask, dropout: float) -> bool:
     )
 
 
-def _static_bounds(length: int, kv_length: int) -> dict:
-    """The interpreter needs compile-time loop bounds (the kernels mask what lies beyond the causal ones)."""
-    return dict(S_STATIC=kv_length, L_STATIC=length) if TRITON_INTERPRETING else {}
-
-
 def _tokens_as_rows(tensor: torch.Tensor) -> bool:
     """Whether `tensor` (B, h_kv, S, d) reads as one matrix (B * S, h_kv * d) through TMA, as the projections lay out
     their outputs: a token's heads side by side in one row, rows a fixed stride apart through every sequence, 16-byte
@@ -110,7 +105,7 @@ def _forward(query, key, value, mask, mu, norm_weight, eps, norm_scale, scale, s
         KEYS_BUCKET=keys_bucket(kv_length),
         SCALE=scale, GROUP=heads // kv_heads, DQK=dqk, DV=dv, SPLIT_K=key.shape[-1] == 2 * dqk,
         V1=norm_weight is not None,
-        HAS_MASK=mask is not None, SAVE=save, **FWD_FIXED, **_static_bounds(length, kv_length),
+        HAS_MASK=mask is not None, SAVE=save, **FWD_FIXED,
     )
     return y, pairs, lse, rstd
 
@@ -178,7 +173,6 @@ class _FlashDiff(torch.autograd.Function):
         common = dict(
             SCALE=ctx.scale, GROUP=heads // kv_heads, DQK=dqk, DV=dv, SPLIT_K=key.shape[-1] == 2 * dqk,
             V1=norm_weight is not None, HAS_MASK=mask is not None, KEYS_BUCKET=keys_bucket(kv_length),
-            **_static_bounds(length, kv_length),
         )
         q_strides = query.stride()[:4]
         offset = causal_offset(length, kv_length, mask is not None)

@@ -114,7 +114,6 @@ def _decode_partial(
     SCALE: tl.constexpr,  # a compile-time constant: a runtime float would reach Inductor's launch as fp64
     G: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     DQ: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, PAIRED: tl.constexpr,
-    CHUNK_STATIC: tl.constexpr,  # `chunk` under the interpreter, whose loop bounds must be compile-time; else 0
     FIRST_N: tl.constexpr, PDL: tl.constexpr,
 ):
     # FIRST_N > 0: the step's keys and values are at the positions Written.. (a StaticCache layer's length, int64,
@@ -162,7 +161,7 @@ def _decode_partial(
                                            mask=new[:, None], other=0.0), v)
         m_i, l_i, acc = _attend_tile(q, K, V, Mask, b, kvh, t, row_ok, dk, dv, n, end, k, v, skb, skh, sks, svb,
                                      svh, svs, smb, sml, sms, offset, qk_scale, m_i, l_i, acc, HAS_MASK)
-    for n0 in range(FIRST_N, CHUNK_STATIC if CHUNK_STATIC > 0 else chunk, BLOCK_N):
+    for n0 in range(FIRST_N, chunk, BLOCK_N):
         m_i, l_i, acc = _attend_tile(q, K, V, Mask, b, kvh, t, row_ok, dk, dv, start + n0 + tl.arange(0, BLOCK_N), S,
                                      None, None, skb, skh, sks, svb, svh, svs, smb, sml, sms, offset, qk_scale,
                                      m_i, l_i, acc, HAS_MASK)
@@ -366,7 +365,7 @@ def _partial_softmaxes(query, key, value, mask, scale: float, launcher, written=
         *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *mask_strides,
         kv_heads, kv_length, length, causal_offset(length, kv_length, mask is not None), chunk, splits, parts,
         SCALE=scale, G=groups, HAS_MASK=mask is not None, BLOCK_R=block_rows, BLOCK_N=block_n,
-        DQ=q_dim, DK=k_dim, DV=v_dim, PAIRED=k_dim == 2 * q_dim, CHUNK_STATIC=chunk if TRITON_INTERPRETING else 0,
+        DQ=q_dim, DK=k_dim, DV=v_dim, PAIRED=k_dim == 2 * q_dim,
         FIRST_N=first_n, PDL=pdl, num_warps=PARTIAL_NUM_WARPS, num_stages=stages,
         **({"launch_pdl": True} if pdl else {}),
     )

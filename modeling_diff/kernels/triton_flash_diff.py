@@ -143,7 +143,6 @@ def _flash_diff_fwd(
     H, L, S, offset, eps, norm_scale, KEYS_BUCKET,
     SCALE: tl.constexpr, GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, SPLIT_K: tl.constexpr,
     V1: tl.constexpr, HAS_MASK: tl.constexpr, SAVE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    S_STATIC: tl.constexpr = 0, L_STATIC: tl.constexpr = 0,
 ):
     # Q (B, L, H, 2, DQK) by strides; Kd, Vd: descriptors of K (B*S, H_kv * (2*DQK or DQK)) and V (B*S, H_kv * DV),
     # blocks of (BLOCK_N, DQK or DV) (`_key_tile`); Y (B*L*H, DV);
@@ -161,10 +160,8 @@ def _flash_diff_fwd(
     acc1 = tl.zeros((BLOCK_M, DV), tl.float32)
     acc2 = tl.zeros((BLOCK_M, DV), tl.float32)
     hi = tl.minimum(S, (pid_m + 1) * BLOCK_M + offset)  # causal: no key beyond the block's last query
-    if S_STATIC > 0 or HAS_MASK:
-        # Every tile masked. S_STATIC: the interpreter, whose loop bounds must be compile-time (its program
-        # ids are arrays).
-        for n0 in range(0, S_STATIC if S_STATIC > 0 else hi, BLOCK_N):
+    if HAS_MASK:  # every tile masked
+        for n0 in range(0, hi, BLOCK_N):
             max1, sum1, acc1, max2, sum2, acc2 = _fwd_tile(
                 q1, q2, Kd, Vd, kvh, n0, m, m_ok, offset, S, Mask, b, smb, sml, sms, qk_scale,
                 max1, sum1, acc1, max2, sum2, acc2, DQK, DV, BLOCK_N, SPLIT_K, True, HAS_MASK,
@@ -292,7 +289,7 @@ def _flash_diff_bwd_dkdv(
     H, L, S, offset, KEYS_BUCKET,
     SCALE: tl.constexpr, GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, SPLIT_K: tl.constexpr,
     V1: tl.constexpr, HAS_MASK: tl.constexpr, WHOLE_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, S_STATIC: tl.constexpr = 0, L_STATIC: tl.constexpr = 0,
+    BLOCK_N: tl.constexpr,
 ):
     # G (B*L*H, DV) = dO1; Terms (B, H, 4 or 5, L) as `_query_rows` reads them. A program: BLOCK_N keys of one
     # (batch, kv head) and the queries of every head of its GQA group; it writes their dK and dV. Grid (B * H_kv, key
@@ -327,8 +324,8 @@ def _flash_diff_bwd_dkdv(
     full = tl.minimum(tl.maximum((n_start + BLOCK_N - 1 - offset + BLOCK_M - 1) // BLOCK_M * BLOCK_M, lo), L)
     for g in range(0, GROUP):
         head = kvh * GROUP + g
-        if L_STATIC > 0 or HAS_MASK:  # every tile masked (L_STATIC: the interpreter, see _flash_diff_fwd)
-            for m0 in range(0 if L_STATIC > 0 else lo, L_STATIC if L_STATIC > 0 else L, BLOCK_M):
+        if HAS_MASK:  # every tile masked
+            for m0 in range(lo, L, BLOCK_M):
                 dk1, dk2, dv_acc = _dkdv_tile(
                     Q, G, Terms, Mask, k1, k2, v, n, n_ok, m0, b, head, H, L, offset, qk_scale, lam,
                     sqb, sql, sqh, sqp, smb, sml, sms, dk1, dk2, dv_acc, DQK, DV, V1, SPLIT_K, BLOCK_M, True,
@@ -390,7 +387,6 @@ def _flash_diff_bwd_dq(
     H, L, S, offset, KEYS_BUCKET,
     SCALE: tl.constexpr, GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, SPLIT_K: tl.constexpr,
     V1: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    S_STATIC: tl.constexpr = 0, L_STATIC: tl.constexpr = 0,
 ):
     # A program: BLOCK_M queries of one (batch, head); walks the keys they see.
     pid_m, b, head, kvh, m, m_ok = _query_program(H, L, GROUP, BLOCK_M)
@@ -404,8 +400,8 @@ def _flash_diff_bwd_dq(
     dq1 = tl.zeros((BLOCK_M, DQK), tl.float32)
     dq2 = tl.zeros((BLOCK_M, DQK), tl.float32)
     hi = tl.minimum(S, (pid_m + 1) * BLOCK_M + offset)
-    if S_STATIC > 0 or HAS_MASK:  # every tile masked (S_STATIC: the interpreter, see _flash_diff_fwd)
-        for n0 in range(0, S_STATIC if S_STATIC > 0 else hi, BLOCK_N):
+    if HAS_MASK:  # every tile masked
+        for n0 in range(0, hi, BLOCK_N):
             dq1, dq2 = _dq_tile(
                 q1, q2, go, lse1, lse2, delta1, delta2, mu, Kd, Vd, kvh, n0, m, m_ok, offset, S, Mask, b,
                 smb, sml, sms, qk_scale, dq1, dq2, DQK, DV, BLOCK_N, SPLIT_K, True, HAS_MASK,
