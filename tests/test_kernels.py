@@ -1151,38 +1151,89 @@ FLASH_CASES = (
 )
 
 
-@pytest.mark.parametrize("mode,heads,kv_heads,length,kv_length,dqk", FLASH_CASES)
-@pytest.mark.parametrize("masked", [False, True])
-def test_flash_diff_forward_and_gradients_match_the_formula(mode, heads, kv_heads, length, kv_length, dqk, masked):
-    torch.manual_seed(4)
-    batch, dv = 2, 2 * dqk if mode == "v1" else dqk
+def assert_flash_diff_equals_the_formula(mode, q, k, v, visible, mask=None, scale=0.3):
+    """flash_diff_attention of q, k, v (with V1's lambda and subln, or V2's noise weight, drawn here) against
+    flash_diff_formula: the output, and the gradients of every input."""
+    batch, length, heads = q.shape[:3]
+    dv = v.shape[-1]
+    if mode == "v1":
+        norm = Norm(dv)
+        mu = torch.tensor(0.37, device=DEVICE, requires_grad=True)
+        out = flash_diff_attention(q, k, v, mask, mu, scale, norm, 0.56)
+        ref = flash_diff_formula(q, k, v, visible, mu, scale, norm.weight, norm.variance_epsilon, 0.56)
+        inputs = (q, k, v, mu, norm.weight)
+    else:
+        mu = torch.sigmoid(rand(batch, length, heads)).detach().requires_grad_()
+        out = flash_diff_attention(q, k, v, mask, mu, scale)
+        ref = flash_diff_formula(q, k, v, visible, mu, scale)
+        inputs = (q, k, v, mu)
+    grad_out = rand(*out.shape)
+
+    assert out.shape == (batch, length, heads, dv) and out.dtype == DTYPE
+    assert torch.isfinite(out).all() and rel_err(out, ref) < TOL
+    grads = torch.autograd.grad(out, inputs, grad_out)
+    ref_grads = torch.autograd.grad(ref, inputs, grad_out.double())
+    for got, want in zip(grads, ref_grads):
+        assert rel_err(got, want) < TOL
+
+
+def random_flash_diff_case(mode, heads, kv_heads, length, kv_length, dqk, masked, batch=2):
+    """(q, k, v, visible, mask) of random inputs: causal, and with `masked` a bool mask that also pads the second
+    row on the left (its first queries see no key at all)."""
+    dv = 2 * dqk if mode == "v1" else dqk
     q = rand(batch, length, heads, 2, dqk, grad=True)
     k = rand(batch, kv_heads, kv_length, 2 * dqk if mode == "v1" else dqk, grad=True)
     v = rand(batch, kv_heads, kv_length, dv, grad=True)
     visible = causally_visible(length, kv_length, masked).expand(batch, length, kv_length).clone()
     mask = None
-    if masked:  # left padding of the second row: its first queries see no key at all
+    if masked:
         visible[1, :, : kv_length - length + 3] = False
         mask = visible[:, None]
-    if mode == "v1":
-        norm = Norm(dv)
-        mu = torch.tensor(0.37, device=DEVICE, requires_grad=True)
-        out = flash_diff_attention(q, k, v, mask, mu, 0.3, norm, 0.56)
-        ref = flash_diff_formula(q, k, v, visible, mu, 0.3, norm.weight, norm.variance_epsilon, 0.56)
-        inputs = (q, k, v, mu, norm.weight)
-    else:
-        mu = torch.sigmoid(rand(batch, length, heads)).detach().requires_grad_()
-        out = flash_diff_attention(q, k, v, mask, mu, 0.3)
-        ref = flash_diff_formula(q, k, v, visible, mu, 0.3)
-        inputs = (q, k, v, mu)
-    grad_out = rand(*out.shape)
+    return q, k, v, visible, mask
 
-    assert out.shape == (batch, length, heads, dv) and out.dtype == DTYPE
-    assert rel_err(out, ref) < TOL
-    grads = torch.autograd.grad(out, inputs, grad_out)
-    ref_grads = torch.autograd.grad(ref, inputs, grad_out.double())
-    for got, want in zip(grads, ref_grads):
-        assert rel_err(got, want) < TOL
+
+@pytest.mark.parametrize("mode,heads,kv_heads,length,kv_length,dqk", FLASH_CASES)
+@pytest.mark.parametrize("masked", [False, True])
+def test_flash_diff_forward_and_gradients_match_the_formula(mode, heads, kv_heads, length, kv_length, dqk, masked):
+    torch.manual_seed(4)
+    assert_flash_diff_equals_the_formula(
+        mode, *random_flash_diff_case(mode, heads, kv_heads, length, kv_length, dqk, masked)
+    )
+
+
+# Tiles (queries x keys) of unequal sides, as the GPU's picks are (V1's dK/dV 32 x 64, its forward 128 x 64), where
+# the interpreter's one config is square; and (mode, L, S, masked): a whole number of query tiles, a bool mask, a
+# chunked prefill (L < S)
+UNEQUAL_TILES = [(64, 128), (128, 64)] if GPU else [(16, 32), (32, 16)]
+UNEQUAL_TILE_CASES = (
+    [("v1", 512, 512, False), ("v2", 300, 300, True), ("v2", 300, 1324, False), ("v1", 300, 1324, True)]
+    if GPU
+    else [("v1", 64, 64, False), ("v2", 40, 40, True), ("v2", 37, 101, False), ("v1", 37, 101, True)]
+)
+
+
+@pytest.mark.parametrize("block_m,block_n", UNEQUAL_TILES)
+@pytest.mark.parametrize("mode,length,kv_length,masked", UNEQUAL_TILE_CASES)
+def test_flash_diff_matches_the_formula_with_tiles_of_unequal_sides(mode, length, kv_length, masked, block_m,
+                                                                    block_n, monkeypatch):
+    """The kernels' causal bounds mix a tile's two sides (the forward's and dQ's keys seen by every query of a tile,
+    dK/dV's first query tile of a key tile and the first that sees all its keys). All three kernels launched at
+    block_m queries x block_n keys, output and gradients against the formula."""
+    import modeling_diff.kernels.flash_diff as flash_diff
+    import modeling_diff.kernels.triton_flash_diff as kernels
+
+    fixed = dict(BLOCK_M=block_m, BLOCK_N=block_n, **(dict(num_warps=4, num_stages=2) if GPU else {}))
+    for launcher, kernel, config in (("flash_diff_fwd", kernels._flash_diff_fwd, "FWD_FIXED"),
+                                     ("flash_diff_bwd_dkdv", kernels._flash_diff_bwd_dkdv, "DKDV_FIXED"),
+                                     ("flash_diff_bwd_dq", kernels._flash_diff_bwd_dq, "DQ_FIXED")):
+        monkeypatch.setattr(flash_diff, launcher, kernel)  # the kernel itself, not its autotuner (on a GPU)
+        monkeypatch.setattr(flash_diff, config, fixed)
+    monkeypatch.setattr(flash_diff, "DKDV_WHOLE_TILES_OF", block_m)
+    torch.manual_seed(5)
+    heads, kv_heads, dqk = (4, 2, 64) if GPU else (4, 2, 16)
+    assert_flash_diff_equals_the_formula(
+        mode, *random_flash_diff_case(mode, heads, kv_heads, length, kv_length, dqk, masked)
+    )
 
 
 @pytest.mark.parametrize("mode", ["v1", "v2"])
@@ -1236,22 +1287,7 @@ def test_flash_diff_forward_is_exact_when_later_keys_outscore_earlier_ones_by_fa
         k[:, :, first:first + segment] += rise / (base2 * a * dqk)
     v = torch.randn(1, kv_heads, length, dv, device=DEVICE)
     q, k, v = (t.to(DTYPE).requires_grad_() for t in (q, k, v))
-    visible = causally_visible(length, length, False)[None]
-    if mode == "v1":
-        norm, mu = Norm(dv), torch.tensor(0.37, device=DEVICE, requires_grad=True)
-        out = flash_diff_attention(q, k, v, None, mu, scale, norm, 0.56)
-        ref = flash_diff_formula(q, k, v, visible, mu, scale, norm.weight, norm.variance_epsilon, 0.56)
-        inputs = (q, k, v, mu, norm.weight)
-    else:
-        mu = torch.sigmoid(rand(1, length, heads)).detach().requires_grad_()
-        out, ref = flash_diff_attention(q, k, v, None, mu, scale), flash_diff_formula(q, k, v, visible, mu, scale)
-        inputs = (q, k, v, mu)
-    grad_out = rand(*out.shape)
-    assert torch.isfinite(out).all() and rel_err(out, ref) < TOL
-    grads = torch.autograd.grad(out, inputs, grad_out)
-    ref_grads = torch.autograd.grad(ref, inputs, grad_out.double())
-    for got, want in zip(grads, ref_grads):
-        assert rel_err(got, want) < TOL
+    assert_flash_diff_equals_the_formula(mode, q, k, v, causally_visible(length, length, False)[None], scale=scale)
 
 
 def test_kernels_loop_over_bounds_known_at_run_time_as_on_the_gpu():
