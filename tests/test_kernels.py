@@ -1222,7 +1222,8 @@ def test_flash_diff_matches_the_formula_with_tiles_of_unequal_sides(mode, length
     import modeling_diff.kernels.flash_diff as flash_diff
     import modeling_diff.kernels.triton_flash_diff as kernels
 
-    fixed = dict(BLOCK_M=block_m, BLOCK_N=block_n, **(dict(num_warps=8, num_stages=2) if GPU else {}))  # as the candidates
+    # on a GPU at 8 warps, as the kernels' candidates of these sizes
+    fixed = dict(BLOCK_M=block_m, BLOCK_N=block_n, **(dict(num_warps=8, num_stages=2) if GPU else {}))
     for launcher, kernel, config in (("flash_diff_fwd", kernels._flash_diff_fwd, "FWD_FIXED"),
                                      ("flash_diff_bwd_dkdv", kernels._flash_diff_bwd_dkdv, "DKDV_FIXED"),
                                      ("flash_diff_bwd_dq", kernels._flash_diff_bwd_dq, "DQ_FIXED")):
