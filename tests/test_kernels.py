@@ -48,6 +48,14 @@ def rand(*shape, grad=False):
     return torch.randn(*shape, device=DEVICE, dtype=DTYPE).requires_grad_(grad)
 
 
+def compiled_run(script: str, cwd=None) -> str:
+    """The output of a Python script run in a fresh process with Triton compiling (TRITON_INTERPRET unset)."""
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", script], cwd=cwd, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return run.stdout
+
+
 class Norm(torch.nn.Module):  # what the kernel reads of LlamaRMSNorm: weight and variance_epsilon
     def __init__(self, width):
         super().__init__()
@@ -1094,10 +1102,7 @@ def test_decode_kernel_shared_memory_bounds_what_triton_allocates_for_the_h200()
         "    shared = k.compile_sm90(_decode_partial, c, 4, stages).metadata.shared\n"
         "    print(shared, partial_shared_memory(rows, n, stages, dk, dk, 2, bool(mask)))\n"
     )
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}  # compiled, not interpreted
-    run = subprocess.run([sys.executable, "-c", script], cwd=benchmarks, env=env, capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr[-2000:]
-    pairs = [tuple(map(int, line.split())) for line in run.stdout.split("\n") if line]
+    pairs = [tuple(map(int, line.split())) for line in compiled_run(script, benchmarks).split("\n") if line]
     assert len(pairs) == 6 and all(0 < shared <= bound for shared, bound in pairs), pairs
     assert pairs[0][0] <= 232448 and pairs[2][0] <= 232448  # V1's batch-1 step, a prefill's 64 rows: what runs
     assert pairs[1][0] > 232448  # 128 keys at 64 rows and 4 stages: what failed on the H200, and is not picked
@@ -1330,9 +1335,7 @@ def test_an_older_triton_leaves_the_model_on_its_pytorch_paths():
         "model(ids, labels=ids).loss.backward()\n"
         "print(_triton.TRITON_AVAILABLE, 'modeling_diff.kernels.triton_flash_diff' in sys.modules)\n"
     )
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
-    assert run.returncode == 0 and run.stdout.split() == ["False", "False"], run.stderr[-2000:]
+    assert compiled_run(script).split() == ["False", "False"]
 
 
 def test_flash_diff_reads_the_projections_key_layout_as_it_is_and_copies_others():
@@ -2386,10 +2389,7 @@ def test_kernel_registers_compiles_the_flash_diff_kernels_for_the_h200_without_a
         "    c = k.ptxas_counts(kernel, dict(k.SHAPES['v2'], **extra, BLOCK_M=64, BLOCK_N=32), 4, 2)\n"
         "    print(c['registers'], *(f\"{n}:{o['HGMMA'] > 0}:{o['MUFU'] > 0}\" for n, _, o in c['loops']))\n"
     )
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}  # compiled, not interpreted
-    run = subprocess.run([sys.executable, "-c", script], cwd=benchmarks, env=env, capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr[-2000:]
-    lines = [line.split() for line in run.stdout.split("\n") if line]
+    lines = [line.split() for line in compiled_run(script, benchmarks).split("\n") if line]
     reports = [tuple(map(int, line)) for line in lines[:2]]
     assert len(reports) == 2 and all(0 < registers <= 255 and spilled == 0 for registers, spilled in reports)
     for registers, *loops in lines[2:]:  # dq, fwd
