@@ -10,7 +10,10 @@ What `atomic_directory` guarantees, and how:
   replaced); a failure, Ctrl-C or SIGTERM removes
   its own, and the next writer to the same destination removes those of processes that no longer run (SIGKILL);
 - an `overwrite` replaces only what looks like an earlier output (holds one of `expected`) unless it is
-  `"force"`, and never the current working directory or a protected source.
+  `"force"`, checked at the start and again on what the final rename moves aside, and never the current working
+  directory or a protected source;
+- the lock file is opened without following links (`O_NOFOLLOW`) and must be a regular file, so a link planted in
+  its place cannot make a writer overwrite the link's target.
 """
 
 import contextlib
@@ -20,6 +23,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import tempfile
 import threading
 from pathlib import Path
@@ -80,10 +84,16 @@ def _exclusive_lock(dst: Path, name: str):
     """Hold `.<dst name>.lock` next to `dst` (flock, exclusive, not waiting); removed when released."""
     path = dst.parent / f".{dst.name}.lock"
     while True:
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as error:  # a read-only or foreign parent: found before any work is done
+        try:  # O_NOFOLLOW: a link planted in the lock's place must not make us write the pid into its target
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as error:  # a read-only or foreign parent, or a link: found before any work is done
+            if error.errno == errno.ELOOP:
+                raise ValueError(f"{name} {str(dst)!r}: its lock file {str(path)!r} is a symbolic link, which no "
+                                 f"writer makes; remove it") from None
             raise ValueError(f"{name} {str(dst)!r} cannot be written: {error}") from error
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise ValueError(f"{name} {str(dst)!r}: its lock file {str(path)!r} is not a regular file; remove it")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -167,7 +177,7 @@ def atomic_directory(dst: str | os.PathLike, overwrite: bool | str = False, prot
                 yield staging
                 staging.chmod(0o755)  # mkdtemp makes it private to the user
                 with _signals_deferred():
-                    _replace(staging, dst, overwrite, name)
+                    _replace(staging, dst, overwrite, name, expected)
             finally:
                 shutil.rmtree(staging, ignore_errors=True)  # gone already after a successful rename
     except BaseException:
@@ -177,8 +187,10 @@ def atomic_directory(dst: str | os.PathLike, overwrite: bool | str = False, prot
         raise
 
 
-def _replace(staging: Path, dst: Path, overwrite: bool | str, name: str) -> None:
-    """Rename `staging` to `dst`. Without `overwrite` the rename itself refuses a non-empty `dst`."""
+def _replace(staging: Path, dst: Path, overwrite: bool | str, name: str, expected: tuple[str, ...]) -> None:
+    """Rename `staging` to `dst`. Without `overwrite` the rename itself refuses a non-empty `dst`; with it, what is
+    replaced is checked once moved aside (not only at the start: someone may have put another directory there
+    meanwhile), and put back unless it is empty or, without "force", holds one of `expected`."""
     if not overwrite or not dst.exists():
         try:
             staging.rename(dst)  # replaces at most an empty directory, atomically
@@ -197,13 +209,36 @@ def _replace(staging: Path, dst: Path, overwrite: bool | str, name: str) -> None
             hint = " (is it a mount point?)" if error.errno in (errno.EBUSY, errno.EXDEV) else ""
             raise ValueError(f"{name} {str(dst)!r} could not be replaced{hint}: {error}; it was left as "
                              f"it is") from error
+        replaced = old / dst.name
+        if not replaced.is_dir() or replaced.is_symlink():
+            _put_back(replaced, dst, old, name)
+            raise ValueError(f"{name} {str(dst)!r} became something other than a directory while this one was being "
+                             f"written; it was left as it is and this output discarded")
+        if expected and overwrite != FORCE and any(replaced.iterdir()) and not any(
+                (replaced / file).exists() for file in expected):
+            _put_back(replaced, dst, old, name)
+            raise ValueError(f"{name} {str(dst)!r} was replaced while this one was being written by a directory "
+                             f"holding no {' or '.join(expected)}, so not an earlier output; it was left as it is "
+                             f"and this output discarded (overwrite='force', --overwrite twice, replaces it)")
         try:
             staging.rename(dst)
         except OSError as error:
-            (old / dst.name).rename(dst)  # put the old one back: it was only moved aside
+            _put_back(replaced, dst, old, name)
             raise ValueError(f"{name} {str(dst)!r} could not be replaced: {error}; it was left as it is") from error
     finally:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _put_back(replaced: Path, dst: Path, old: Path, name: str) -> None:
+    """Rename the directory moved aside to `replaced` back to `dst`. Should `dst` have been created again in
+    between, it is kept where it is (outside `old`, which the caller removes) and the error says where."""
+    try:
+        replaced.rename(dst)
+    except OSError as error:
+        kept = Path(tempfile.mkdtemp(prefix=f"{dst.name}.kept.", dir=dst.parent))
+        replaced.rename(kept / dst.name)
+        raise ValueError(f"{name} {str(dst)!r} was created again while being restored ({error}); what it held "
+                         f"before is kept in {str(kept / dst.name)!r}") from error
 
 
 __all__ = ["FORCE", "atomic_directory", "check_destination"]

@@ -154,6 +154,43 @@ def test_a_destination_created_during_the_conversion_is_not_replaced(src, tmp_pa
     assert hidden_leftovers(tmp_path) == []
 
 
+@pytest.mark.parametrize("overwrite", [True, "force"])
+def test_an_earlier_output_replaced_during_the_conversion_by_another_directory(src, tmp_path, monkeypatch, overwrite):
+    """A single overwrite replaces only an earlier output (it holds a config.json): checked again on what the final
+    rename moves aside, so a directory put in its place meanwhile is kept; "force" (--overwrite twice) replaces it."""
+    dst = tmp_path / "dst"
+    convert_checkpoint(src, dst, heads=[0], progress=False)
+
+    def someone_replaces_dst(staging):
+        shutil.rmtree(dst)
+        dst.mkdir()
+        (dst / "thesis.tex").write_text("precious")
+
+    _pausing_conversion(monkeypatch, someone_replaces_dst)
+    if overwrite is True:
+        with pytest.raises(ValueError, match="holding no config.json, so not an earlier output; it was left as it is"):
+            convert_checkpoint(src, dst, heads=[1], overwrite=overwrite, progress=False)
+        assert [p.name for p in dst.iterdir()] == ["thesis.tex"] and (dst / "thesis.tex").read_text() == "precious"
+    else:
+        convert_checkpoint(src, dst, heads=[1], overwrite=overwrite, progress=False)
+        assert json.loads((dst / "config.json").read_text())["dex_heads"] == [[1]] * 3
+    assert hidden_leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("target", ["a source file", "a file outside"])
+def test_a_link_planted_as_the_lock_file_is_refused_and_its_target_untouched(src, tmp_path, capsys, target):
+    """The lock file `.<DST>.lock` is opened without following links: a link planted there (to a file of the source,
+    or anywhere) is refused in one line, before any work, and the file it points to keeps its bytes."""
+    victim = src / "tokenizer.json" if target == "a source file" else tmp_path / "victim.txt"
+    if not victim.exists():
+        victim.write_text("precious")
+    before = victim.read_bytes()
+    (tmp_path / ".dst.lock").symlink_to(victim)
+    line = cli_error(["convert", str(src), str(tmp_path / "dst"), "--heads", "all"], capsys)
+    assert "lock file" in line and "is a symbolic link" in line
+    assert victim.read_bytes() == before and not (tmp_path / "dst").exists()
+
+
 def test_two_conversions_to_one_destination(src, tmp_path, monkeypatch):
     """The second writer is refused while the first holds the destination; the first completes untouched."""
     dst, paused, resume, outcome = tmp_path / "dst", threading.Event(), threading.Event(), {}
