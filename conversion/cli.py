@@ -99,8 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == ecosystem.EXPORT:
         try:
             print(ecosystem.run_export(args))
-        except ValueError as error:
-            parser.error(str(error))
+        except (ValueError, OSError) as error:  # a refused input (a source without weights included), the disk
+            parser.error(" ".join(str(error).split()))  # one line; exits with status 2
         return 0
     calibration = _read_calibration(parser, args.calibration_file)
     try:

@@ -25,9 +25,11 @@ def add_commands(commands) -> None:
         "upload it with `hf upload REPO DST` (huggingface_hub's CLI) or modeling_diff.hub.push_to_hub.",
     )
     export.add_argument("src", type=Path, help="DiffLlama checkpoint directory (only read)")
-    export.add_argument("dst", type=Path, help="output folder (written to a temporary directory, then renamed)")
+    export.add_argument("dst", type=Path, help="output folder (written to a temporary directory, then renamed); "
+                        "not SRC, inside it or containing it")
     export.add_argument("--repo-id", help="owner/name named in the model card's loading snippet")
-    export.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    export.add_argument("--overwrite", action="count", default=0,
+                        help="replace DST if it holds an earlier output (a config.json); twice: replace any directory")
 
 
 def run_eval(argv: list[str]) -> int:
@@ -39,23 +41,36 @@ def run_eval(argv: list[str]) -> int:
 
 
 def run_export(args: argparse.Namespace) -> str:
-    """`modeling-diff export SRC DST`; returns the summary to print. ValueError for a source that is not ours."""
+    """`modeling-diff export SRC DST`; returns the summary to print. ValueError for every refused input (a source
+    that is not ours, a DST that is SRC or inside it, or not an earlier output without --overwrite twice), checked
+    before the model loads."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from modeling_diff.atomic import FORCE, check_destination
     from modeling_diff.configuration import DiffLlamaConfig
     from modeling_diff.hub import save_for_hub
 
     config_file = args.src / "config.json"
     if not config_file.is_file():
         raise ValueError(f"src {str(args.src)!r} must be a checkpoint directory with a config.json")
-    model_type = json.loads(config_file.read_text()).get("model_type")
+    try:
+        config = json.loads(config_file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"src's {str(config_file)!r} is not JSON: {error}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"src's {str(config_file)!r} must hold a JSON object, got {type(config).__name__}")
+    overwrite = FORCE if args.overwrite > 1 else bool(args.overwrite)
+    protect = (args.src,)
+    check_destination(args.dst, overwrite, protect, name="dst", expected=("config.json",))
+    model_type = config.get("model_type")
     if model_type != DiffLlamaConfig.model_type:
         raise ValueError(f"src must be a {DiffLlamaConfig.model_type!r} checkpoint (convert a Llama first with "
                          f"`modeling-diff convert`), got model_type {model_type!r} in {config_file}")
     model = AutoModelForCausalLM.from_pretrained(args.src, dtype="auto", local_files_only=True)
     has_tokenizer = any((args.src / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
     tokenizer = AutoTokenizer.from_pretrained(args.src, local_files_only=True) if has_tokenizer else None
-    dst = save_for_hub(model, args.dst, tokenizer=tokenizer, repo_id=args.repo_id, overwrite=args.overwrite)
+    dst = save_for_hub(model, args.dst, tokenizer=tokenizer, repo_id=args.repo_id, overwrite=overwrite,
+                       protect=protect)
     files = sorted(path.name for path in dst.iterdir())
     return "\n".join([
         f"output     {dst}",

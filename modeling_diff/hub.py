@@ -252,16 +252,19 @@ this repository.
 
 
 def save_for_hub(model, save_directory: str | os.PathLike, tokenizer=None, repo_id: str | None = None,
-                 overwrite: bool = False, **save_pretrained_kwargs) -> Path:
+                 overwrite: bool | str = False, protect: tuple = (), **save_pretrained_kwargs) -> Path:
     """Write `model` (and `tokenizer`, if given) to `save_directory` as a self-contained remote-code folder,
-    through `atomic_directory` (never half-written; an existing non-empty folder needs `overwrite=True`)."""
+    through `atomic_directory`: never half-written; an existing non-empty folder is replaced only with
+    `overwrite=True` and only if it is an earlier output (holds a config.json), any folder with `overwrite="force"`;
+    `save_directory` may not be, contain or lie inside a path of `protect` (the checkpoint it was loaded from)."""
     classes = registered_classes(type(model.config))
     if type(model) not in classes.values():
         registered = sorted(cls.__name__ for cls in classes.values())
         raise ValueError(f"model must be of a class registered with an Auto class {registered}, got {type(model).__name__}")
     sources = flatten_modules(sorted({cls.__module__ for cls in classes.values()}))
 
-    with atomic_directory(save_directory, overwrite, name="save_directory") as staging:
+    with atomic_directory(save_directory, overwrite, protect, name="save_directory",
+                          expected=("config.json",)) as staging:
         model.save_pretrained(staging, **save_pretrained_kwargs)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)

@@ -136,13 +136,18 @@ def test_save_for_hub_writes_whole_folders_only(tmp_path):
             raise RuntimeError("disk full")
 
     with pytest.raises(RuntimeError, match="disk full"):
-        save_for_hub(model, target, tokenizer=BrokenTokenizer(), overwrite=True)
+        save_for_hub(model, target, tokenizer=BrokenTokenizer(), overwrite="force")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # no staging folder left behind
     assert [p.name for p in target.iterdir()] == ["keep.txt"]  # the old content is untouched
 
-    save_for_hub(model, target, overwrite=True)
+    with pytest.raises(ValueError, match="holds no config.json, so it is not an earlier output"):
+        save_for_hub(model, target, overwrite=True)  # one overwrite replaces an earlier output only
+    save_for_hub(model, target, overwrite="force")
     assert not (target / "keep.txt").exists() and (target / "modeling_diff_llama.py").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
+    save_for_hub(model, target, overwrite=True)  # an earlier output (a config.json)
+    with pytest.raises(ValueError, match="must not be, contain or lie inside the source"):
+        save_for_hub(model, target / "sub", protect=(target,))
 
 
 def test_push_to_hub_uploads_the_export_folder(tmp_path):

@@ -150,3 +150,62 @@ def test_diagnose_restores_the_mode_after_an_exception(small_model, monkeypatch)
 def test_model_card_says_how_to_install_from_source(small_model):
     text = str(model_card(small_model, "org/tiny"))
     assert "pypi.org" not in text and "not published on PyPI" in text and "`pip install .`" in text
+
+
+# ----------------------------------------------------------------------------------------------------------
+# `modeling-diff export SRC DST`: the converter's guards on DST, every bad input one line before the model loads.
+# ----------------------------------------------------------------------------------------------------------
+
+
+def export_error(argv, capsys) -> str:
+    from modeling_diff.conversion.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["export", *argv])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err, err
+    errors = [line for line in err.splitlines() if ": error: " in line]
+    assert len(errors) == 1, err
+    return errors[0]
+
+
+def tree(root) -> dict:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_export_refuses_a_destination_in_or_around_its_source(model_dir, tmp_path, capsys, no_model_loading):
+    before = tree(model_dir)
+    overwrite = ["--overwrite"]
+    for dst, flags in ((model_dir, overwrite), (model_dir / "hub", []), (model_dir.parent, overwrite * 2)):
+        line = export_error([str(model_dir), str(dst), *flags], capsys)
+        assert "must not be, contain or lie inside the source" in line
+    assert tree(model_dir) == before
+
+
+def test_export_overwrites_an_earlier_output_only_unless_told_twice(model_dir, tmp_path, capsys):
+    from modeling_diff.conversion.cli import main
+
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("precious")
+    line = export_error([str(model_dir), str(notes), "--overwrite"], capsys)
+    assert "holds no config.json, so it is not an earlier output" in line
+    assert [p.name for p in notes.iterdir()] == ["todo.txt"]
+    assert main(["export", str(model_dir), str(notes), "--overwrite", "--overwrite"]) == 0
+    assert (notes / "config.json").is_file() and not (notes / "todo.txt").exists()
+    assert main(["export", str(model_dir), str(notes), "--overwrite"]) == 0  # now an earlier output
+
+
+@pytest.mark.parametrize("config_text,message", [
+    ("null", "must hold a JSON object, got NoneType"),
+    ("[1]", "must hold a JSON object, got list"),
+    ("{", "is not JSON"),
+    (None, "no file named"),  # a config and no weights: transformers' OSError, in one line
+])
+def test_export_refuses_a_broken_source_in_one_line(model_dir, tmp_path, capsys, config_text, message):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text((model_dir / "config.json").read_text() if config_text is None else config_text)
+    line = export_error([str(src), str(tmp_path / "out")], capsys)
+    assert message in line
+    assert not (tmp_path / "out").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["src"]
