@@ -182,9 +182,7 @@ class DiffLlamaConfig(PreTrainedConfig):
         _check_range("rms_norm_eps", self.rms_norm_eps, 0, math.inf, "> 0 and finite", low_open=True)
         _check_range("initializer_range", self.initializer_range, 0, math.inf, ">= 0 and finite")
         _check_range("attention_dropout", self.attention_dropout or 0.0, 0, 1, "in [0, 1)", high_open=True)
-        rope_theta = self.rope_parameters.get("rope_theta") if isinstance(self.rope_parameters, dict) else None
-        if rope_theta is not None:
-            _check_range("rope_parameters['rope_theta']", rope_theta, 0, math.inf, "> 0 and finite", low_open=True)
+        self._check_rope_parameters()
         # lambda_std_dev > 1 gives lambda = exp(q1 . k1) - ... of order exp(sqrt(head_dim)): no usable start.
         _check_range("lambda_std_dev", self.lambda_std_dev, 0, 1, "in [0, 1]")
         if self.lambda_init is not None:
@@ -224,6 +222,23 @@ class DiffLlamaConfig(PreTrainedConfig):
                         f"dex_heads[{layer_idx}] must hold distinct head indices in [0, {self.num_attention_heads}), "
                         f"got {heads}"
                     )
+
+    def _check_rope_parameters(self):
+        """rope_theta and a scaling factor > 0, partial_rotary_factor in (0, 1], every other number (YaRN's betas,
+        Llama 3's frequency factors, LongRoPE's lists) finite: a NaN here makes every rotary frequency NaN, and with
+        it every logit (transformers itself only warns about a factor below 1)."""
+        rope = self.rope_parameters if isinstance(self.rope_parameters, dict) else {}
+        for key, value in rope.items():
+            field = f"rope_parameters[{key!r}]"
+            if key in ("rope_theta", "factor"):
+                _check_range(field, value, 0, math.inf, "> 0 and finite", low_open=True)
+            elif key == "partial_rotary_factor":
+                _check_range(field, value, 0, 1, "in (0, 1]", low_open=True)
+            elif isinstance(value, (list, tuple)):
+                for i, item in enumerate(value):
+                    _check_range(f"{field}[{i}]", item, -math.inf, math.inf, "a finite number")
+            elif isinstance(value, float):
+                _check_range(field, value, -math.inf, math.inf, "a finite number")
 
 
 def _check_range(field: str, value, low: float, high: float, rule: str, low_open=False, high_open=False) -> None:

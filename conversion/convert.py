@@ -175,6 +175,17 @@ def _convert_directory(source: CheckpointDir, tmp: Path, mapping: TensorMapping,
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
 
 
+def _check_gguf(src: Path) -> None:
+    """Refuse, in one line and before any work, a .gguf file that gguf's own reader cannot parse (truncated, or
+    not GGUF): loading it would end in a traceback from deep inside the reader."""
+    from gguf import GGUFReader
+
+    try:
+        GGUFReader(src)
+    except Exception as error:  # the reader's own on malformed bytes: struct.error, ValueError, IndexError, ...
+        raise ValueError(f"source {str(src)!r} is not a readable GGUF file ({type(error).__name__}: {error})") from None
+
+
 def convert_checkpoint(
     src: str | Path,
     dst: str | Path,
@@ -213,6 +224,7 @@ def convert_checkpoint(
         check_arguments(method, heads, head_fraction, anneal_steps, noise_init)
     if src.is_file() and src.suffix == ".gguf":
         require("gguf", f"converting the .gguf file {src.name}")
+        _check_gguf(src)
         dst = check_destination(dst, overwrite, protect=(src,), expected=_EXPECTED)  # before loading the model
         with atomic_directory(dst, overwrite, protect=(src,), expected=_EXPECTED) as tmp:
             model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32,

@@ -67,6 +67,18 @@ def test_round_trip_through_dict_and_auto_config(tmp_path):
         (dict(rms_norm_eps=float("inf")), "rms_norm_eps must be > 0 and finite, got inf"),
         (dict(rope_parameters={"rope_type": "default", "rope_theta": 0.0}), r"rope_parameters['rope_theta'] must be > 0"),
         (dict(rope_theta=-10000.0), r"rope_parameters['rope_theta'] must be > 0"),  # the legacy keyword
+        # a NaN factor made every rotary frequency, and every logit, NaN; transformers only warns below 1
+        (dict(rope_parameters={"rope_type": "linear", "factor": float("nan")}),
+         "rope_parameters['factor'] must be > 0 and finite, got nan"),
+        (dict(rope_parameters={"rope_type": "linear", "factor": float("inf")}), "rope_parameters['factor'] must be > 0"),
+        (dict(rope_parameters={"rope_type": "linear", "factor": -2.0}), "rope_parameters['factor'] must be > 0"),
+        (dict(rope_parameters={"rope_type": "default", "partial_rotary_factor": float("nan")}),
+         "rope_parameters['partial_rotary_factor'] must be in (0, 1], got nan"),
+        (dict(rope_parameters={"rope_type": "default", "partial_rotary_factor": 1.5}),
+         "rope_parameters['partial_rotary_factor'] must be in (0, 1]"),
+        (dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": float("nan"),
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+         "rope_parameters['low_freq_factor'] must be a finite number, got nan"),
         (dict(attention_dropout=1.0), "attention_dropout must be in [0, 1)"),
         (dict(attention_dropout=-0.1), "attention_dropout must be in [0, 1)"),
         (dict(intermediate_size=0), "intermediate_size must be a positive integer"),

@@ -428,6 +428,16 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(src, tmp_path, capsys, monke
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
+@pytest.mark.parametrize("content", [b"GGUF\x03\x00\x00\x00" + bytes(8), b"", os.urandom(4096)])
+def test_a_gguf_file_that_is_not_one_is_one_line(tmp_path, capsys, content):
+    """A truncated header (what gguf's reader met with a struct.error traceback), an empty file, random bytes."""
+    crafted = tmp_path / "model.gguf"
+    crafted.write_bytes(content)
+    line = cli_error(["convert", str(crafted), str(tmp_path / "dst"), "--heads", "all"], capsys)
+    assert "is not a readable GGUF file" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]
+
+
 def test_calibration_inputs(src, tmp_path, capsys):
     dst = str(tmp_path / "dst")
     (tmp_path / "latin1.txt").write_bytes("Thou art more lovely, café".encode("latin-1"))
