@@ -21,6 +21,7 @@ Command line (writes needle.json and needle.png into --out):
 
 import argparse
 import json
+import os
 import random
 import shutil
 import tempfile
@@ -285,9 +286,19 @@ def main(argv: list[str] | None = None) -> NeedleResult:
         parser.error(f"model {args.model!r} is not a local directory")
     if args.gguf_file and not (model_dir / args.gguf_file).is_file():
         parser.error(f"--gguf-file {args.gguf_file!r} is not a file in {args.model!r}")
+    if not args.gguf_file and not (model_dir / "config.json").is_file():
+        parser.error(f"model {args.model!r} holds no config.json (a .gguf model needs --gguf-file)")
     blocker = next((p for p in [args.out, *args.out.parents] if p.exists()), None)
     if blocker is not None and not blocker.is_dir():
         parser.error(f"--out {str(args.out)!r} must be a directory; {str(blocker)!r} is a file")
+    # The results are staged next to --out (and moved into it if it exists): both places must take a new entry.
+    # Tried, not inferred from permissions (root ignores them; read-only and immutable places do not).
+    staging_parent = next(p for p in [args.out.parent, *args.out.parents] if p.exists())
+    for directory in {staging_parent, *([args.out] if args.out.is_dir() else [])}:
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".needle-", dir=directory))
+        except OSError as error:
+            parser.error(f"--out {str(args.out)!r} cannot be written: {' '.join(str(error).split())}")
     try:
         check_grid(args.lengths, args.depths, args.needles, args.queries, args.trials)
         haystack = args.haystack.read_text(encoding="utf-8") if args.haystack else None

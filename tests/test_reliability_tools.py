@@ -77,6 +77,18 @@ def test_needle_paths_are_checked_first(model_dir, tmp_path, capsys, no_model_lo
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "latin1.txt"]
 
 
+def test_needle_refuses_an_out_it_cannot_write_and_a_model_without_config_before_loading(
+        model_dir, tmp_path, capsys, no_model_loading):
+    # /proc takes no new directory, for root too (whom permission bits do not stop): found before the model loads,
+    # not after every cell has run
+    for out in ("/proc/modeling-diff-needle", "/proc/modeling-diff-needle/results"):
+        assert "cannot be written" in needle_error([str(model_dir), "--out", out], capsys)
+    (tmp_path / "empty").mkdir()
+    line = needle_error([str(tmp_path / "empty"), "--out", str(tmp_path / "out")], capsys)
+    assert "holds no config.json" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]
+
+
 def test_lengths_beyond_the_model_are_one_line(model_dir, tmp_path, capsys):
     line = needle_error([str(model_dir), "--out", str(tmp_path / "out"), "--lengths", "4096"], capsys)
     assert "lengths must not exceed max_position_embeddings (512)" in line
