@@ -91,6 +91,14 @@ def _summary(dst: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (which the writer raises as one): its output was removed
+        print("modeling-diff: interrupted; nothing was written", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == [ecosystem.EVAL]:  # lm_eval parses its own arguments
         return ecosystem.run_eval(argv[1:])

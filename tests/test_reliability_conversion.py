@@ -240,6 +240,37 @@ with atomic.atomic_directory(sys.argv[2], expected=("config.json",)) as staging:
 """
 
 
+# The command line, its conversion paused once its shards are written (the conversion of a tiny checkpoint is
+# over before a signal could reach it otherwise).
+_PAUSED_CLI = """
+import sys, time
+import modeling_diff.conversion.convert as convert
+original = convert._convert_directory
+def paused(*args):
+    original(*args)
+    print("READY", flush=True)
+    time.sleep(120)
+convert._convert_directory = paused
+from modeling_diff.conversion.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_the_command_line_interrupted_says_so_in_one_line_and_leaves_nothing(src, tmp_path, sig):
+    dst = tmp_path / "dst"
+    process = subprocess.Popen([sys.executable, "-c", _PAUSED_CLI, "convert", str(src), str(dst), "--heads", "all",
+                                "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline().strip() == "READY"
+        process.send_signal(sig)
+        _, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 130 and err.strip() == "modeling-diff: interrupted; nothing was written", err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
 def test_killed_and_terminated_writers_leave_nothing(src, tmp_path):
     """SIGTERM unwinds like Ctrl-C (staging and lock removed at once); after SIGKILL the next conversion to the same
     destination removes the dead process's staging directory."""
