@@ -26,7 +26,7 @@ from . import diffllama
 from .calibration import with_default_calibration
 from .heads import attention_entropy, check_calibration_ids, check_head_fraction, resolve_heads, top_entropy_heads
 from .mapping import TensorMapping, check_method
-from .sources import INDEX_FILE, CheckpointDir, is_inside
+from .sources import INDEX_FILE, CheckpointDir, checkpoint_root, is_inside
 
 logger = logging.getLogger(__name__)
 
@@ -216,6 +216,7 @@ def convert_checkpoint(
     DiffLlama (`diffllama.py`); `method` and `heads` are then left unset.
     """
     src = Path(src)
+    protect = (src, checkpoint_root(src))  # a Hub cache snapshot's blobs are its repository folder's
     started = time.perf_counter()
     between_diffllamas = diffllama.applies(src, to)
     if not between_diffllamas:
@@ -225,10 +226,13 @@ def convert_checkpoint(
     if src.is_file() and src.suffix == ".gguf":
         require("gguf", f"converting the .gguf file {src.name}")
         _check_gguf(src)
-        dst = check_destination(dst, overwrite, protect=(src,), expected=_EXPECTED)  # before loading the model
-        with atomic_directory(dst, overwrite, protect=(src,), expected=_EXPECTED) as tmp:
-            model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32,
-                                                         local_files_only=True)
+        dst = check_destination(dst, overwrite, protect=protect, expected=_EXPECTED)  # before loading the model
+        with atomic_directory(dst, overwrite, protect=protect, expected=_EXPECTED) as tmp:
+            try:  # a file gguf's reader parses whose tensors do not match its metadata fails in transformers
+                model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32,
+                                                             local_files_only=True)
+            except RuntimeError as error:
+                raise ValueError(f"source {str(src)!r} could not be loaded as a model: {error}") from None
             tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name, local_files_only=True)
             converted = convert_model(model, method, heads, head_fraction, calibration, tokenizer, anneal_steps,
                                       noise_init, progress)
@@ -249,9 +253,9 @@ def convert_checkpoint(
         plan = _Plan(source_config, method, heads, head_fraction, calibration, anneal_steps, noise_init, headers,
                      str(src))
     carried = _carried_files(source)
-    dst = check_destination(dst, overwrite, protect=(src,), expected=_EXPECTED)
+    dst = check_destination(dst, overwrite, protect=protect, expected=_EXPECTED)
 
-    with atomic_directory(dst, overwrite, protect=(src,), expected=_EXPECTED) as tmp:
+    with atomic_directory(dst, overwrite, protect=protect, expected=_EXPECTED) as tmp:
         mapping = plan.mapping(source.get, progress)
         _convert_directory(source, tmp, mapping, progress)
         # Our class's name, and transformers' own (the to="diffllama" target): loaders such as TRL's read it.

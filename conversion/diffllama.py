@@ -20,7 +20,6 @@ than transformers' depth schedule, MLP biases, attention dropout (transformers' 
 """
 
 import copy
-import json
 import math
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -35,6 +34,7 @@ from modeling_diff.diff_attention import depth_lambda_init
 from modeling_diff.modeling_diff_llama import DiffLlamaForCausalLM
 
 from .mapping import TensorMapping, _layer_of
+from .sources import read_json_object
 
 SOURCE_MODEL_TYPE = TransformersDiffLlamaConfig.model_type  # "diffllama"
 TARGETS = (DiffLlamaConfig.model_type, SOURCE_MODEL_TYPE)  # ("diff_llama", "diffllama"): what --to accepts
@@ -218,8 +218,8 @@ def applies(src: Path, to: str) -> bool:
                              f"and safetensors), got {str(src)!r}")
         return True
     try:
-        return json.loads((src / "config.json").read_text()).get("model_type") == SOURCE_MODEL_TYPE
-    except (OSError, ValueError, AttributeError):  # not a readable config: the Llama path names the problem
+        return read_json_object(src / "config.json").get("model_type") == SOURCE_MODEL_TYPE
+    except ValueError:  # not a readable config: the Llama path names the problem
         return False
 
 

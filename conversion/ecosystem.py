@@ -2,7 +2,6 @@
 (a checkpoint -> a self-contained remote-code folder, `modeling_diff.hub.save_for_hub`)."""
 
 import argparse
-import json
 from pathlib import Path
 
 EVAL = "eval"
@@ -50,15 +49,12 @@ def run_export(args: argparse.Namespace) -> str:
     from modeling_diff.configuration import DiffLlamaConfig
     from modeling_diff.hub import save_for_hub
 
+    from .sources import read_json_object
+
     config_file = args.src / "config.json"
     if not config_file.is_file():
         raise ValueError(f"src {str(args.src)!r} must be a checkpoint directory with a config.json")
-    try:
-        config = json.loads(config_file.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"src's {str(config_file)!r} is not JSON: {error}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"src's {str(config_file)!r} must hold a JSON object, got {type(config).__name__}")
+    config = read_json_object(config_file)
     overwrite = FORCE if args.overwrite > 1 else bool(args.overwrite)
     protect = (args.src,)
     check_destination(args.dst, overwrite, protect, name="dst", expected=("config.json",))

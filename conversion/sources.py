@@ -12,6 +12,7 @@ cache folder.
 """
 
 import json
+import stat
 from pathlib import Path
 
 import torch
@@ -24,7 +25,10 @@ INDEX_FILE = "model.safetensors.index.json"
 def checkpoint_root(path: Path) -> Path:
     """The folder every file of checkpoint `path` must resolve into: the repository folder of a Hub cache snapshot
     (`models--*/snapshots/<revision>` -> `models--*`, which holds the blobs), else `path` itself."""
-    path = path.resolve()
+    try:
+        path = path.resolve()
+    except (OSError, RuntimeError):  # a loop of links: the checks that read the checkpoint say so
+        return path
     if path.parent.name == "snapshots" and path.parent.parent.name.startswith(("models--", "datasets--")):
         return path.parent.parent
     return path
@@ -36,8 +40,21 @@ def is_inside(path: Path, root: Path) -> bool:
     return target == root or root in target.parents
 
 
+MAX_JSON_BYTES = 64 * 2**20  # a config or an index of the largest checkpoints is far smaller
+
+
 def read_json_object(path: Path) -> dict:
-    """The JSON object in file `path`; a ValueError naming the file for anything else (garbage, empty, `null`)."""
+    """The JSON object in file `path`; a ValueError naming the file for anything else (garbage, empty, `null`), and
+    before reading it for what is not a regular file of at most MAX_JSON_BYTES (a link to /dev/zero or a FIFO
+    would be read forever)."""
+    try:
+        info = path.stat()
+    except OSError as error:
+        raise ValueError(f"{path.name} in {str(path.parent)!r} cannot be read: {error}") from error
+    if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_JSON_BYTES:
+        what = "not a regular file" if not stat.S_ISREG(info.st_mode) else f"{info.st_size} bytes"
+        raise ValueError(f"{path.name} in {str(path.parent)!r} must be a regular file of at most {MAX_JSON_BYTES} "
+                         f"bytes, got {what}")
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:

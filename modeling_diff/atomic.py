@@ -12,8 +12,9 @@ What `atomic_directory` guarantees, and how:
 - an `overwrite` replaces only what looks like an earlier output (holds one of `expected`) unless it is
   `"force"`, checked at the start and again on what the final rename moves aside, and never the current working
   directory or a protected source;
-- the lock file is opened without following links (`O_NOFOLLOW`) and must be a regular file, so a link planted in
-  its place cannot make a writer overwrite the link's target.
+- the lock file is opened without following links (`O_NOFOLLOW`) and must be a regular file of one name, so a
+  link (symbolic or hard) planted in its place cannot make a writer overwrite another file;
+- the filesystem's root, a directory directly under it, and the home directory and its parents are never replaced.
 """
 
 import contextlib
@@ -76,6 +77,8 @@ def _pid_alive(pid: int) -> bool:
         return False
     except PermissionError:  # alive, owned by another user
         return True
+    except (OverflowError, ValueError):  # no process has that number: not a staging name we made, so not ours
+        return True
     return True
 
 
@@ -91,9 +94,6 @@ def _exclusive_lock(dst: Path, name: str):
                 raise ValueError(f"{name} {str(dst)!r}: its lock file {str(path)!r} is a symbolic link, which no "
                                  f"writer makes; remove it") from None
             raise ValueError(f"{name} {str(dst)!r} cannot be written: {error}") from error
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise ValueError(f"{name} {str(dst)!r}: its lock file {str(path)!r} is not a regular file; remove it")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -108,6 +108,12 @@ def _exclusive_lock(dst: Path, name: str):
         except FileNotFoundError:
             pass
         os.close(fd)
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:  # a hard link planted there: another file's bytes
+        os.close(fd)
+        what = "not a regular file" if not stat.S_ISREG(info.st_mode) else f"a file of {info.st_nlink} names"
+        raise ValueError(f"{name} {str(dst)!r}: its lock file {str(path)!r} is {what} (hard links), which no writer "
+                         f"makes; remove it")
     try:
         os.ftruncate(fd, 0)
         os.write(fd, str(os.getpid()).encode())
@@ -130,8 +136,8 @@ def _remove_stale_staging(dst: Path) -> None:
 def check_destination(dst: str | os.PathLike, overwrite: bool | str = False, protect: tuple = (),
                       name: str = "destination", expected: tuple[str, ...] = ()) -> Path:
     """Refuse, before any work, a `dst` that `atomic_directory` would refuse; returns it resolved."""
-    dst = Path(dst).resolve()
-    for path in (Path(p).resolve() for p in protect):
+    dst, protect = _resolved(dst, name), [_resolved(p, "source") for p in protect]
+    for path in protect:
         if dst == path or path in dst.parents or dst in path.parents:
             raise ValueError(f"{name} {str(dst)!r} must not be, contain or lie inside the source {str(path)!r}")
     cwd = Path.cwd().resolve()
@@ -144,6 +150,10 @@ def check_destination(dst: str | os.PathLike, overwrite: bool | str = False, pro
         what = "exists" if existing == dst else f"lies under {str(existing)!r}, which exists"
         raise ValueError(f"{name} {str(dst)!r} {what} and is not a directory")
     if dst.is_dir() and any(dst.iterdir()):
+        if _too_wide(dst):
+            raise ValueError(f"{name} {str(dst)!r} is the filesystem's root, a directory directly under it, or the "
+                             f"home directory or one of its parents: never replaced, not even with "
+                             f"overwrite='force'; choose a directory of its own")
         if not overwrite:
             raise ValueError(f"{name} {str(dst)!r} exists and is not empty; pass overwrite=True (--overwrite) "
                              f"to replace it")
@@ -152,6 +162,23 @@ def check_destination(dst: str | os.PathLike, overwrite: bool | str = False, pro
                              f"an earlier output: refusing to replace it; pass overwrite='force' (--overwrite "
                              f"twice) to replace it anyway")
     return dst
+
+
+def _resolved(path, name: str) -> Path:
+    try:
+        return Path(path).resolve()
+    except (OSError, RuntimeError) as error:  # a loop of links (RuntimeError before Python 3.13)
+        raise ValueError(f"{name} {str(path)!r} cannot be resolved: {error}") from None
+
+
+def _too_wide(dst: Path) -> bool:
+    """Whether replacing `dst` would replace far more than an output: /, /usr, /home, the home directory, ..."""
+    root = Path(dst.anchor)
+    try:
+        home = Path.home().resolve()
+    except (KeyError, RuntimeError, OSError):  # no home directory known
+        home = None
+    return dst == root or dst.parent == root or (home is not None and (dst == home or dst in home.parents))
 
 
 @contextlib.contextmanager

@@ -267,6 +267,9 @@ def plot_needle_heatmap(result: NeedleResult, ax=None, title: str | None = None)
     return ax
 
 
+RESULT_FILES = ("needle.json", "needle.png")
+
+
 def main(argv: list[str] | None = None) -> NeedleResult:
     parser = argparse.ArgumentParser(prog="python -m modeling_diff.needle", description=__doc__.split("\n\n")[0])
     parser.add_argument("model", help="a local model directory (any causal LM with a tokenizer)")
@@ -288,9 +291,14 @@ def main(argv: list[str] | None = None) -> NeedleResult:
         parser.error(f"--gguf-file {args.gguf_file!r} is not a file in {args.model!r}")
     if not args.gguf_file and not (model_dir / "config.json").is_file():
         parser.error(f"model {args.model!r} holds no config.json (a .gguf model needs --gguf-file)")
+    if args.out.is_symlink() and not args.out.exists():
+        parser.error(f"--out {str(args.out)!r} is a link to nothing")
     blocker = next((p for p in [args.out, *args.out.parents] if p.exists()), None)
     if blocker is not None and not blocker.is_dir():
         parser.error(f"--out {str(args.out)!r} must be a directory; {str(blocker)!r} is a file")
+    for name in RESULT_FILES:  # replaced one by one in an existing --out: each must be replaceable
+        if (args.out / name).is_dir():
+            parser.error(f"--out {str(args.out)!r} holds a directory {name}, where the result file goes")
     # The results are staged next to --out (and moved into it if it exists): both places must take a new entry.
     # Tried, not inferred from permissions (root ignores them; read-only and immutable places do not).
     staging_parent = next(p for p in [args.out.parent, *args.out.parents] if p.exists())
@@ -331,7 +339,7 @@ def main(argv: list[str] | None = None) -> NeedleResult:
         plot_needle_heatmap(result).figure.savefig(staging / "needle.png", dpi=120, bbox_inches="tight")
         plt.close("all")
         if args.out.exists():
-            for name in ("needle.json", "needle.png"):
+            for name in RESULT_FILES:
                 (staging / name).replace(args.out / name)
         else:
             staging.rename(args.out)

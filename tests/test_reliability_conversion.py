@@ -177,18 +177,72 @@ def test_an_earlier_output_replaced_during_the_conversion_by_another_directory(s
     assert hidden_leftovers(tmp_path) == []
 
 
+@pytest.mark.parametrize("link", ["symbolic", "hard"])
 @pytest.mark.parametrize("target", ["a source file", "a file outside"])
-def test_a_link_planted_as_the_lock_file_is_refused_and_its_target_untouched(src, tmp_path, capsys, target):
-    """The lock file `.<DST>.lock` is opened without following links: a link planted there (to a file of the source,
-    or anywhere) is refused in one line, before any work, and the file it points to keeps its bytes."""
+def test_a_link_planted_as_the_lock_file_is_refused_and_its_target_untouched(src, tmp_path, capsys, target, link):
+    """The lock file `.<DST>.lock` is opened without following links and must be a file of one name: a link planted
+    there (symbolic or hard; to a file of the source, or anywhere) is refused in one line, before any work, and the
+    file it points to keeps its bytes."""
     victim = src / "tokenizer.json" if target == "a source file" else tmp_path / "victim.txt"
     if not victim.exists():
         victim.write_text("precious")
     before = victim.read_bytes()
-    (tmp_path / ".dst.lock").symlink_to(victim)
+    if link == "symbolic":
+        (tmp_path / ".dst.lock").symlink_to(victim)
+    else:
+        os.link(victim, tmp_path / ".dst.lock")
     line = cli_error(["convert", str(src), str(tmp_path / "dst"), "--heads", "all"], capsys)
-    assert "lock file" in line and "is a symbolic link" in line
+    assert "lock file" in line and ("is a symbolic link" if link == "symbolic" else "a file of 2 names") in line
     assert victim.read_bytes() == before and not (tmp_path / "dst").exists()
+
+
+@pytest.mark.parametrize("kind", ["a link to /dev/zero", "a FIFO", "larger than any config"])
+def test_a_config_json_that_is_no_small_regular_file_is_refused_before_it_is_read(src, tmp_path, capsys, kind):
+    """Read whole, /dev/zero filled the memory until the kernel killed the process, and a FIFO waited forever."""
+    config = src / "config.json"
+    config.unlink()
+    if kind == "a link to /dev/zero":
+        config.symlink_to("/dev/zero")
+    elif kind == "a FIFO":
+        os.mkfifo(config)
+    else:
+        with open(config, "wb") as file:
+            file.truncate(65 * 2**20)  # sparse: no disk used
+    line = cli_error(["convert", str(src), str(tmp_path / "dst"), "--heads", "all"], capsys)
+    assert "config.json" in line and ("must be a directory with a config.json" in line or "regular file" in line)
+    assert not (tmp_path / "dst").exists()
+
+
+def test_a_destination_that_is_a_loop_of_links_is_one_line(src, tmp_path, capsys):
+    (tmp_path / "loop1").symlink_to(tmp_path / "loop2")
+    (tmp_path / "loop2").symlink_to(tmp_path / "loop1")
+    for dst in (tmp_path / "loop1", tmp_path / "loop1" / "out"):
+        assert "cannot be resolved" in cli_error(["convert", str(src), str(dst), "--heads", "all"], capsys)
+
+
+def test_a_planted_staging_name_of_no_possible_process_is_kept_and_does_not_stop_the_conversion(src, tmp_path):
+    """Stale staging directories are removed when their process is gone; a name whose pid no process can have
+    (os.kill overflowed) is not ours: kept, and the conversion goes on."""
+    planted = tmp_path / ".dst.99999999999999999999.abc.tmp"
+    planted.mkdir()
+    (planted / "theirs.txt").write_text("x")
+    convert_checkpoint(src, tmp_path / "dst", heads="all", progress=False)
+    assert (planted / "theirs.txt").read_text() == "x"
+
+
+@pytest.mark.parametrize("dst", ["/usr", "home", "home parent"])
+def test_a_top_directory_and_the_home_are_never_replaced(tmp_path, monkeypatch, dst):
+    """`--overwrite --overwrite` replaces any directory but these (and the root, which holds the working directory),
+    which hold far more than an output."""
+    from modeling_diff.atomic import FORCE, check_destination
+
+    home = tmp_path / "users" / "me"
+    (home / ".ssh").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path / "elsewhere")  # not refused by the working directory's rule
+    with pytest.raises(ValueError, match="never replaced, not even with overwrite='force'"):
+        check_destination({"home": home, "home parent": home.parent}.get(dst, Path(dst)), FORCE)
 
 
 def test_two_conversions_to_one_destination(src, tmp_path, monkeypatch):
@@ -373,6 +427,11 @@ def test_a_hub_cache_snapshot_converts(pristine, tmp_path):
     with torch.no_grad():
         logits = AutoModelForCausalLM.from_pretrained(dst).eval()(ids).logits
         assert (logits - tiny_llama()(ids).logits).abs().max() <= 1e-4
+    assert tree_hash(repo) == before
+    # the blobs are the snapshot's: as DST (even with --overwrite twice), or anything else in the repository folder
+    for inside in (blobs, repo / "snapshots" / "other"):
+        with pytest.raises(ValueError, match="must not be, contain or lie inside the source"):
+            convert_checkpoint(snapshot, inside, heads="all", overwrite="force", progress=False)
     assert tree_hash(repo) == before
 
 

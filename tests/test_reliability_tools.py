@@ -87,6 +87,12 @@ def test_needle_refuses_an_out_it_cannot_write_and_a_model_without_config_before
     line = needle_error([str(tmp_path / "empty"), "--out", str(tmp_path / "out")], capsys)
     assert "holds no config.json" in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]
+    # a link to nothing as --out, and a directory where a result file goes: found before, not after, the run
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    assert "is a link to nothing" in needle_error([str(model_dir), "--out", str(tmp_path / "dangling")], capsys)
+    (tmp_path / "out" / "needle.json").mkdir(parents=True)
+    line = needle_error([str(model_dir), "--out", str(tmp_path / "out")], capsys)
+    assert "holds a directory needle.json" in line
 
 
 def test_lengths_beyond_the_model_are_one_line(model_dir, tmp_path, capsys):
@@ -209,9 +215,9 @@ def test_export_overwrites_an_earlier_output_only_unless_told_twice(model_dir, t
 
 
 @pytest.mark.parametrize("config_text,message", [
-    ("null", "must hold a JSON object, got NoneType"),
-    ("[1]", "must hold a JSON object, got list"),
-    ("{", "is not JSON"),
+    ("null", "must hold a JSON object, got null"),
+    ("[1]", "must hold a JSON object, got [1]"),
+    ("{", "is not valid JSON"),
     (None, "no file named"),  # a config and no weights: transformers' OSError, in one line
 ])
 def test_export_refuses_a_broken_source_in_one_line(model_dir, tmp_path, capsys, config_text, message):
