@@ -49,14 +49,14 @@ def run_export(args: argparse.Namespace) -> str:
     from modeling_diff.configuration import DiffLlamaConfig
     from modeling_diff.hub import save_for_hub
 
-    from .sources import read_json_object
+    from .sources import checkpoint_root, read_json_object
 
     config_file = args.src / "config.json"
     if not config_file.is_file():
         raise ValueError(f"src {str(args.src)!r} must be a checkpoint directory with a config.json")
     config = read_json_object(config_file)
     overwrite = FORCE if args.overwrite > 1 else bool(args.overwrite)
-    protect = (args.src,)
+    protect = (args.src, checkpoint_root(args.src))  # a Hub cache snapshot's blobs are its repository folder's
     check_destination(args.dst, overwrite, protect, name="dst", expected=("config.json",))
     model_type = config.get("model_type")
     if model_type != DiffLlamaConfig.model_type:
