@@ -11,7 +11,7 @@ from safetensors import SafetensorError
 from modeling_diff.atomic import FORCE
 
 from . import diffllama, ecosystem
-from .convert import DEFAULT_ANNEAL_STEPS, convert_checkpoint
+from .convert import CHARS_PER_TOKEN_AT_MOST, DEFAULT_ANNEAL_STEPS, convert_checkpoint
 
 
 def _heads(value: str):
@@ -31,8 +31,9 @@ def _read_calibration(parser: argparse.ArgumentParser, path: Path | None) -> str
         return None
     if not path.is_file():
         parser.error(f"--calibration-file {str(path)!r} is not a file")
-    try:
-        return path.read_text(encoding="utf-8")
+    try:  # its opening only: what the first 512 tokens can take (a file of gigabytes is not read whole)
+        with open(path, encoding="utf-8") as file:
+            return file.read(512 * CHARS_PER_TOKEN_AT_MOST)
     except UnicodeDecodeError as error:
         parser.error(f"--calibration-file {str(path)!r} is not UTF-8 text: {error}")
 
@@ -107,8 +108,8 @@ def _main(argv: list[str] | None) -> int:
     if args.command == ecosystem.EXPORT:
         try:
             print(ecosystem.run_export(args))
-        except (ValueError, OSError) as error:  # a refused input (a source without weights included), the disk
-            parser.error(" ".join(str(error).split()))  # one line; exits with status 2
+        except (ValueError, OSError, SafetensorError) as error:  # a refused input (a source without weights or
+            parser.error(" ".join(str(error).split()))  # with a corrupt shard included), the disk; one line, exit 2
         return 0
     calibration = _read_calibration(parser, args.calibration_file)
     try:

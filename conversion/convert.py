@@ -26,7 +26,7 @@ from . import diffllama
 from .calibration import with_default_calibration
 from .heads import attention_entropy, check_calibration_ids, check_head_fraction, resolve_heads, top_entropy_heads
 from .mapping import TensorMapping, check_method
-from .sources import INDEX_FILE, CheckpointDir, checkpoint_root, is_inside
+from .sources import INDEX_FILE, CheckpointDir, check_tokenizer_inside, checkpoint_root, is_inside
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +49,11 @@ def save_model(model: PreTrainedModel, dst: str | Path, tokenizer=None, overwrit
     return Path(dst).resolve()
 
 
+# Text beyond this many characters a calibration token is never reached: no tokenizer's tokens are that long on
+# average, and a whole file (gigabytes, or /dev/zero) is never read or tokenized for 512 tokens.
+CHARS_PER_TOKEN_AT_MOST = 128
+
+
 def calibration_ids_from(calibration, tokenizer=None, max_tokens: int = 512) -> torch.Tensor:
     """Token ids (B, L) for head calibration from ids or from text (tokenised, first `max_tokens` tokens)."""
     if isinstance(calibration, torch.Tensor):
@@ -56,7 +61,8 @@ def calibration_ids_from(calibration, tokenizer=None, max_tokens: int = 512) -> 
     if isinstance(calibration, str):
         if tokenizer is None:
             raise ValueError("calibration text needs a tokenizer: pass tokenizer=... or token ids")
-        return tokenizer(calibration, return_tensors="pt").input_ids[:, :max_tokens]
+        text = calibration[: max_tokens * CHARS_PER_TOKEN_AT_MOST]
+        return tokenizer(text, return_tensors="pt").input_ids[:, :max_tokens]
     raise ValueError(f"calibration must be text or a tensor of token ids, got {type(calibration).__name__}")
 
 
@@ -281,6 +287,7 @@ def _source_tokenizer(src: Path):
     if not any((src / name).is_file() for name in _TOKENIZER_FILES):
         raise ValueError(f"calibration text needs the source's tokenizer, but {str(src)!r} holds none of "
                          f"{', '.join(_TOKENIZER_FILES)}: add the tokenizer files or pass token ids")
+    check_tokenizer_inside(src)
     try:
         return AutoTokenizer.from_pretrained(src, local_files_only=True)
     except Exception as error:  # tokenizers fail in many ways (missing sentencepiece, a broken file, ...)

@@ -49,7 +49,7 @@ def run_export(args: argparse.Namespace) -> str:
     from modeling_diff.configuration import DiffLlamaConfig
     from modeling_diff.hub import save_for_hub
 
-    from .sources import checkpoint_root, read_json_object
+    from .sources import CheckpointDir, check_tokenizer_inside, checkpoint_root, read_json_object
 
     config_file = args.src / "config.json"
     if not config_file.is_file():
@@ -62,8 +62,11 @@ def run_export(args: argparse.Namespace) -> str:
     if model_type != DiffLlamaConfig.model_type:
         raise ValueError(f"src must be a {DiffLlamaConfig.model_type!r} checkpoint (convert a Llama first with "
                          f"`modeling-diff convert`), got model_type {model_type!r} in {config_file}")
-    model = AutoModelForCausalLM.from_pretrained(args.src, dtype="auto", local_files_only=True)
+    CheckpointDir(args.src)  # the converter's checks of a source: its index, its shards (regular files inside it)
     has_tokenizer = any((args.src / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
+    if has_tokenizer:
+        check_tokenizer_inside(args.src)
+    model = AutoModelForCausalLM.from_pretrained(args.src, dtype="auto", local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(args.src, local_files_only=True) if has_tokenizer else None
     dst = save_for_hub(model, args.dst, tokenizer=tokenizer, repo_id=args.repo_id, overwrite=overwrite,
                        protect=protect)

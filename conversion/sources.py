@@ -43,6 +43,27 @@ def is_inside(path: Path, root: Path) -> bool:
 MAX_JSON_BYTES = 64 * 2**20  # a config or an index of the largest checkpoints is far smaller
 
 
+# The files transformers' AutoTokenizer reads from a checkpoint directory.
+TOKENIZER_READS = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json")
+
+
+def check_tokenizer_inside(path: Path) -> None:
+    """Before AutoTokenizer reads checkpoint `path`: each of its tokenizer files that is there must be a regular file
+    inside the checkpoint. A link leading out (`tokenizer.json -> /etc/passwd`, or another model's tokenizer) would
+    be read as this checkpoint's tokenizer; a FIFO would be waited on."""
+    root = checkpoint_root(path)
+    for name in TOKENIZER_READS:
+        file = path / name
+        if not (file.exists() or file.is_symlink()):
+            continue
+        if not is_inside(file, root):
+            raise ValueError(f"the tokenizer file {name} in {str(path)!r} is a link to {str(file.resolve())!r}, "
+                             f"outside the checkpoint {str(root)!r}: refusing to read it as the checkpoint's")
+        if not file.is_file():
+            raise ValueError(f"the tokenizer file {name} in {str(path)!r} is not a regular file")
+
+
 def read_json_object(path: Path) -> dict:
     """The JSON object in file `path`; a ValueError naming the file for anything else (garbage, empty, `null`), and
     before reading it for what is not a regular file of at most MAX_JSON_BYTES (a link to /dev/zero or a FIFO

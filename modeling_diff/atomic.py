@@ -82,18 +82,32 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def open_lock_file(path: Path, what: str) -> int:
+    """A descriptor of the lock file `path`, created if missing. Opened without following links (`O_NOFOLLOW`) and
+    refused unless a regular file of one name: a link planted there (symbolic, or a hard link to another file) must
+    not make a writer write into the file it leads to. ValueError naming `what` (what the lock guards)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as error:  # a read-only or foreign parent, or a link: found before any work is done
+        if error.errno == errno.ELOOP:
+            raise ValueError(f"{what}: its lock file {str(path)!r} is a symbolic link, which no writer makes; "
+                             f"remove it") from None
+        raise ValueError(f"{what} cannot be written: {error}") from error
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink > 1:  # (0 names: its holder just removed it, see the caller)
+        os.close(fd)
+        kind = "not a regular file" if not stat.S_ISREG(info.st_mode) else f"a file of {info.st_nlink} names"
+        raise ValueError(f"{what}: its lock file {str(path)!r} is {kind} (a hard link), which no writer makes; "
+                         f"remove it")
+    return fd
+
+
 @contextlib.contextmanager
 def _exclusive_lock(dst: Path, name: str):
     """Hold `.<dst name>.lock` next to `dst` (flock, exclusive, not waiting); removed when released."""
     path = dst.parent / f".{dst.name}.lock"
     while True:
-        try:  # O_NOFOLLOW: a link planted in the lock's place must not make us write the pid into its target
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-        except OSError as error:  # a read-only or foreign parent, or a link: found before any work is done
-            if error.errno == errno.ELOOP:
-                raise ValueError(f"{name} {str(dst)!r}: its lock file {str(path)!r} is a symbolic link, which no "
-                                 f"writer makes; remove it") from None
-            raise ValueError(f"{name} {str(dst)!r} cannot be written: {error}") from error
+        fd = open_lock_file(path, f"{name} {str(dst)!r}")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -108,12 +122,6 @@ def _exclusive_lock(dst: Path, name: str):
         except FileNotFoundError:
             pass
         os.close(fd)
-    info = os.fstat(fd)
-    if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:  # a hard link planted there: another file's bytes
-        os.close(fd)
-        what = "not a regular file" if not stat.S_ISREG(info.st_mode) else f"a file of {info.st_nlink} names"
-        raise ValueError(f"{name} {str(dst)!r}: its lock file {str(path)!r} is {what} (hard links), which no writer "
-                         f"makes; remove it")
     try:
         os.ftruncate(fd, 0)
         os.write(fd, str(os.getpid()).encode())
@@ -268,4 +276,4 @@ def _put_back(replaced: Path, dst: Path, old: Path, name: str) -> None:
                          f"before is kept in {str(kept / dst.name)!r}") from error
 
 
-__all__ = ["FORCE", "atomic_directory", "check_destination"]
+__all__ = ["FORCE", "atomic_directory", "check_destination", "open_lock_file"]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .atomic import atomic_directory
+from .atomic import atomic_directory, check_destination, open_lock_file
 from .extras import require
 
 try:
@@ -73,10 +73,11 @@ def load_smollm2(cache_dir: str | Path | None = None):
     cache_dir = Path(cache_dir or os.environ.get("MODELING_DIFF_CACHE", Path.home() / ".cache" / "modeling_diff"))
     target = cache_dir / "smollm2-135m-instruct"
     cache_dir.mkdir(parents=True, exist_ok=True)
-    with open(cache_dir / ".smollm2.lock", "w") as lock:
+    with open(open_lock_file(cache_dir / ".smollm2.lock", "the SmolLM2 cache"), "w") as lock:
         if fcntl is not None:  # one process converts; the others wait for its copy instead of repeating the work
             fcntl.flock(lock, fcntl.LOCK_EX)
         if not (target / "config.json").is_file():
+            check_destination(target, True, name="SmolLM2 cache", expected=("config.json",))  # before the minute
             _save_smollm2_copy(cache_dir, target)
     return AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(target)
 
@@ -94,7 +95,8 @@ def _save_smollm2_copy(cache_dir: Path, target: Path) -> None:
     config.pop("quantization_config", None)
     model = LlamaForCausalLM(LlamaConfig.from_dict(config))
     model.load_state_dict(quantized.state_dict())
-    with atomic_directory(target, overwrite=True, name="SmolLM2 cache") as staging:  # never half a copy
+    # never half a copy; what is there without a config.json is someone else's, not a copy to replace
+    with atomic_directory(target, overwrite=True, name="SmolLM2 cache", expected=("config.json",)) as staging:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
 

@@ -33,10 +33,19 @@ def get_lora_model(model: nn.Module, config: LoraConfig | None = None) -> PeftMo
     return get_peft_model(model, config if config is not None else lora_config())
 
 
-def save_lora(peft_model: PeftModel, save_directory: str | os.PathLike, overwrite: bool = False, **kwargs) -> Path:
-    """`peft_model.save_pretrained(save_directory, **kwargs)`, never half-written; an existing non-empty folder is
-    replaced only with `overwrite=True`. Load with `PeftModel.from_pretrained(base_model, save_directory)`."""
-    with atomic_directory(save_directory, overwrite, name="save_directory") as staging:
+def save_lora(peft_model: PeftModel, save_directory: str | os.PathLike, overwrite: bool | str = False,
+              protect: tuple = (), **kwargs) -> Path:
+    """`peft_model.save_pretrained(save_directory, **kwargs)`, never half-written. An existing non-empty folder is
+    replaced only with `overwrite=True` and only if it holds an adapter (adapter_config.json), any folder with
+    `overwrite="force"`; `save_directory` may not be, contain or lie inside the base model's local folder nor a path
+    of `protect`. With `is_main_process=False` (another rank of a distributed run) nothing is written, as PEFT
+    writes nothing then. Load with `PeftModel.from_pretrained(base_model, save_directory)`."""
+    if not kwargs.get("is_main_process", True):
+        return Path(save_directory).resolve()
+    base = getattr(peft_model.get_base_model(), "name_or_path", "") or ""
+    protect = (*protect, *([base] if base and Path(base).is_dir() else []))
+    with atomic_directory(save_directory, overwrite, protect, name="save_directory",
+                          expected=("adapter_config.json",)) as staging:
         peft_model.save_pretrained(staging, **kwargs)
     return Path(save_directory).resolve()
 

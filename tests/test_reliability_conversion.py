@@ -528,6 +528,30 @@ def test_a_gguf_file_that_is_not_one_is_one_line(tmp_path, capsys, content):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]
 
 
+def test_a_calibration_file_is_read_no_further_than_its_first_512_tokens_reach(src, tmp_path, monkeypatch):
+    """A 3 GiB file was read whole (a MemoryError traceback), and a 200 MiB one made the tokenizer abort."""
+    huge = tmp_path / "huge.txt"
+    with open(huge, "w", encoding="utf-8") as file:
+        file.write(TEXT * 400)  # 48 KB of text, then a sparse hole to 1 GiB (read as NULs)
+        file.truncate(2**30)
+    seen = []
+    original = convert_module.calibration_ids_from
+    monkeypatch.setattr(convert_module, "calibration_ids_from", lambda text, *a, **k: (
+        seen.append(len(text)), original(text, *a, **k))[1])
+    assert main(["convert", str(src), str(tmp_path / "dst"), "--calibration-file", str(huge), "--quiet"]) == 0
+    assert seen and seen[0] <= 512 * convert_module.CHARS_PER_TOKEN_AT_MOST
+
+
+def test_a_tokenizer_linking_out_of_the_source_is_not_read_for_the_calibration(src, tmp_path, capsys):
+    """Copying skips such a link with a warning; the calibration read it as the source's tokenizer."""
+    outside = tmp_path / "elsewhere.json"
+    (src / "tokenizer.json").rename(outside)
+    (src / "tokenizer.json").symlink_to(outside)
+    line = cli_error(["convert", str(src), str(tmp_path / "dst")], capsys)
+    assert "the tokenizer file tokenizer.json" in line and "outside the checkpoint" in line
+    assert not (tmp_path / "dst").exists()
+
+
 def test_calibration_inputs(src, tmp_path, capsys):
     dst = str(tmp_path / "dst")
     (tmp_path / "latin1.txt").write_bytes("Thou art more lovely, café".encode("latin-1"))

@@ -218,7 +218,7 @@ def test_export_overwrites_an_earlier_output_only_unless_told_twice(model_dir, t
     ("null", "must hold a JSON object, got null"),
     ("[1]", "must hold a JSON object, got [1]"),
     ("{", "is not valid JSON"),
-    (None, "no file named"),  # a config and no weights: transformers' OSError, in one line
+    (None, "must hold model.safetensors or model.safetensors.index.json"),  # a config and no weights
 ])
 def test_export_refuses_a_broken_source_in_one_line(model_dir, tmp_path, capsys, config_text, message):
     src = tmp_path / "src"
@@ -227,3 +227,26 @@ def test_export_refuses_a_broken_source_in_one_line(model_dir, tmp_path, capsys,
     line = export_error([str(src), str(tmp_path / "out")], capsys)
     assert message in line
     assert not (tmp_path / "out").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_export_reads_no_shard_or_tokenizer_the_converter_would_not(model_dir, tmp_path, capsys):
+    """A shard that is a FIFO hung `export` forever; a corrupt shard was a SafetensorError traceback; a tokenizer.json
+    linking out of SRC was read (and would have been exported) as the checkpoint's."""
+    import os
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(model_dir, src)
+    (src / "model.safetensors").unlink()
+    os.mkfifo(src / "model.safetensors")
+    assert "model.safetensors" in export_error([str(src), str(tmp_path / "out")], capsys)
+    (src / "model.safetensors").unlink()
+    (src / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}")
+    assert "is not a readable safetensors file" in export_error([str(src), str(tmp_path / "out")], capsys)
+    shutil.copy(model_dir / "model.safetensors", src / "model.safetensors")
+    outside = tmp_path / "other-tokenizer.json"
+    (src / "tokenizer.json").rename(outside)
+    (src / "tokenizer.json").symlink_to(outside)
+    line = export_error([str(src), str(tmp_path / "out")], capsys)
+    assert "the tokenizer file tokenizer.json" in line and "outside the checkpoint" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other-tokenizer.json", "src"]
