@@ -8,7 +8,7 @@ from pathlib import Path
 
 from safetensors import SafetensorError
 
-from modeling_diff.atomic import FORCE
+from modeling_diff.atomic import overwrite_from_flags
 
 from . import diffllama, ecosystem
 from .convert import CHARS_PER_TOKEN_AT_MOST, DEFAULT_ANNEAL_STEPS, convert_checkpoint
@@ -117,7 +117,7 @@ def _main(argv: list[str] | None) -> int:
             args.src, args.dst, method=args.method, heads=args.heads, head_fraction=args.head_fraction,
             calibration=calibration,
             anneal_steps=DEFAULT_ANNEAL_STEPS if args.anneal_steps is None else args.anneal_steps,
-            noise_init=args.noise_init, overwrite=FORCE if args.overwrite > 1 else bool(args.overwrite),
+            noise_init=args.noise_init, overwrite=overwrite_from_flags(args.overwrite),
             progress=not args.quiet, to=args.to,
         )
     except (ValueError, OSError, SafetensorError) as error:  # a refused input, or the disk (full, read-only)

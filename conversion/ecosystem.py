@@ -45,7 +45,7 @@ def run_export(args: argparse.Namespace) -> str:
     before the model loads."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from modeling_diff.atomic import FORCE, check_destination
+    from modeling_diff.atomic import check_destination, overwrite_from_flags
     from modeling_diff.configuration import DiffLlamaConfig
     from modeling_diff.hub import save_for_hub
 
@@ -55,7 +55,7 @@ def run_export(args: argparse.Namespace) -> str:
     if not config_file.is_file():
         raise ValueError(f"src {str(args.src)!r} must be a checkpoint directory with a config.json")
     config = read_json_object(config_file)
-    overwrite = FORCE if args.overwrite > 1 else bool(args.overwrite)
+    overwrite = overwrite_from_flags(args.overwrite)
     protect = (args.src, checkpoint_root(args.src))  # a Hub cache snapshot's blobs are its repository folder's
     check_destination(args.dst, overwrite, protect, name="dst", expected=("config.json",))
     model_type = config.get("model_type")

@@ -40,9 +40,6 @@ def is_inside(path: Path, root: Path) -> bool:
     return target == root or root in target.parents
 
 
-MAX_JSON_BYTES = 64 * 2**20  # a config or an index of the largest checkpoints is far smaller
-
-
 # The files transformers' AutoTokenizer reads from a checkpoint directory.
 TOKENIZER_READS = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json")
@@ -62,6 +59,9 @@ def check_tokenizer_inside(path: Path) -> None:
                              f"outside the checkpoint {str(root)!r}: refusing to read it as the checkpoint's")
         if not file.is_file():
             raise ValueError(f"the tokenizer file {name} in {str(path)!r} is not a regular file")
+
+
+MAX_JSON_BYTES = 64 * 2**20  # a config or an index of the largest checkpoints is far smaller
 
 
 def read_json_object(path: Path) -> dict:

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingA
 
 import modeling_diff
 from modeling_diff.annealing import AnnealingCallback
-from modeling_diff.atomic import FORCE, check_destination
+from modeling_diff.atomic import check_destination, overwrite_from_flags
 from modeling_diff.data import shakespeare
 
 
@@ -55,7 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     # checkpoint being trained among them: its weights would be overwritten in place)
     source = (args.model,) if args.model not in modeling_diff.PRESETS else ()
     try:
-        check_destination(args.output_dir, FORCE if args.overwrite > 1 else bool(args.overwrite), source,
+        check_destination(args.output_dir, overwrite_from_flags(args.overwrite), source,
                           name="--output-dir", expected=("config.json",))
     except ValueError as error:
         parser.error(str(error))

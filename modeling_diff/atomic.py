@@ -32,6 +32,12 @@ from pathlib import Path
 FORCE = "force"
 
 
+def overwrite_from_flags(count: int) -> bool | str:
+    """The `overwrite` of a command line's `--overwrite` given `count` times: once replaces an earlier output,
+    twice (FORCE) any directory."""
+    return FORCE if count > 1 else bool(count)
+
+
 def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt(f"terminated by signal {signal.Signals(signum).name}")
 
@@ -276,4 +282,4 @@ def _put_back(replaced: Path, dst: Path, old: Path, name: str) -> None:
                          f"before is kept in {str(kept / dst.name)!r}") from error
 
 
-__all__ = ["FORCE", "atomic_directory", "check_destination", "open_lock_file"]
+__all__ = ["FORCE", "atomic_directory", "check_destination", "open_lock_file", "overwrite_from_flags"]
