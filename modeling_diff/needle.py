@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from tqdm.auto import tqdm
 
 from .data import shakespeare
@@ -291,6 +292,10 @@ def main(argv: list[str] | None = None) -> NeedleResult:
         parser.error(f"--gguf-file {args.gguf_file!r} is not a file in {args.model!r}")
     if not args.gguf_file and not (model_dir / "config.json").is_file():
         parser.error(f"model {args.model!r} holds no config.json (a .gguf model needs --gguf-file)")
+    odd = sorted(p.name for p in model_dir.iterdir() if not (p.is_file() or p.is_dir()))
+    if odd:  # a FIFO shard would be waited on forever, a link to /dev/zero read without end
+        parser.error(f"model {args.model!r} holds entries that are neither files nor folders (a FIFO, a device, a "
+                     f"link to nothing): {', '.join(odd)}")
     if args.out.is_symlink() and not args.out.exists():
         parser.error(f"--out {str(args.out)!r} is a link to nothing")
     blocker = next((p for p in [args.out, *args.out.parents] if p.exists()), None)
@@ -323,8 +328,11 @@ def main(argv: list[str] | None = None) -> NeedleResult:
     import modeling_diff  # noqa: F401  (registers the DiffLlama Auto classes)
 
     kwargs = {"gguf_file": args.gguf_file} if args.gguf_file else {}
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, **kwargs)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, **kwargs)
+    except (OSError, ValueError, RuntimeError, SafetensorError) as error:  # a corrupt shard, a broken tokenizer
+        parser.error(f"model {args.model!r} could not be loaded: {' '.join(str(error).split())}")
     try:
         result = evaluate_needles(model, tokenizer, args.lengths, args.depths, args.needles, args.queries,
                                   args.trials, haystack, args.seed)

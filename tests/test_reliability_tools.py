@@ -95,6 +95,23 @@ def test_needle_refuses_an_out_it_cannot_write_and_a_model_without_config_before
     assert "holds a directory needle.json" in line
 
 
+def test_needle_refuses_a_model_folder_with_a_fifo_and_a_corrupt_shard_in_one_line(model_dir, tmp_path, capsys):
+    """A FIFO shard hung the needle evaluation forever; a corrupt one ended in a SafetensorError traceback."""
+    import os
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(model_dir, model)
+    (model / "model.safetensors").unlink()
+    os.mkfifo(model / "model.safetensors")
+    line = needle_error([str(model), "--out", str(tmp_path / "out")], capsys)
+    assert "neither files nor folders" in line and "model.safetensors" in line
+    (model / "model.safetensors").unlink()
+    (model / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}")
+    assert "could not be loaded" in needle_error([str(model), "--out", str(tmp_path / "out")], capsys)
+    assert not (tmp_path / "out").exists()
+
+
 def test_lengths_beyond_the_model_are_one_line(model_dir, tmp_path, capsys):
     line = needle_error([str(model_dir), "--out", str(tmp_path / "out"), "--lengths", "4096"], capsys)
     assert "lengths must not exceed max_position_embeddings (512)" in line
