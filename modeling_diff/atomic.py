@@ -102,9 +102,9 @@ def open_lock_file(path: Path, what: str) -> int:
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode) or info.st_nlink > 1:  # (0 names: its holder just removed it, see the caller)
         os.close(fd)
-        kind = "not a regular file" if not stat.S_ISREG(info.st_mode) else f"a file of {info.st_nlink} names"
-        raise ValueError(f"{what}: its lock file {str(path)!r} is {kind} (a hard link), which no writer makes; "
-                         f"remove it")
+        kind = ("not a regular file" if not stat.S_ISREG(info.st_mode)
+                else f"a file of {info.st_nlink} names (a hard link)")
+        raise ValueError(f"{what}: its lock file {str(path)!r} is {kind}, which no writer makes; remove it")
     return fd
 
 

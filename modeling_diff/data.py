@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .atomic import atomic_directory, check_destination, open_lock_file
+from .atomic import atomic_directory, open_lock_file
 from .extras import require
 
 try:
@@ -77,7 +77,9 @@ def load_smollm2(cache_dir: str | Path | None = None):
         if fcntl is not None:  # one process converts; the others wait for its copy instead of repeating the work
             fcntl.flock(lock, fcntl.LOCK_EX)
         if not (target / "config.json").is_file():
-            check_destination(target, True, name="SmolLM2 cache", expected=("config.json",))  # before the minute
+            if target.is_dir() and any(target.iterdir()):  # found before the minute the copy takes
+                raise ValueError(f"the SmolLM2 cache {str(target)!r} holds a folder that is not its copy (no "
+                                 f"config.json): move it away, or set MODELING_DIFF_CACHE to another folder")
             _save_smollm2_copy(cache_dir, target)
     return AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(target)
 
