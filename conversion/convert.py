@@ -284,10 +284,10 @@ def _source_config(src: Path):
 
 def _source_tokenizer(src: Path):
     """The source's tokenizer, for calibration text; a ValueError saying what is missing otherwise."""
+    check_tokenizer_inside(src)
     if not any((src / name).is_file() for name in _TOKENIZER_FILES):
         raise ValueError(f"calibration text needs the source's tokenizer, but {str(src)!r} holds none of "
                          f"{', '.join(_TOKENIZER_FILES)}: add the tokenizer files or pass token ids")
-    check_tokenizer_inside(src)
     try:
         return AutoTokenizer.from_pretrained(src, local_files_only=True)
     except Exception as error:  # tokenizers fail in many ways (missing sentencepiece, a broken file, ...)

@@ -129,7 +129,9 @@ class CheckpointDir:
 
     def _open(self, file: str):
         if not (self.path / file).is_file():
-            raise ValueError(f"shard {file!r} listed in {INDEX_FILE} is missing from {self.path}")
+            there = (self.path / file).exists() or (self.path / file).is_symlink()
+            what = "is not a regular file (a FIFO, a device, a link to nothing) in" if there else "is missing from"
+            raise ValueError(f"shard {file!r} listed in {INDEX_FILE} {what} {self.path}")
         if not is_inside(self.path / file, self.root):
             raise ValueError(f"shard {file!r} in {self.path} is a link to {str((self.path / file).resolve())!r}, "
                              f"outside the checkpoint {str(self.root)!r}")

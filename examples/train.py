@@ -18,7 +18,8 @@ import argparse
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments, default_data_collator
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments,
+                          default_data_collator)
 
 import modeling_diff
 from modeling_diff.annealing import AnnealingCallback
@@ -49,6 +50,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.model not in modeling_diff.PRESETS and not Path(args.model, "config.json").is_file():
         parser.error(f"--model must be a preset ({', '.join(sorted(modeling_diff.PRESETS))}) or a folder with a "
                      f"config.json, got {args.model!r}")
+    config = (modeling_diff.preset_config(args.model) if args.model in modeling_diff.PRESETS
+              else AutoConfig.from_pretrained(args.model))
+    if args.seq_len > config.max_position_embeddings:
+        parser.error(f"--seq-len {args.seq_len} is longer than the model's max_position_embeddings "
+                     f"{config.max_position_embeddings}")
     if args.text_file is not None and not args.text_file.is_file():  # a FIFO would be waited on forever
         parser.error(f"--text-file {str(args.text_file)!r} is not a regular file")
     # Trainer writes into --output-dir as it goes: refused up front what the converter refuses as its DST (the
@@ -88,9 +94,6 @@ def token_blocks(args: argparse.Namespace, vocab_size: int) -> torch.Tensor:
 def main(argv=None) -> None:
     args = parse_args(argv)
     model = build_model(args)
-    if args.seq_len > model.config.max_position_embeddings:
-        raise SystemExit(f"--seq-len {args.seq_len} is longer than the model's max_position_embeddings "
-                         f"{model.config.max_position_embeddings}")
     blocks = token_blocks(args, model.config.vocab_size)
     training_args = TrainingArguments(
         output_dir=str(args.output_dir), max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,

@@ -226,6 +226,8 @@ def test_training_script_refuses_bad_arguments(tmp_path):
         (["--model", "tiny-v1", "--output-dir", str(tmp_path / "notes"), "--overwrite"], "holds no config.json"),
         (["--model", "tiny-v1", "--output-dir", str(tmp_path / "out"), "--text-file", str(tmp_path / "fifo.txt")],
          "is not a regular file"),
+        (["--model", str(checkpoint), "--output-dir", str(tmp_path / "out"), "--seq-len", "100000"],
+         "is longer than the model's max_position_embeddings"),
     ):
         out = subprocess.run([PYTHON, str(REPO / "examples" / "train.py"), *extra], env=offline_env(tmp_path),
                              capture_output=True, text=True, timeout=120)

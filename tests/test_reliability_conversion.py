@@ -542,6 +542,21 @@ def test_a_calibration_file_is_read_no_further_than_its_first_512_tokens_reach(s
     assert seen and seen[0] <= 512 * convert_module.CHARS_PER_TOKEN_AT_MOST
 
 
+def test_a_shard_or_tokenizer_that_is_a_fifo_is_named_as_such(pristine, src, tmp_path, capsys):
+    """Refused before it is opened (a FIFO would be waited on), and called what it is, not "missing"."""
+    shard = json.loads((src / INDEX).read_text())["weight_map"]["model.norm.weight"]
+    (src / shard).unlink()
+    os.mkfifo(src / shard)
+    line = cli_error(["convert", str(src), str(tmp_path / "dst"), "--heads", "all"], capsys)
+    assert f"shard '{shard}'" in line and "is not a regular file" in line
+    (src / shard).unlink()
+    shutil.copy(pristine / shard, src / shard)
+    (src / "tokenizer.json").unlink()
+    os.mkfifo(src / "tokenizer.json")
+    line = cli_error(["convert", str(src), str(tmp_path / "dst2")], capsys)
+    assert "the tokenizer file tokenizer.json" in line and "is not a regular file" in line
+
+
 def test_a_tokenizer_linking_out_of_the_source_is_not_read_for_the_calibration(src, tmp_path, capsys):
     """Copying skips such a link with a warning; the calibration read it as the source's tokenizer."""
     outside = tmp_path / "elsewhere.json"
