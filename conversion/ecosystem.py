@@ -49,20 +49,17 @@ def run_export(args: argparse.Namespace) -> str:
     from modeling_diff.configuration import DiffLlamaConfig
     from modeling_diff.hub import save_for_hub
 
-    from .sources import CheckpointDir, check_tokenizer_inside, checkpoint_root, read_json_object
+    from .sources import CheckpointDir, check_tokenizer_inside
 
-    config_file = args.src / "config.json"
-    if not config_file.is_file():
-        raise ValueError(f"src {str(args.src)!r} must be a checkpoint directory with a config.json")
-    config = read_json_object(config_file)
+    # The converter's checks of a source (its config, index and shards: regular files inside it), read once
+    source = CheckpointDir(args.src)
     overwrite = overwrite_from_flags(args.overwrite)
-    protect = (args.src, checkpoint_root(args.src))  # a Hub cache snapshot's blobs are its repository folder's
+    protect = (args.src, source.root)  # a Hub cache snapshot's blobs are its repository folder's
     check_destination(args.dst, overwrite, protect, name="dst", expected=("config.json",))
-    model_type = config.get("model_type")
+    model_type = source.config.get("model_type")
     if model_type != DiffLlamaConfig.model_type:
         raise ValueError(f"src must be a {DiffLlamaConfig.model_type!r} checkpoint (convert a Llama first with "
-                         f"`modeling-diff convert`), got model_type {model_type!r} in {config_file}")
-    CheckpointDir(args.src)  # the converter's checks of a source: its index, its shards (regular files inside it)
+                         f"`modeling-diff convert`), got model_type {model_type!r} in {str(args.src / 'config.json')}")
     has_tokenizer = any((args.src / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
     if has_tokenizer:
         check_tokenizer_inside(args.src)

@@ -8,6 +8,7 @@ import torch
 import transformers
 from ecosystem_helpers import byte_tokenizer, tiny_config
 from test_needle import HAYSTACK
+from test_reliability_conversion import tree_hash
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import modeling_diff.needle as needle
@@ -204,17 +205,13 @@ def export_error(argv, capsys) -> str:
     return errors[0]
 
 
-def tree(root) -> dict:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
-
-
 def test_export_refuses_a_destination_in_or_around_its_source(model_dir, tmp_path, capsys, no_model_loading):
-    before = tree(model_dir)
+    before = tree_hash(model_dir)
     overwrite = ["--overwrite"]
     for dst, flags in ((model_dir, overwrite), (model_dir / "hub", []), (model_dir.parent, overwrite * 2)):
         line = export_error([str(model_dir), str(dst), *flags], capsys)
         assert "must not be, contain or lie inside the source" in line
-    assert tree(model_dir) == before
+    assert tree_hash(model_dir) == before
 
 
 def test_export_overwrites_an_earlier_output_only_unless_told_twice(model_dir, tmp_path, capsys):
