@@ -152,7 +152,7 @@ def test_v2_combine_and_o_proj_match_the_formula_and_keep_no_combined_heads(bias
     o_proj = torch.nn.Linear(H * D // 2, hidden, bias=bias, device=DEVICE, dtype=DTYPE)
     grad_out = rand(B, L, hidden)
 
-    kept, out = saved_shapes(lambda: v2_combine_projection_triton(attn, weight, o_proj))
+    kept, out = saved_shapes(lambda: v2_combine_projection_triton(attn, weight, o_proj.weight, o_proj.bias))
     inputs = (attn, weight, *o_proj.parameters())
     grads = torch.autograd.grad(out, inputs, grad_out)
 
@@ -168,9 +168,41 @@ def test_v2_combine_and_o_proj_match_the_formula_and_keep_no_combined_heads(bias
     assert sum(math.prod(shape) == 2 * combined for shape in kept) == 1  # the pairs
 
     o_proj.requires_grad_(False)  # frozen (PEFT elsewhere): no gradient for it, the same for the rest
-    frozen = torch.autograd.grad(v2_combine_projection_triton(attn, weight, o_proj), (attn, weight), grad_out)
+    frozen_out = v2_combine_projection_triton(attn, weight, o_proj.weight, o_proj.bias)
+    frozen = torch.autograd.grad(frozen_out, (attn, weight), grad_out)
     assert all(rel_err(got, want) < TOL for got, want in zip(frozen, grads))
     assert all(p.grad is None for p in o_proj.parameters())
+
+
+def test_v2_combine_and_o_proj_node_under_autocast_runs_o_proj_as_f_linear_does(monkeypatch):
+    """Trainer's `bf16=True` on a float32 model: the attention's output in autocast's dtype, o_proj's parameters in
+    float32. The node runs o_proj's product in autocast's dtype, as F.linear would, and gives each gradient in its
+    tensor's own dtype; output and gradients against the formula in float64. (On the H200 at 7fa55fc the backward
+    multiplied the bf16 gradient by the float32 weight: a RuntimeError in every such training step.) On the CPU
+    the Triton kernels run under the interpreter, in float16 autocast: the interpreter computes no bfloat16."""
+    import modeling_diff.kernels.combine as combine
+
+    monkeypatch.setattr(combine, "_fused", lambda attn: True)
+    node_calls, node = [], combine.v2_combine_projection_triton
+    monkeypatch.setattr(combine, "v2_combine_projection_triton", lambda *a: node_calls.append(1) or node(*a))
+    half = torch.bfloat16 if GPU else torch.float16
+    torch.manual_seed(3)
+    hidden = 48
+    attn = torch.randn(B, L, 2 * H, D // 2, device=DEVICE).to(half).requires_grad_()
+    weight = torch.sigmoid(torch.randn(B, L, H, device=DEVICE)).to(half).requires_grad_()
+    o_proj = torch.nn.Linear(H * D // 2, hidden, device=DEVICE)  # float32
+    with torch.autocast(DEVICE, dtype=half):
+        out = combine.v2_combine_projected(attn, weight, o_proj)
+    inputs = (attn, weight, *o_proj.parameters())
+    grad_out = torch.randn(out.shape, device=DEVICE, dtype=half)
+    grads = torch.autograd.grad(out, inputs, grad_out)
+
+    a64, w64, *o64 = (t.detach().double().requires_grad_() for t in inputs)
+    ref = torch.nn.functional.linear((a64[:, :, 0::2] - w64[..., None] * a64[:, :, 1::2]).flatten(-2), *o64)
+    ref_grads = torch.autograd.grad(ref, (a64, w64, *o64), grad_out.double())
+    assert node_calls == [1] and out.dtype == half and rel_err(out, ref) < 2e-2
+    for tensor, got, want in zip(inputs, grads, ref_grads):
+        assert got.dtype == tensor.dtype and rel_err(got, want) < 2e-2
 
 
 @pytest.mark.parametrize("shared_positions", [False, True])  # cos, sin of batch 1, shared by the batch

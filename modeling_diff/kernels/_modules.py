@@ -47,6 +47,19 @@ def recomputed_linear_backward(grad_out: torch.Tensor, weight: torch.Tensor, rec
     return grad_rows.mm(weight), grad_weight, grad_bias
 
 
+def linear_in_product_dtype(x: torch.Tensor, linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """A plain Linear's (weight, bias) cast to the dtype F.linear(x, weight, bias) runs its product in
+    (`product_dtype`: autocast's where autocast casts), for a node that runs the product itself; the casts are
+    autograd's, so the parameters' gradients come back in their own dtype, as through F.linear under autocast. None
+    where the layer is not plain (`is_plain_linear`) or the dtypes are ones F.linear would refuse."""
+    if not is_plain_linear(linear):
+        return None
+    dtype = product_dtype(x, *linear_parameters([linear]))
+    if dtype is None:
+        return None
+    return linear.weight.to(dtype), None if linear.bias is None else linear.bias.to(dtype)
+
+
 def shared_input_linears_apply(x: torch.Tensor, linears) -> bool:
     """Whether `shared_input_linears` takes the layers: two or more plain Linear layers (`is_plain_linear`),
     gradients recorded, and x and the parameters in one dtype, or autocast's (`product_dtype`)."""

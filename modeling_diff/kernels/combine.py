@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._modules import is_plain_linear, recomputed_linear_backward
+from ._modules import linear_in_product_dtype, recomputed_linear_backward
 from ._triton import TRITON_AVAILABLE, cdiv, eager_kernels_run_on, is_power_of_2, needs_grad, triton_available
 
 if TRITON_AVAILABLE:
@@ -198,14 +198,16 @@ class _V2Combine(torch.autograd.Function):
 
 class _V2CombineProjection(torch.autograd.Function):
     """o_proj(V2 combine): keeps the pairs (the attention call's own output, which it keeps anyway) and not the
-    combined heads (o_proj's input), which the backward computes again for o_proj's weight gradient."""
+    combined heads (o_proj's input), which the backward computes again for o_proj's weight gradient. o_proj's
+    product runs in its weight's dtype (the caller casts the weight to the dtype F.linear would use under autocast),
+    the combined heads cast to it and their gradient cast back, as autocast's casts do."""
 
     @staticmethod
     def forward(ctx, attn, weight, o_weight, o_bias):
         out, pairs, row_weight = _v2_combine_forward(attn, weight)  # (B, L, h, d)
         ctx.save_for_backward(pairs, row_weight, o_weight)
         ctx.shapes = attn.shape, weight.shape
-        return F.linear(out.flatten(-2), o_weight, o_bias)  # (B, L, hidden)
+        return F.linear(out.flatten(-2).to(o_weight.dtype), o_weight, o_bias)  # (B, L, hidden)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -213,17 +215,21 @@ class _V2CombineProjection(torch.autograd.Function):
         attn_shape, weight_shape = ctx.shapes
         _, _, need_o_weight, need_o_bias = ctx.needs_input_grad
         grad_combined, grad_o_weight, grad_o_bias = recomputed_linear_backward(  # the combined heads again
-            grad_out, o_weight, lambda: v2_combine_rows(pairs, row_weight), need_o_weight, need_o_bias
+            grad_out, o_weight, lambda: v2_combine_rows(pairs, row_weight).to(o_weight.dtype), need_o_weight,
+            need_o_bias,
         )
-        grad_combined = grad_combined.view(-1, pairs.shape[-1])  # (R, d)
+        grad_combined = grad_combined.view(-1, pairs.shape[-1]).to(pairs.dtype)  # (R, d)
         grad_pairs, grad_weight, _ = v2_combine_backward(pairs, row_weight, grad_combined)
         return grad_pairs.view(attn_shape), grad_weight.view(weight_shape), grad_o_weight, grad_o_bias
 
 
-def v2_combine_projection_triton(attn: torch.Tensor, weight: torch.Tensor, o_proj: nn.Linear) -> torch.Tensor:
-    """o_proj(v2_combine(attn, weight)), (B, L, 2h, d) -> (B, L, hidden), in one autograd node that keeps no
-    combined output (check `needs_grad` first: without gradients `v2_combine_triton` and o_proj are the same)."""
-    return _V2CombineProjection.apply(attn, weight, o_proj.weight, o_proj.bias)
+def v2_combine_projection_triton(attn: torch.Tensor, weight: torch.Tensor, o_weight: torch.Tensor,
+                                 o_bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(v2_combine(attn, weight), o_weight, o_bias), (B, L, 2h, d) -> (B, L, hidden), in one autograd node
+    that keeps no combined output, the product in o_weight's dtype (`linear_in_product_dtype` gives o_proj's weight
+    and bias in F.linear's; check `needs_grad` first: without gradients `v2_combine_triton` and o_proj are the
+    same)."""
+    return _V2CombineProjection.apply(attn, weight, o_weight, o_bias)
 
 
 def v1_combine_triton(attn: torch.Tensor, lam: torch.Tensor, subln: nn.Module, scale: float) -> torch.Tensor:
@@ -266,8 +272,10 @@ def v2_combine(attn: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def v2_combine_projected(attn: torch.Tensor, weight: torch.Tensor, o_proj: nn.Module) -> torch.Tensor:
     """o_proj(v2_combine(attn, weight)) (B, L, hidden). In training on the fused path with a plain o_proj, one node
     that keeps the attention's output but not the combined heads: (tokens x h x d) fewer kept per layer."""
-    if _fused(attn) and is_plain_linear(o_proj) and needs_grad(attn, weight, o_proj.weight):
-        return v2_combine_projection_triton(attn, weight, o_proj)
+    if _fused(attn) and needs_grad(attn, weight, o_proj.weight):
+        o_params = linear_in_product_dtype(attn, o_proj)
+        if o_params is not None:
+            return v2_combine_projection_triton(attn, weight, *o_params)
     return o_proj(v2_combine(attn, weight).flatten(-2))
 
 

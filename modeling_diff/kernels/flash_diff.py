@@ -22,10 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._modules import is_plain_linear, linear_parameters, recomputed_linear_backward
-from ._triton import (
-    TRITON_AVAILABLE, TRITON_INTERPRETING, cdiv, eager_kernels_run_on, is_power_of_2, needs_grad, product_dtype,
-)
+from ._modules import linear_in_product_dtype, recomputed_linear_backward
+from ._triton import TRITON_AVAILABLE, TRITON_INTERPRETING, cdiv, eager_kernels_run_on, is_power_of_2, needs_grad
 from .combine import v1_combine_backward, v1_combine_rows, v2_combine_backward, v2_combine_rows
 from .masks import causal_offset, kernel_mask
 
@@ -205,13 +203,9 @@ def flash_diff_attention(query, key, value, mask, mu, scale: float, norm: nn.Mod
     mu = mu.float() if norm is not None else mu.contiguous()
     inputs = (query, key, value, mu, norm_weight)
     if needs_grad(*inputs, None if o_proj is None else o_proj.weight):
-        in_node = o_proj is not None and is_plain_linear(o_proj)
-        dtype = product_dtype(query, *linear_parameters([o_proj])) if in_node else None
-        if dtype is not None:  # o_proj's product in F.linear's dtype (autocast's, where it casts)
-            o_bias = None if o_proj.bias is None else o_proj.bias.to(dtype)
-            return _FlashDiff.apply(
-                query, key, value, mask, mu, norm_weight, eps, norm_scale, scale, o_proj.weight.to(dtype), o_bias
-            )
+        o_params = None if o_proj is None else linear_in_product_dtype(query, o_proj)
+        if o_params is not None:  # o_proj in the node, its product in F.linear's dtype (autocast's, where it casts)
+            return _FlashDiff.apply(query, key, value, mask, mu, norm_weight, eps, norm_scale, scale, *o_params)
         y = _FlashDiff.apply(query, key, value, mask, mu, norm_weight, eps, norm_scale, scale, None, None)
     else:
         y = _forward(query, key, value, mask, mu, norm_weight, eps, norm_scale, scale, save=False)[0]
