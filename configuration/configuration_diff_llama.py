@@ -179,7 +179,11 @@ class DiffLlamaConfig(PreTrainedConfig):
         if self.hidden_act not in ACT2FN:
             raise ValueError(f"hidden_act must be one of transformers' activations ({', '.join(sorted(ACT2FN))}), "
                              f"got {self.hidden_act!r}")
-        _check_range("rms_norm_eps", self.rms_norm_eps, 0, math.inf, "> 0 and finite", low_open=True)
+        # An epsilon added to the mean square of the hidden state before the division: above 1 it outweighs the mean
+        # square of any usual activation (order 1 or less) and the norm no longer normalises. Checkpoints use 1e-12
+        # to 1e-5; transformers' tester mixins set 1.0 (`set_config_for_less_flaky_test`).
+        _check_range("rms_norm_eps", self.rms_norm_eps, 0, 1, "> 0 and at most 1", low_open=True)
+        self._check_pad_token_id()
         _check_range("initializer_range", self.initializer_range, 0, math.inf, ">= 0 and finite")
         _check_range("attention_dropout", self.attention_dropout or 0.0, 0, 1, "in [0, 1)", high_open=True)
         self._check_rope_parameters()
@@ -222,6 +226,19 @@ class DiffLlamaConfig(PreTrainedConfig):
                         f"dex_heads[{layer_idx}] must hold distinct head indices in [0, {self.num_attention_heads}), "
                         f"got {heads}"
                     )
+            # A layer's list may be empty (that layer keeps Llama attention; the converter writes it for
+            # `--heads '[[0],[]]'`); a DEX model without a single DEX head is a Llama with unused parameters.
+            if not any(self.dex_heads):
+                raise ValueError(f"dex_heads selects no head in any layer: diff_mode='dex' needs at least one (None "
+                                 f"selects all), got {self.dex_heads!r}")
+
+    def _check_pad_token_id(self):
+        """pad_token_id is the embedding's padding row (nn.Embedding's padding_idx): a row outside the embedding
+        failed only when the model was built, with nn.Embedding's AssertionError. -1 (the last row) stays allowed:
+        Llama checkpoints on the Hub carry it, and transformers' own config only warns about it."""
+        pad = self.pad_token_id
+        if pad is not None and not -1 <= pad < self.vocab_size:  # (its type is @strict's: an int)
+            raise ValueError(f"pad_token_id must be None, -1 or a token id in [0, {self.vocab_size}), got {pad!r}")
 
     def _check_rope_parameters(self):
         """rope_theta and a scaling factor > 0, partial_rotary_factor in (0, 1], every other number (YaRN's betas,

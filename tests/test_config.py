@@ -61,10 +61,10 @@ def test_round_trip_through_dict_and_auto_config(tmp_path):
         (dict(lambda_std_dev=float("inf")), "lambda_std_dev must be in [0, 1]"),
         (dict(lambda_std_dev=1e6), "lambda_std_dev must be in [0, 1]"),
         (dict(lambda_std_dev=float("nan")), "lambda_std_dev must be in [0, 1], got nan"),
-        (dict(rms_norm_eps=0.0), "rms_norm_eps must be > 0 and finite"),
+        (dict(rms_norm_eps=0.0), "rms_norm_eps must be > 0 and at most 1"),
         (dict(rms_norm_eps=-1e-5), "rms_norm_eps must be > 0"),
-        (dict(rms_norm_eps=float("nan")), "rms_norm_eps must be > 0 and finite, got nan"),
-        (dict(rms_norm_eps=float("inf")), "rms_norm_eps must be > 0 and finite, got inf"),
+        (dict(rms_norm_eps=float("nan")), "rms_norm_eps must be > 0 and at most 1, got nan"),
+        (dict(rms_norm_eps=float("inf")), "rms_norm_eps must be > 0 and at most 1, got inf"),
         (dict(rope_parameters={"rope_type": "default", "rope_theta": 0.0}), r"rope_parameters['rope_theta'] must be > 0"),
         (dict(rope_theta=-10000.0), r"rope_parameters['rope_theta'] must be > 0"),  # the legacy keyword
         # a NaN factor made every rotary frequency, and every logit, NaN; transformers only warns below 1
@@ -87,6 +87,14 @@ def test_round_trip_through_dict_and_auto_config(tmp_path):
         (dict(initializer_range=float("inf")), "initializer_range must be >= 0 and finite"),
         (dict(hidden_act="swoosh"), "hidden_act must be one of transformers' activations"),
         (dict(diff_mode="v1", anneal_steps=100), "anneal_steps is not used by diff_mode='v1'"),
+        # audit: an epsilon that outweighs the mean square it is added to no longer normalises (1e300 was accepted)
+        (dict(rms_norm_eps=1e300), "rms_norm_eps must be > 0 and at most 1, got 1e+300"),
+        (dict(rms_norm_eps=2.0), "rms_norm_eps must be > 0 and at most 1, got 2.0"),
+        # a padding row outside the embedding was an AssertionError from nn.Embedding when the model was built
+        (dict(pad_token_id=32000), "pad_token_id must be None, -1 or a token id in [0, 32000), got 32000"),
+        (dict(pad_token_id=-2), "pad_token_id must be None, -1 or a token id in [0, 32000), got -2"),
+        # a DEX model without a single DEX head (the converter refuses that selection too)
+        (dict(diff_mode="dex", dex_heads=[[], []]), "dex_heads selects no head in any layer"),
         # wrong types: a ValueError naming the field, not @strict's own exception type
         (dict(hidden_size="256"), "hidden_size has the wrong type"),
         (dict(num_hidden_layers=2.0), "num_hidden_layers has the wrong type"),
@@ -101,6 +109,19 @@ def test_invalid_configs_name_the_field(fields, field_named):
         DiffLlamaConfig(**{**base, **fields})
 
 
+@pytest.mark.parametrize("fields", [
+    dict(pad_token_id=None), dict(pad_token_id=0), dict(pad_token_id=31999),
+    dict(pad_token_id=-1),  # some Llama checkpoints on the Hub carry it (transformers only warns; nn.Embedding's last row)
+    dict(rms_norm_eps=1e-12),
+    dict(rms_norm_eps=1.0),  # what transformers' tester mixins set (set_config_for_less_flaky_test)
+    dict(diff_mode="dex", dex_heads=[[0], []]),  # a layer without DEX heads is Llama attention: `--heads '[[0],[]]'`
+])
+def test_values_real_checkpoints_and_conversions_carry_are_accepted(fields):
+    base = dict(hidden_size=256, num_attention_heads=16, num_key_value_heads=4, num_hidden_layers=2)
+    config = DiffLlamaConfig(**{**base, **fields})
+    assert all(getattr(config, field) == value for field, value in fields.items())
+
+
 def test_unknown_preset():
     with pytest.raises(ValueError, match="preset"):
         preset_config("huge-v9")
@@ -109,14 +130,16 @@ def test_unknown_preset():
 @pytest.mark.parametrize("field, value, field_named", [
     ("num_attention_heads", 2, "dex_heads[0] must hold distinct head indices in [0, 2), got [0, 3]"),
     ("num_key_value_heads", 3, "num_attention_heads (4) must be a multiple of num_key_value_heads (3)"),
-    ("rms_norm_eps", float("nan"), "rms_norm_eps must be > 0 and finite, got nan"),
+    ("rms_norm_eps", float("nan"), "rms_norm_eps must be > 0 and at most 1, got nan"),
+    ("vocab_size", 16, "pad_token_id must be None, -1 or a token id in [0, 16), got 20"),
 ])
 def test_a_config_changed_after_it_was_made_is_checked_when_a_model_is_built(field, value, field_named):
     """Attributes set after the config was made (as transformers' tester mixins do) are checked again by the model."""
     from modeling_diff import DiffLlamaForCausalLM
 
     config = DiffLlamaConfig(diff_mode="dex", dex_heads=[[0, 3], [1]], hidden_size=64, num_attention_heads=4,
-                             num_key_value_heads=2, num_hidden_layers=2, intermediate_size=64, vocab_size=32)
+                             num_key_value_heads=2, num_hidden_layers=2, intermediate_size=64, vocab_size=32,
+                             pad_token_id=20)
     setattr(config, field, value)
     with pytest.raises(ValueError, match=re.escape(field_named)):
         DiffLlamaForCausalLM(config)

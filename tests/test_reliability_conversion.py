@@ -476,6 +476,9 @@ def test_broken_config_json(src, tmp_path, capsys, config_text, message):
         (dict(hidden_act="swoosh"), "hidden_act must be one of"),
         (dict(head_dim=15), "head_dim`=15"),  # transformers' own Llama config refuses it, in one line
         (dict(rms_norm_eps=0.0), "rms_norm_eps must be > 0"),
+        (dict(rms_norm_eps=1e300), "rms_norm_eps must be > 0 and at most 1"),
+        # transformers' Llama config only warns; our model's embedding asserted when it was built
+        (dict(pad_token_id=300), "pad_token_id must be None, -1 or a token id in [0, 300), got 300"),
         (dict(model_type="gpt2"), "model_type must be one of"),
         (dict(hidden_size="64"), "hidden_size"),
     ],
