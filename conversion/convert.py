@@ -26,7 +26,8 @@ from . import diffllama
 from .calibration import with_default_calibration
 from .heads import attention_entropy, check_calibration_ids, check_head_fraction, resolve_heads, top_entropy_heads
 from .mapping import TensorMapping, check_method
-from .sources import INDEX_FILE, CheckpointDir, check_tokenizer_inside, checkpoint_root, is_inside
+from .sources import (INDEX_FILE, SIDE_FILES, TOKENIZER_READS, CheckpointDir, check_side_files, check_whole_read,
+                      checkpoint_root, is_inside)
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,8 @@ _REWRITTEN = ("config.json", INDEX_FILE)
 _EXPECTED = ("config.json",)
 # A tokenizer's vocabulary lives in one of these (tokenizer_config.json alone holds none).
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+# AutoTokenizer reads this file next to a .gguf file (the tokenizer itself comes from the .gguf).
+_GGUF_SIDE_FILE = "tokenizer_config.json"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
 
 
@@ -232,6 +235,7 @@ def convert_checkpoint(
     if src.is_file() and src.suffix == ".gguf":
         require("gguf", f"converting the .gguf file {src.name}")
         _check_gguf(src)
+        check_side_files(src.parent, (_GGUF_SIDE_FILE,))
         dst = check_destination(dst, overwrite, protect=protect, expected=_EXPECTED)  # before loading the model
         with atomic_directory(dst, overwrite, protect=protect, expected=_EXPECTED) as tmp:
             try:  # a file gguf's reader parses whose tensors do not match its metadata fails in transformers
@@ -284,7 +288,7 @@ def _source_config(src: Path):
 
 def _source_tokenizer(src: Path):
     """The source's tokenizer, for calibration text; a ValueError saying what is missing otherwise."""
-    check_tokenizer_inside(src)
+    check_side_files(src, TOKENIZER_READS)
     if not any((src / name).is_file() for name in _TOKENIZER_FILES):
         raise ValueError(f"calibration text needs the source's tokenizer, but {str(src)!r} holds none of "
                          f"{', '.join(_TOKENIZER_FILES)}: add the tokenizer files or pass token ids")
@@ -298,7 +302,8 @@ def _source_tokenizer(src: Path):
 def _carried_files(source: CheckpointDir) -> list[Path]:
     """The files copied unchanged (tokenizer, generation config, chat template, ...). A link that leads out of the
     checkpoint is skipped with a warning: what it points to is not part of the checkpoint (`tokenizer.json ->
-    /etc/passwd`). Links inside it (a Hub cache snapshot's links to its blobs) are followed."""
+    /etc/passwd`). Links inside it (a Hub cache snapshot's links to its blobs) are followed. A tokenizer or
+    generation config that transformers could not read whole is refused: the output would not load."""
     carried = []
     for path in sorted(source.path.iterdir()):
         if not path.is_file() or path.name in _REWRITTEN or path.name.endswith(_WEIGHT_SUFFIXES):
@@ -307,6 +312,8 @@ def _carried_files(source: CheckpointDir) -> list[Path]:
             logger.warning(f"skipped {path.name}: it is a link to {str(path.resolve())!r}, outside the source "
                            f"checkpoint {str(source.root)!r}")
             continue
+        if path.name in SIDE_FILES:
+            check_whole_read(path)
         carried.append(path)
     return carried
 

@@ -49,7 +49,7 @@ def run_export(args: argparse.Namespace) -> str:
     from modeling_diff.configuration import DiffLlamaConfig
     from modeling_diff.hub import save_for_hub
 
-    from .sources import CheckpointDir, check_tokenizer_inside
+    from .sources import CheckpointDir, check_side_files
 
     # The converter's checks of a source (its config, index and shards: regular files inside it), read once
     source = CheckpointDir(args.src)
@@ -60,9 +60,8 @@ def run_export(args: argparse.Namespace) -> str:
     if model_type != DiffLlamaConfig.model_type:
         raise ValueError(f"src must be a {DiffLlamaConfig.model_type!r} checkpoint (convert a Llama first with "
                          f"`modeling-diff convert`), got model_type {model_type!r} in {str(args.src / 'config.json')}")
+    check_side_files(args.src)  # the tokenizer and generation config transformers reads whole, inside SRC
     has_tokenizer = any((args.src / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
-    if has_tokenizer:
-        check_tokenizer_inside(args.src)
     model = AutoModelForCausalLM.from_pretrained(args.src, dtype="auto", local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(args.src, local_files_only=True) if has_tokenizer else None
     dst = save_for_hub(model, args.dst, tokenizer=tokenizer, repo_id=args.repo_id, overwrite=overwrite,

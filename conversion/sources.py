@@ -43,39 +43,47 @@ def is_inside(path: Path, root: Path) -> bool:
 # The files transformers' AutoTokenizer reads from a checkpoint directory.
 TOKENIZER_READS = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json")
+# ... and every file from_pretrained and AutoTokenizer read besides config.json, index and weights.
+SIDE_FILES = (*TOKENIZER_READS, "generation_config.json")
+
+# transformers (and this package) read a config, an index, a tokenizer or a generation config whole. The largest of
+# real checkpoints are far smaller: an index of thousands of tensors takes a few MiB, Gemma 3's tokenizer.json about 33 MB.
+MAX_WHOLE_READ_BYTES = 64 * 2**20
 
 
-def check_tokenizer_inside(path: Path) -> None:
-    """Before AutoTokenizer reads checkpoint `path`: each of its tokenizer files that is there must be a regular file
-    inside the checkpoint. A link leading out (`tokenizer.json -> /etc/passwd`, or another model's tokenizer) would
-    be read as this checkpoint's tokenizer; a FIFO would be waited on."""
-    root = checkpoint_root(path)
-    for name in TOKENIZER_READS:
-        file = path / name
-        if not (file.exists() or file.is_symlink()):
-            continue
-        if not is_inside(file, root):
-            raise ValueError(f"the tokenizer file {name} in {str(path)!r} is a link to {str(file.resolve())!r}, "
-                             f"outside the checkpoint {str(root)!r}: refusing to read it as the checkpoint's")
-        if not file.is_file():
-            raise ValueError(f"the tokenizer file {name} in {str(path)!r} is not a regular file")
-
-
-MAX_JSON_BYTES = 64 * 2**20  # a config or an index of the largest checkpoints is far smaller
-
-
-def read_json_object(path: Path) -> dict:
-    """The JSON object in file `path`; a ValueError naming the file for anything else (garbage, empty, `null`), and
-    before reading it for what is not a regular file of at most MAX_JSON_BYTES (a link to /dev/zero or a FIFO
-    would be read forever)."""
+def check_whole_read(path: Path) -> None:
+    """Before `path` is read whole: a ValueError naming it unless it is a regular file of at most MAX_WHOLE_READ_BYTES.
+    A link to /dev/zero or a FIFO would be read forever, a file of gigabytes would end in a MemoryError (deep inside
+    transformers, for the files it reads)."""
     try:
         info = path.stat()
     except OSError as error:
         raise ValueError(f"{path.name} in {str(path.parent)!r} cannot be read: {error}") from error
-    if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_JSON_BYTES:
+    if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_WHOLE_READ_BYTES:
         what = "not a regular file" if not stat.S_ISREG(info.st_mode) else f"{info.st_size} bytes"
-        raise ValueError(f"{path.name} in {str(path.parent)!r} must be a regular file of at most {MAX_JSON_BYTES} "
-                         f"bytes, got {what}")
+        raise ValueError(f"{path.name} in {str(path.parent)!r} must be a regular file of at most "
+                         f"{MAX_WHOLE_READ_BYTES} bytes (it is read whole), got {what}")
+
+
+def check_side_files(path: Path, names: tuple[str, ...] = SIDE_FILES) -> None:
+    """Before transformers reads the files `names` of checkpoint `path` (its tokenizer, its generation config): each
+    that is there must be a file inside the checkpoint that `check_whole_read` admits. A link leading out
+    (`tokenizer.json -> /etc/passwd`, or another model's tokenizer) would be read as this checkpoint's."""
+    root = checkpoint_root(path)
+    for name in names:
+        file = path / name
+        if not (file.exists() or file.is_symlink()):
+            continue
+        if not is_inside(file, root):
+            raise ValueError(f"{name} in {str(path)!r} is a link to {str(file.resolve())!r}, outside the checkpoint "
+                             f"{str(root)!r}: refusing to read it as the checkpoint's")
+        check_whole_read(file)
+
+
+def read_json_object(path: Path) -> dict:
+    """The JSON object in file `path`; a ValueError naming the file for anything else (garbage, empty, `null`), and
+    before reading it for what `check_whole_read` refuses."""
+    check_whole_read(path)
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:

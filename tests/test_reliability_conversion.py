@@ -557,7 +557,7 @@ def test_a_shard_or_tokenizer_that_is_a_fifo_is_named_as_such(pristine, src, tmp
     (src / "tokenizer.json").unlink()
     os.mkfifo(src / "tokenizer.json")
     line = cli_error(["convert", str(src), str(tmp_path / "dst2")], capsys)
-    assert "the tokenizer file tokenizer.json" in line and "is not a regular file" in line
+    assert "tokenizer.json in" in line and "must be a regular file" in line and "got not a regular file" in line
 
 
 def test_a_tokenizer_linking_out_of_the_source_is_not_read_for_the_calibration(src, tmp_path, capsys):
@@ -566,7 +566,53 @@ def test_a_tokenizer_linking_out_of_the_source_is_not_read_for_the_calibration(s
     (src / "tokenizer.json").rename(outside)
     (src / "tokenizer.json").symlink_to(outside)
     line = cli_error(["convert", str(src), str(tmp_path / "dst")], capsys)
-    assert "the tokenizer file tokenizer.json" in line and "outside the checkpoint" in line
+    assert "tokenizer.json in" in line and "outside the checkpoint" in line
+    assert not (tmp_path / "dst").exists()
+
+
+def _sparse(path: Path, size: int = 3 << 30) -> None:
+    """`path` as a file of `size` bytes that takes no disk (a hole)."""
+    path.unlink(missing_ok=True)
+    with open(path, "wb") as file:
+        file.truncate(size)
+
+
+@pytest.fixture
+def no_output_or_tokenizer(monkeypatch):
+    """The checks must come before the tokenizer is read and before the destination is touched."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("read or written before the source's files were checked")
+
+    monkeypatch.setattr(convert_module.AutoTokenizer, "from_pretrained", refuse)
+    monkeypatch.setattr(convert_module, "atomic_directory", refuse)
+
+
+@pytest.mark.parametrize("name,heads", [
+    ("tokenizer.json", []), ("tokenizer_config.json", []),  # read whole by the calibration's tokenizer
+    ("tokenizer.json", ["--heads", "all"]), ("generation_config.json", ["--heads", "all"]),  # copied: DST would not load
+])
+def test_a_tokenizer_or_generation_config_of_gigabytes_is_refused_before_it_is_read(
+        src, tmp_path, capsys, no_output_or_tokenizer, name, heads):
+    """transformers reads these whole: 3 GiB ended in a MemoryError (or was copied into an output that could not
+    load)."""
+    _sparse(src / name)
+    line = cli_error(["convert", str(src), str(tmp_path / "dst"), *heads], capsys)
+    assert f"{name} in {str(src)!r} must be a regular file of at most 67108864 bytes" in line
+    assert f"got {3 << 30} bytes" in line and not (tmp_path / "dst").exists()
+
+
+def test_a_tokenizer_config_of_gigabytes_next_to_a_gguf_file_is_refused(tmp_path, capsys, no_output_or_tokenizer):
+    """AutoTokenizer reads the tokenizer_config.json next to a .gguf file whole."""
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(tmp_path / "model.gguf", "llama")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    _sparse(tmp_path / "tokenizer_config.json")
+    line = cli_error(["convert", str(tmp_path / "model.gguf"), str(tmp_path / "dst"), "--heads", "all"], capsys)
+    assert "tokenizer_config.json in" in line and f"got {3 << 30} bytes" in line
     assert not (tmp_path / "dst").exists()
 
 

@@ -262,5 +262,28 @@ def test_export_reads_no_shard_or_tokenizer_the_converter_would_not(model_dir, t
     (src / "tokenizer.json").rename(outside)
     (src / "tokenizer.json").symlink_to(outside)
     line = export_error([str(src), str(tmp_path / "out")], capsys)
-    assert "the tokenizer file tokenizer.json" in line and "outside the checkpoint" in line
+    assert "tokenizer.json in" in line and "outside the checkpoint" in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other-tokenizer.json", "src"]
+
+
+@pytest.mark.parametrize("name", ["generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                                  "special_tokens_map.json"])
+def test_export_refuses_a_side_file_transformers_would_read_whole(model_dir, tmp_path, capsys, no_model_loading,
+                                                                  name):
+    """transformers reads SRC's generation config and tokenizer files whole: 3 GiB ended in a MemoryError inside
+    it, and a FIFO would be waited on. Refused, naming the file and the bound, before the model loads."""
+    import os
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(model_dir, src)
+    (src / name).unlink(missing_ok=True)
+    with open(src / name, "wb") as file:
+        file.truncate(3 << 30)  # sparse: no disk used
+    line = export_error([str(src), str(tmp_path / "out")], capsys)
+    assert f"{name} in {str(src)!r} must be a regular file of at most 67108864 bytes" in line
+    assert f"got {3 << 30} bytes" in line
+    (src / name).unlink()
+    os.mkfifo(src / name)
+    assert "got not a regular file" in export_error([str(src), str(tmp_path / "out")], capsys)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
