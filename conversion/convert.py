@@ -26,8 +26,8 @@ from . import diffllama
 from .calibration import with_default_calibration
 from .heads import attention_entropy, check_calibration_ids, check_head_fraction, resolve_heads, top_entropy_heads
 from .mapping import TensorMapping, check_method
-from .sources import (INDEX_FILE, SIDE_FILES, TOKENIZER_READS, CheckpointDir, check_side_files, check_whole_read,
-                      checkpoint_root, is_inside)
+from .sources import (INDEX_FILE, SIDE_FILES, TOKENIZER_READS, CheckpointDir, check_side_files, check_utf8_path,
+                      check_whole_read, checkpoint_root, is_inside)
 
 logger = logging.getLogger(__name__)
 
@@ -237,6 +237,7 @@ def convert_checkpoint(
         _check_gguf(src)
         check_side_files(src.parent, (_GGUF_SIDE_FILE,))
         dst = check_destination(dst, overwrite, protect=protect, expected=_EXPECTED)  # before loading the model
+        check_utf8_path(dst, "destination")
         with atomic_directory(dst, overwrite, protect=protect, expected=_EXPECTED) as tmp:
             try:  # a file gguf's reader parses whose tensors do not match its metadata fails in transformers
                 model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32,
@@ -264,6 +265,7 @@ def convert_checkpoint(
                      str(src))
     carried = _carried_files(source)
     dst = check_destination(dst, overwrite, protect=protect, expected=_EXPECTED)
+    check_utf8_path(dst, "destination")
 
     with atomic_directory(dst, overwrite, protect=protect, expected=_EXPECTED) as tmp:
         mapping = plan.mapping(source.get, progress)

@@ -49,13 +49,13 @@ def run_export(args: argparse.Namespace) -> str:
     from modeling_diff.configuration import DiffLlamaConfig
     from modeling_diff.hub import save_for_hub
 
-    from .sources import CheckpointDir, check_side_files
+    from .sources import CheckpointDir, check_side_files, check_utf8_path
 
     # The converter's checks of a source (its config, index and shards: regular files inside it), read once
     source = CheckpointDir(args.src)
     overwrite = overwrite_from_flags(args.overwrite)
     protect = (args.src, source.root)  # a Hub cache snapshot's blobs are its repository folder's
-    check_destination(args.dst, overwrite, protect, name="dst", expected=("config.json",))
+    check_utf8_path(check_destination(args.dst, overwrite, protect, name="dst", expected=("config.json",)), "dst")
     model_type = source.config.get("model_type")
     if model_type != DiffLlamaConfig.model_type:
         raise ValueError(f"src must be a {DiffLlamaConfig.model_type!r} checkpoint (convert a Llama first with "

@@ -12,6 +12,7 @@ cache folder.
 """
 
 import json
+import os
 import stat
 from pathlib import Path
 
@@ -49,6 +50,17 @@ SIDE_FILES = (*TOKENIZER_READS, "generation_config.json")
 # transformers (and this package) read a config, an index, a tokenizer or a generation config whole. The largest of
 # real checkpoints are far smaller: an index of thousands of tensors takes a few MiB, Gemma 3's tokenizer.json about 33 MB.
 MAX_WHOLE_READ_BYTES = 64 * 2**20
+
+
+def check_utf8_path(path: Path, name: str) -> None:
+    """A checkpoint's path (source or output) must be valid UTF-8: safetensors opens, and tokenizers writes, UTF-8
+    paths only. A name the shell passed as other bytes failed deep inside them ("surrogates not allowed", or a shard
+    "not valid UTF-8"), after the work was done, or left an output that no one could load."""
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{name} {os.fsencode(path)!r} is not valid UTF-8: safetensors and tokenizers, which read "
+                         f"and write checkpoints, take UTF-8 paths only; use a UTF-8 name") from None
 
 
 def check_whole_read(path: Path) -> None:
@@ -107,6 +119,7 @@ class CheckpointDir:
         self.path = Path(path)
         if not (self.path / "config.json").is_file():
             raise ValueError(f"source {str(self.path)!r} must be a directory with a config.json (or a .gguf file)")
+        check_utf8_path(self.path, "source")
         self.root = checkpoint_root(self.path)
         self.config = read_json_object(self.path / "config.json")
         if (self.path / INDEX_FILE).is_file():

@@ -616,6 +616,39 @@ def test_a_tokenizer_config_of_gigabytes_next_to_a_gguf_file_is_refused(tmp_path
     assert not (tmp_path / "dst").exists()
 
 
+def run_cli(argv: list) -> str:
+    """The command line in a new process, `argv` holding bytes as a shell passes a name that is not UTF-8. It must exit
+    with status 2 and one error line (no traceback); returns that line."""
+    result = subprocess.run([sys.executable, "-c", "import sys; from modeling_diff.conversion.cli import main; "
+                             "sys.exit(main())", *argv], capture_output=True, timeout=300)
+    err = result.stderr.decode("utf-8", "replace")
+    assert result.returncode == 2 and "Traceback" not in err, err
+    errors = [line for line in err.splitlines() if ": error: " in line]
+    assert len(errors) == 1, err
+    return errors[0]
+
+
+@pytest.mark.parametrize("command", ["convert", "export"])
+@pytest.mark.parametrize("which", ["src", "dst"])
+def test_a_path_that_is_not_utf8_is_one_line(pristine, tmp_path, command, which):
+    """safetensors opens UTF-8 paths only, and tokenizers writes to them only. A DST that is not UTF-8: convert wrote
+    an output no one could load (and printing its name failed where stdout is strict), export failed after the model
+    loaded with "surrogates not allowed". A SRC: "not a readable safetensors file"."""
+    source = tmp_path / "src"
+    if command == "convert":
+        shutil.copytree(pristine, source)
+    else:
+        convert_checkpoint(pristine, source, heads="all", progress=False)
+    bad = tmp_path / os.fsdecode(b"not-utf8-\xff")
+    if which == "src":
+        source = source.rename(bad)
+    dst = bad if which == "dst" else tmp_path / "dst"
+    options = ["--heads", "all", "--quiet"] if command == "convert" else []
+    line = run_cli([command, os.fsencode(source), os.fsencode(dst), *options])
+    assert f"{os.fsencode(bad)!r} is not valid UTF-8" in line, line
+    assert [p.name for p in tmp_path.iterdir()] == [source.name]
+
+
 def test_calibration_inputs(src, tmp_path, capsys):
     dst = str(tmp_path / "dst")
     (tmp_path / "latin1.txt").write_bytes("Thou art more lovely, café".encode("latin-1"))
