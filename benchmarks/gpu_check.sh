@@ -6,15 +6,11 @@
 set -uo pipefail
 out=${1:-benchmarks/out}; shift || true
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
-if ls .whl/liger_kernel-*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/liger_kernel-*.whl && export PYTHONPATH=/tmp/site
-fi
+source benchmarks/gpu_setup.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)" | tee -a "$out/gpu.txt"
 python3 benchmarks/bench.py --out "$out/results.json" "$@" > "$out/bench.log" 2>&1; grep "^|" "$out/bench.log"
-timeout 400 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py tests/test_compile.py 2>&1 | tee "$out/tests.log" | tail -3
+bash benchmarks/gpu_tests.sh "$out" 400 tests/test_kernels.py tests/test_compile.py
 python3 benchmarks/attention_bench.py 2>&1 | grep "^|" | tee "$out/attention.md"
 python3 benchmarks/profile_decode.py --out "$out/profile" 2>&1 | grep "^|" | tee "$out/profile.md"
 if python3 -c "import liger_kernel" 2>/dev/null; then
