@@ -19,6 +19,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from transformers.initialization import no_init_weights
 
 from modeling_diff.atomic import atomic_directory, check_destination
+from modeling_diff.checkpoint_files import (CHAT_TEMPLATE_DIR, TOKENIZER_READS, check_side_files, check_utf8_path,
+                                            check_whole_read, checkpoint_root, is_inside, side_files)
 from modeling_diff.extras import require
 from modeling_diff.modeling_diff_llama import DiffLlamaForCausalLM
 
@@ -26,8 +28,7 @@ from . import diffllama
 from .calibration import with_default_calibration
 from .heads import attention_entropy, check_calibration_ids, check_head_fraction, resolve_heads, top_entropy_heads
 from .mapping import TensorMapping, check_method
-from .sources import (INDEX_FILE, SIDE_FILES, TOKENIZER_READS, CheckpointDir, check_side_files, check_utf8_path,
-                      check_whole_read, checkpoint_root, is_inside)
+from .sources import INDEX_FILE, CheckpointDir
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +39,8 @@ _REWRITTEN = ("config.json", INDEX_FILE)
 _EXPECTED = ("config.json",)
 # A tokenizer's vocabulary lives in one of these (tokenizer_config.json alone holds none).
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
-# AutoTokenizer reads this file next to a .gguf file (the tokenizer itself comes from the .gguf).
-_GGUF_SIDE_FILE = "tokenizer_config.json"
+# AutoTokenizer reads these files next to a .gguf file (the tokenizer itself comes from the .gguf).
+_GGUF_SIDE_FILES = ("tokenizer_config.json", f"{CHAT_TEMPLATE_DIR}/*.jinja")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
 
 
@@ -235,7 +236,7 @@ def convert_checkpoint(
     if src.is_file() and src.suffix == ".gguf":
         require("gguf", f"converting the .gguf file {src.name}")
         _check_gguf(src)
-        check_side_files(src.parent, (_GGUF_SIDE_FILE,))
+        check_side_files(src.parent, _GGUF_SIDE_FILES)
         dst = check_destination(dst, overwrite, protect=protect, expected=_EXPECTED)  # before loading the model
         check_utf8_path(dst, "destination")
         with atomic_directory(dst, overwrite, protect=protect, expected=_EXPECTED) as tmp:
@@ -274,7 +275,8 @@ def convert_checkpoint(
         mapping.config.architectures = [DiffLlamaForCausalLM.__name__]
         mapping.config.save_pretrained(tmp)
         for path in carried:
-            shutil.copy2(path, tmp / path.name)
+            (tmp / path.relative_to(source.path)).parent.mkdir(exist_ok=True)
+            shutil.copy2(path, tmp / path.relative_to(source.path))
     if progress:
         target = getattr(mapping.config, "diff_mode", mapping.config.model_type)
         tqdm.write(f"converted {src} -> {dst} ({target}) in {time.perf_counter() - started:.1f} s")
@@ -302,19 +304,22 @@ def _source_tokenizer(src: Path):
 
 
 def _carried_files(source: CheckpointDir) -> list[Path]:
-    """The files copied unchanged (tokenizer, generation config, chat template, ...). A link that leads out of the
-    checkpoint is skipped with a warning: what it points to is not part of the checkpoint (`tokenizer.json ->
-    /etc/passwd`). Links inside it (a Hub cache snapshot's links to its blobs) are followed. A tokenizer or
-    generation config that transformers could not read whole is refused: the output would not load."""
+    """The files copied unchanged (tokenizer, generation config, chat templates, the named ones in their folder,
+    ...). A link that leads out of the checkpoint is skipped with a warning: what it points to is not part of the
+    checkpoint (`tokenizer.json -> /etc/passwd`). Links inside it (a Hub cache snapshot's links to its blobs) are
+    followed. A tokenizer or generation config that transformers could not read whole is refused: the output would
+    not load."""
     carried = []
-    for path in sorted(source.path.iterdir()):
+    read_whole = side_files(source.path)
+    folders = (source.path, source.path / CHAT_TEMPLATE_DIR)
+    for path in (path for folder in folders if folder.is_dir() for path in sorted(folder.iterdir())):
         if not path.is_file() or path.name in _REWRITTEN or path.name.endswith(_WEIGHT_SUFFIXES):
             continue
         if not is_inside(path, source.root):
-            logger.warning(f"skipped {path.name}: it is a link to {str(path.resolve())!r}, outside the source "
-                           f"checkpoint {str(source.root)!r}")
+            logger.warning(f"skipped {path.relative_to(source.path)}: it is a link to {str(path.resolve())!r}, "
+                           f"outside the source checkpoint {str(source.root)!r}")
             continue
-        if path.name in SIDE_FILES:
+        if path in read_whole:
             check_whole_read(path)
         carried.append(path)
     return carried

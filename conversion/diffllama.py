@@ -29,12 +29,12 @@ from transformers import DiffLlamaConfig as TransformersDiffLlamaConfig
 from transformers import DiffLlamaForCausalLM as TransformersDiffLlamaForCausalLM
 from transformers import PreTrainedConfig
 
+from modeling_diff.checkpoint_files import read_json_object
 from modeling_diff.configuration import DiffLlamaConfig
 from modeling_diff.diff_attention import depth_lambda_init
 from modeling_diff.modeling_diff_llama import DiffLlamaForCausalLM
 
 from .mapping import TensorMapping, _layer_of
-from .sources import read_json_object
 
 SOURCE_MODEL_TYPE = TransformersDiffLlamaConfig.model_type  # "diffllama"
 TARGETS = (DiffLlamaConfig.model_type, SOURCE_MODEL_TYPE)  # ("diff_llama", "diffllama"): what --to accepts

@@ -46,10 +46,11 @@ def run_export(args: argparse.Namespace) -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from modeling_diff.atomic import check_destination, overwrite_from_flags
+    from modeling_diff.checkpoint_files import check_side_files, check_utf8_path
     from modeling_diff.configuration import DiffLlamaConfig
     from modeling_diff.hub import save_for_hub
 
-    from .sources import CheckpointDir, check_side_files, check_utf8_path
+    from .sources import CheckpointDir
 
     # The converter's checks of a source (its config, index and shards: regular files inside it), read once
     source = CheckpointDir(args.src)

@@ -20,7 +20,7 @@ import torch
 from ecosystem_helpers import byte_tokenizer
 from safetensors import SafetensorError
 from test_conversion import tiny_llama, token_ids
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import modeling_diff.conversion.convert as convert_module
 from modeling_diff.conversion import convert_checkpoint
@@ -587,22 +587,58 @@ def no_output_or_tokenizer(monkeypatch):
     monkeypatch.setattr(convert_module, "atomic_directory", refuse)
 
 
+TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "spm.model", "tokenizer.4.0.0.json",
+                   "additional_chat_templates/tool_use.jinja"]
+
+
 @pytest.mark.parametrize("name,heads", [
-    ("tokenizer.json", []), ("tokenizer_config.json", []),  # read whole by the calibration's tokenizer
-    ("tokenizer.json", ["--heads", "all"]), ("generation_config.json", ["--heads", "all"]),  # copied: DST would not load
+    *((name, []) for name in TOKENIZER_FILES),  # read whole by the calibration's tokenizer
+    *((name, ["--heads", "all"]) for name in [*TOKENIZER_FILES, "generation_config.json"]),  # copied: DST would not load
 ])
 def test_a_tokenizer_or_generation_config_of_gigabytes_is_refused_before_it_is_read(
         src, tmp_path, capsys, no_output_or_tokenizer, name, heads):
     """transformers reads these whole: 3 GiB ended in a MemoryError (or was copied into an output that could not
-    load)."""
+    load). A SentencePiece model of another name, a versioned tokenizer and a named chat template were not checked."""
+    (src / name).parent.mkdir(exist_ok=True)
     _sparse(src / name)
     line = cli_error(["convert", str(src), str(tmp_path / "dst"), *heads], capsys)
-    assert f"{name} in {str(src)!r} must be a regular file of at most 67108864 bytes" in line
+    assert f"{Path(name).name} in {str((src / name).parent)!r} must be a regular file of at most 67108864 bytes" in line
     assert f"got {3 << 30} bytes" in line and not (tmp_path / "dst").exists()
 
 
-def test_a_tokenizer_config_of_gigabytes_next_to_a_gguf_file_is_refused(tmp_path, capsys, no_output_or_tokenizer):
-    """AutoTokenizer reads the tokenizer_config.json next to a .gguf file whole."""
+def test_a_versioned_tokenizer_named_outside_the_source_is_not_read_for_the_calibration(src, tmp_path, capsys):
+    """transformers reads tokenizer_config.json's `fast_tokenizer_files` entry by a name relative to SRC, `..`
+    included: the calibration read another folder's tokenizer as the source's."""
+    (tmp_path / "other").mkdir()
+    shutil.copy(src / "tokenizer.json", tmp_path / "other" / "tokenizer.4.0.0.json")
+    config = json.loads((src / "tokenizer_config.json").read_text())
+    (src / "tokenizer_config.json").write_text(json.dumps({**config, "fast_tokenizer_files": ["../other/tokenizer.4.0.0.json"]}))
+    line = cli_error(["convert", str(src), str(tmp_path / "dst")], capsys)
+    assert f"../other/tokenizer.4.0.0.json in {str(src)!r} leads to" in line and "outside the checkpoint" in line
+    assert not (tmp_path / "dst").exists()
+
+
+def test_named_chat_templates_are_carried(src, tmp_path, caplog):
+    """A tokenizer's named chat templates live in additional_chat_templates/: the conversion lost them (it copied the
+    top folder's files only). A template in it that links out of SRC is skipped with a warning, as at the top."""
+    tokenizer = AutoTokenizer.from_pretrained(src)
+    tokenizer.chat_template = {"default": "{{ messages[0]['content'] }}", "tool_use": "{{ tools | length }} tools"}
+    tokenizer.save_pretrained(src)
+    assert (src / "additional_chat_templates" / "tool_use.jinja").is_file()
+    dst = convert_checkpoint(src, tmp_path / "dst", heads="all", progress=False)
+    assert AutoTokenizer.from_pretrained(dst).chat_template == AutoTokenizer.from_pretrained(src).chat_template
+    assert set(AutoTokenizer.from_pretrained(dst).chat_template) == {"default", "tool_use"}
+    (tmp_path / "secret.jinja").write_text("root:x:0:0")
+    (src / "additional_chat_templates" / "secret.jinja").symlink_to(tmp_path / "secret.jinja")
+    with caplog.at_level(logging.WARNING, logger=convert_module.__name__):
+        dst = convert_checkpoint(src, tmp_path / "dst2", heads="all", progress=False)
+    assert "skipped additional_chat_templates/secret.jinja" in caplog.text
+    assert sorted(p.name for p in (dst / "additional_chat_templates").iterdir()) == ["tool_use.jinja"]
+
+
+@pytest.mark.parametrize("name", ["tokenizer_config.json", "additional_chat_templates/tool_use.jinja"])
+def test_a_tokenizer_config_of_gigabytes_next_to_a_gguf_file_is_refused(tmp_path, capsys, no_output_or_tokenizer, name):
+    """AutoTokenizer reads the tokenizer_config.json and the named chat templates next to a .gguf file whole."""
     from gguf import GGUFWriter
 
     writer = GGUFWriter(tmp_path / "model.gguf", "llama")
@@ -610,9 +646,10 @@ def test_a_tokenizer_config_of_gigabytes_next_to_a_gguf_file_is_refused(tmp_path
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    _sparse(tmp_path / "tokenizer_config.json")
+    (tmp_path / name).parent.mkdir(exist_ok=True)
+    _sparse(tmp_path / name)
     line = cli_error(["convert", str(tmp_path / "model.gguf"), str(tmp_path / "dst"), "--heads", "all"], capsys)
-    assert "tokenizer_config.json in" in line and f"got {3 << 30} bytes" in line
+    assert f"{Path(name).name} in" in line and f"got {3 << 30} bytes" in line
     assert not (tmp_path / "dst").exists()
 
 

@@ -3,6 +3,11 @@ refused before the model loads, with one line and exit status 2; nothing reaches
 positions work at their default lengths; no staging directory is left; the model's train/eval mode survives an
 exception."""
 
+import json
+import os
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 import transformers
@@ -98,9 +103,6 @@ def test_needle_refuses_an_out_it_cannot_write_and_a_model_without_config_before
 
 def test_needle_refuses_a_model_folder_with_a_fifo_and_a_corrupt_shard_in_one_line(model_dir, tmp_path, capsys):
     """A FIFO shard hung the needle evaluation forever; a corrupt one ended in a SafetensorError traceback."""
-    import os
-    import shutil
-
     model = tmp_path / "model"
     shutil.copytree(model_dir, model)
     (model / "model.safetensors").unlink()
@@ -111,6 +113,65 @@ def test_needle_refuses_a_model_folder_with_a_fifo_and_a_corrupt_shard_in_one_li
     (model / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}")
     assert "could not be loaded" in needle_error([str(model), "--out", str(tmp_path / "out")], capsys)
     assert not (tmp_path / "out").exists()
+
+
+# What transformers reads whole from a model folder besides config and weights: named, versioned, by suffix, in a folder
+SIDE_FILES = ["generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+              "tokenizer.4.0.0.json", "spm.model", "additional_chat_templates/tool_use.jinja"]
+
+
+def plant_side_file(model: Path, name: str, kind: str) -> None:
+    """`model/name` as a sparse file of 3 GiB (no disk used), a FIFO, or a link leading out of `model`; a versioned
+    tokenizer file is named in tokenizer_config.json's `fast_tokenizer_files`, as transformers finds it."""
+    if name.startswith("tokenizer.4"):
+        config = json.loads((model / "tokenizer_config.json").read_text())
+        (model / "tokenizer_config.json").write_text(json.dumps({**config, "fast_tokenizer_files": [name]}))
+    (model / name).parent.mkdir(exist_ok=True)
+    (model / name).unlink(missing_ok=True)
+    if kind == "3 GiB":
+        with open(model / name, "wb") as file:
+            file.truncate(3 << 30)
+    elif kind == "FIFO":
+        os.mkfifo(model / name)
+    else:
+        (model.parent / "elsewhere").write_text("{}")
+        (model / name).symlink_to(model.parent / "elsewhere")
+
+
+def assert_side_file_refused(line: str, model: Path, name: str, kind: str) -> None:
+    """One line naming the file and the rule."""
+    where = f"{Path(name).name} in {str((model / name).parent)!r}"
+    if kind == "link out":
+        assert f"{name} in {str(model)!r} leads to" in line and "outside the checkpoint" in line, line
+    else:
+        assert f"{where} must be a regular file of at most 67108864 bytes" in line, line
+        assert ("got not a regular file" if kind == "FIFO" else f"got {3 << 30} bytes") in line, line
+
+
+@pytest.mark.parametrize("kind", ["3 GiB", "FIFO", "link out"])
+@pytest.mark.parametrize("name", SIDE_FILES)
+def test_needle_refuses_a_side_file_transformers_would_read_whole_or_outside_the_folder(
+        model_dir, tmp_path, capsys, no_model_loading, name, kind):
+    """The needle evaluation loaded the folder's tokenizer and generation config unchecked: a sparse 3 GiB one ends
+    in a MemoryError, a FIFO is waited on, a link leading out is read as the model's. Refused before loading."""
+    model = Path(shutil.copytree(model_dir, tmp_path / "model"))
+    plant_side_file(model, name, kind)
+    line = needle_error([str(model), "--out", str(tmp_path / "out")], capsys)
+    assert_side_file_refused(line, model, name, kind)
+    assert not (tmp_path / "out").exists()
+
+
+def test_needle_refuses_a_versioned_tokenizer_named_outside_the_folder(model_dir, tmp_path, capsys, no_model_loading):
+    """transformers reads the `fast_tokenizer_files` entry for its version by a name relative to the folder, `..`
+    included: it read another folder's tokenizer as this model's."""
+    model = Path(shutil.copytree(model_dir, tmp_path / "model"))
+    (tmp_path / "other").mkdir()
+    shutil.copy(model / "tokenizer.json", tmp_path / "other" / "tokenizer.4.0.0.json")
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["fast_tokenizer_files"] = ["../other/tokenizer.4.0.0.json"]
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    line = needle_error([str(model), "--out", str(tmp_path / "out")], capsys)
+    assert f"../other/tokenizer.4.0.0.json in {str(model)!r} leads to" in line and "outside the checkpoint" in line
 
 
 def test_lengths_beyond_the_model_are_one_line(model_dir, tmp_path, capsys):
@@ -246,9 +307,6 @@ def test_export_refuses_a_broken_source_in_one_line(model_dir, tmp_path, capsys,
 def test_export_reads_no_shard_or_tokenizer_the_converter_would_not(model_dir, tmp_path, capsys):
     """A shard that is a FIFO hung `export` forever; a corrupt shard was a SafetensorError traceback; a tokenizer.json
     linking out of SRC was read (and would have been exported) as the checkpoint's."""
-    import os
-    import shutil
-
     src = tmp_path / "src"
     shutil.copytree(model_dir, src)
     (src / "model.safetensors").unlink()
@@ -266,24 +324,13 @@ def test_export_reads_no_shard_or_tokenizer_the_converter_would_not(model_dir, t
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other-tokenizer.json", "src"]
 
 
-@pytest.mark.parametrize("name", ["generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                                  "special_tokens_map.json"])
+@pytest.mark.parametrize("kind", ["3 GiB", "FIFO", "link out"])
+@pytest.mark.parametrize("name", SIDE_FILES)
 def test_export_refuses_a_side_file_transformers_would_read_whole(model_dir, tmp_path, capsys, no_model_loading,
-                                                                  name):
+                                                                  name, kind):
     """transformers reads SRC's generation config and tokenizer files whole: 3 GiB ended in a MemoryError inside
     it, and a FIFO would be waited on. Refused, naming the file and the bound, before the model loads."""
-    import os
-    import shutil
-
-    src = tmp_path / "src"
-    shutil.copytree(model_dir, src)
-    (src / name).unlink(missing_ok=True)
-    with open(src / name, "wb") as file:
-        file.truncate(3 << 30)  # sparse: no disk used
-    line = export_error([str(src), str(tmp_path / "out")], capsys)
-    assert f"{name} in {str(src)!r} must be a regular file of at most 67108864 bytes" in line
-    assert f"got {3 << 30} bytes" in line
-    (src / name).unlink()
-    os.mkfifo(src / name)
-    assert "got not a regular file" in export_error([str(src), str(tmp_path / "out")], capsys)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+    src = Path(shutil.copytree(model_dir, tmp_path / "src"))
+    plant_side_file(src, name, kind)
+    assert_side_file_refused(export_error([str(src), str(tmp_path / "out")], capsys), src, name, kind)
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,135 @@
+"""The rules for the files transformers reads from a checkpoint folder besides its weights, and for its path.
+
+transformers reads a config, a tokenizer and a generation config whole, and reads whatever a file name leads to.
+Before it does, every such file of the folder must lie inside the checkpoint (a link, or a name with `..`, leading
+out would be read as the checkpoint's) and be a regular file of at most MAX_WHOLE_READ_BYTES (a FIFO would be
+waited on, a sparse file of gigabytes ended in a MemoryError inside transformers). "Inside" is the checkpoint
+folder itself or, for a snapshot of the Hugging Face cache (`models--org--name/snapshots/<revision>/`, whose files
+are links to `models--org--name/blobs/`), that repository's cache folder. And a checkpoint's path must be valid
+UTF-8: safetensors and tokenizers take no other.
+
+One module for the converter (`modeling_diff.conversion`), the needle evaluation, the Hub export and LoRA: the
+model package does not import the converter.
+"""
+
+import fnmatch
+import json
+import os
+import stat
+from pathlib import Path
+
+TOKENIZER_CONFIG = "tokenizer_config.json"
+CHAT_TEMPLATE_DIR = "additional_chat_templates"
+# What transformers' AutoTokenizer reads from a checkpoint folder, as patterns (a folder, then an fnmatch pattern of
+# names in it): tokenizer.json, tokenizer_config.json and the versioned tokenizer.<version>.json of
+# `fast_tokenizer_files`; tokenizer.model, spm.model or another SentencePiece (or tiktoken) model, which it finds by
+# the suffix; the vocabularies of BPE and WordPiece tokenizers; the chat templates, the named ones in their folder.
+TOKENIZER_READS = ("tokenizer*.json", "special_tokens_map.json", "added_tokens.json", "*.model", "tekken.json",
+                   "vocab.json", "vocab.txt", "merges.txt", "chat_template.jinja", "chat_template.json",
+                   f"{CHAT_TEMPLATE_DIR}/*.jinja")
+# ... and every file from_pretrained and AutoTokenizer read besides config.json, index and weights.
+SIDE_FILES = (*TOKENIZER_READS, "generation_config.json")
+
+# transformers (and this package) read a config, an index, a tokenizer or a generation config whole. The largest of
+# real checkpoints are far smaller: an index of thousands of tensors takes a few MiB, Gemma 3's tokenizer.json about 33 MB.
+MAX_WHOLE_READ_BYTES = 64 * 2**20
+
+
+def checkpoint_root(path: Path) -> Path:
+    """The folder every file of checkpoint `path` must resolve into: the repository folder of a Hub cache snapshot
+    (`models--*/snapshots/<revision>` -> `models--*`, which holds the blobs), else `path` itself."""
+    try:
+        path = path.resolve()
+    except (OSError, RuntimeError):  # a loop of links: the checks that read the checkpoint say so
+        return path
+    if path.parent.name == "snapshots" and path.parent.parent.name.startswith(("models--", "datasets--")):
+        return path.parent.parent
+    return path
+
+
+def is_inside(path: Path, root: Path) -> bool:
+    """Whether `path`, with every link followed, lies inside `root` (already resolved)."""
+    target = path.resolve()
+    return target == root or root in target.parents
+
+
+def check_utf8_path(path: str | os.PathLike, name: str) -> None:
+    """A checkpoint's path (source or output) must be valid UTF-8: safetensors opens, and tokenizers writes, UTF-8
+    paths only. A name the shell passed as other bytes failed deep inside them ("surrogates not allowed", or a shard
+    "not valid UTF-8"), after the work was done, or left an output that no one could load."""
+    try:
+        os.fspath(path).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{name} {os.fsencode(path)!r} is not valid UTF-8: safetensors and tokenizers, which read "
+                         f"and write checkpoints, take UTF-8 paths only; use a UTF-8 name") from None
+
+
+def check_whole_read(path: Path) -> None:
+    """Before `path` is read whole: a ValueError naming it unless it is a regular file of at most MAX_WHOLE_READ_BYTES.
+    A link to /dev/zero or a FIFO would be read forever, a file of gigabytes would end in a MemoryError (deep inside
+    transformers, for the files it reads)."""
+    try:
+        info = path.stat()
+    except OSError as error:
+        raise ValueError(f"{path.name} in {str(path.parent)!r} cannot be read: {error}") from error
+    if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_WHOLE_READ_BYTES:
+        what = "not a regular file" if not stat.S_ISREG(info.st_mode) else f"{info.st_size} bytes"
+        raise ValueError(f"{path.name} in {str(path.parent)!r} must be a regular file of at most "
+                         f"{MAX_WHOLE_READ_BYTES} bytes (it is read whole), got {what}")
+
+
+def read_json_object(path: Path) -> dict:
+    """The JSON object in file `path`; a ValueError naming the file for anything else (garbage, empty, `null`), and
+    before reading it for what `check_whole_read` refuses."""
+    check_whole_read(path)
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path.name} in {str(path.parent)!r} is not valid JSON: {error}") from error
+    if not isinstance(value, dict):
+        raise ValueError(f"{path.name} in {str(path.parent)!r} must hold a JSON object, got {json.dumps(value)[:40]}")
+    return value
+
+
+def side_files(path: Path, patterns: tuple[str, ...] = SIDE_FILES) -> list[Path]:
+    """The entries of checkpoint `path` that `patterns` match, whatever they are (a FIFO, a link to nothing): a
+    pattern is a folder inside `path` (or none), then an fnmatch pattern of the names in it."""
+    found = {}
+    for pattern in patterns:
+        folder, _, names = pattern.rpartition("/")
+        if (path / folder).is_dir():
+            found.update(dict.fromkeys(entry for entry in sorted((path / folder).iterdir())
+                                       if fnmatch.fnmatchcase(entry.name, names)))
+    return list(found)
+
+
+def _fast_tokenizer_files(path: Path) -> list[str]:
+    """The versioned tokenizer files the tokenizer_config.json of `path` names: transformers reads the one for its
+    version, by a name relative to `path` that may lead anywhere (`../other/tokenizer.4.0.json`)."""
+    names = read_json_object(path / TOKENIZER_CONFIG).get("fast_tokenizer_files", [])
+    if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
+        raise ValueError(f"{TOKENIZER_CONFIG} in {str(path)!r}: fast_tokenizer_files must be a list of file names, "
+                         f"got {json.dumps(names)[:40]}")
+    return names
+
+
+def check_side_files(path: Path, patterns: tuple[str, ...] = SIDE_FILES) -> None:
+    """Before transformers reads the files `patterns` match in checkpoint `path` (its tokenizer, its generation config)
+    and the versioned tokenizer files its tokenizer_config.json names: each that is there must be a file inside the
+    checkpoint that `check_whole_read` admits. A link leading out (`tokenizer.json -> /etc/passwd`, or another
+    model's tokenizer) would be read as this checkpoint's."""
+    root = checkpoint_root(path)
+    files = side_files(path, patterns)
+    for file in files:
+        _check_side_file(path, str(file.relative_to(path)), root)
+    if path / TOKENIZER_CONFIG in files:
+        for name in _fast_tokenizer_files(path):
+            if (path / name).exists() or (path / name).is_symlink():
+                _check_side_file(path, name, root)
+
+
+def _check_side_file(path: Path, name: str, root: Path) -> None:
+    if not is_inside(path / name, root):
+        raise ValueError(f"{name} in {str(path)!r} leads to {str((path / name).resolve())!r}, outside the checkpoint "
+                         f"{str(root)!r}: refusing to read it as the checkpoint's")
+    check_whole_read(path / name)
