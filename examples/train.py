@@ -24,6 +24,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Train
 import modeling_diff
 from modeling_diff.annealing import AnnealingCallback
 from modeling_diff.atomic import check_destination, overwrite_from_flags
+from modeling_diff.checkpoint_files import check_utf8_path
 from modeling_diff.data import shakespeare
 
 
@@ -63,6 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     try:
         check_destination(args.output_dir, overwrite_from_flags(args.overwrite), source,
                           name="--output-dir", expected=("config.json",))
+        check_utf8_path(args.output_dir, "--output-dir")  # the saved model would not load: safetensors opens UTF-8 only
     except ValueError as error:
         parser.error(str(error))
     return args

@@ -206,6 +206,18 @@ def test_shipped_training_script_trains_and_saves_a_loadable_model(tmp_path, lau
     assert type(trained) is DiffLlamaForCausalLM and trained.config.diff_mode == "dex"
 
 
+def test_training_script_refuses_an_output_dir_whose_path_is_not_utf8(tmp_path):
+    """Trainer saved a model there that safetensors (UTF-8 paths only) could not load; refused before training."""
+    parent = tmp_path / "outputs"
+    parent.mkdir()
+    out = subprocess.run([PYTHON, str(REPO / "examples" / "train.py"), "--model", "tiny-v1", "--max-steps", "1",
+                          "--output-dir", os.fsencode(parent) + b"/out-\xff"], cwd=tmp_path,
+                         env=offline_env(tmp_path), capture_output=True, timeout=300)
+    err = out.stderr.decode("utf-8", "replace")
+    assert out.returncode == 2 and "--output-dir b'" in err and "out-\\xff' is not valid UTF-8" in err, err[-2000:]
+    assert list(parent.iterdir()) == []
+
+
 def test_training_script_refuses_bad_arguments(tmp_path):
     out = subprocess.run([PYTHON, str(REPO / "examples" / "train.py"), "--model", "no-such-preset",
                           "--output-dir", str(tmp_path)], env=offline_env(tmp_path), capture_output=True, text=True)

@@ -4,6 +4,7 @@ where `modeling_diff` is not importable, and generates the same tokens; push_to_
 import ast
 import inspect
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from ecosystem_helpers import PYTHON, REPO, offline_env, readme_snippet, tiny_config
+from ecosystem_helpers import PYTHON, REPO, byte_tokenizer, offline_env, readme_snippet, tiny_config
 from huggingface_hub import HfApi
 from transformers import AutoModelForCausalLM
 from transformers.dynamic_module_utils import get_imports, get_relative_import_files
@@ -148,6 +149,18 @@ def test_save_for_hub_writes_whole_folders_only(tmp_path):
     save_for_hub(model, target, overwrite=True)  # an earlier output (a config.json)
     with pytest.raises(ValueError, match="must not be, contain or lie inside the source"):
         save_for_hub(model, target / "sub", protect=(target,))
+
+
+@pytest.mark.parametrize("with_tokenizer", [False, True])
+def test_save_for_hub_refuses_a_folder_whose_path_is_not_utf8(tmp_path, with_tokenizer):
+    """safetensors opens and tokenizers writes UTF-8 paths only: with a tokenizer the writer failed with a
+    UnicodeEncodeError ("surrogates not allowed"), without one the folder was written but could not be loaded.
+    Refused before anything is written, naming the argument and the rule."""
+    bad = tmp_path / os.fsdecode(b"out-\xff")
+    tokenizer = byte_tokenizer() if with_tokenizer else None
+    with pytest.raises(ValueError, match=r"^save_directory b'.*out-\\xff' is not valid UTF-8: .* UTF-8 paths only"):
+        save_for_hub(trained_looking_model("v2"), bad, tokenizer=tokenizer)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_push_to_hub_uploads_the_export_folder(tmp_path):

@@ -1,6 +1,8 @@
 """PEFT LoRA on every diff_mode: adapters on q/k/v/o and the MLP, the differential parameters trained alongside,
 saved and loaded with the adapter; merge_and_unload keeps the logits."""
 
+import os
+
 import pytest
 import torch
 from ecosystem_helpers import byte_tokenizer, readme_snippet, tiny_config
@@ -114,6 +116,15 @@ def test_save_lora_replaces_only_an_adapter_never_its_base_model_and_writes_noth
     save_lora(model, adapter, overwrite=True)  # an earlier adapter
     save_lora(model, photos, overwrite="force")
     assert (photos / "adapter_config.json").is_file() and not (photos / "holiday.jpg").exists()
+
+
+def test_save_lora_refuses_a_folder_whose_path_is_not_utf8(tmp_path):
+    """The adapter was written, but safetensors opens UTF-8 paths only: PeftModel.from_pretrained could not load it.
+    Refused before anything is written, naming the argument and the rule."""
+    bad = tmp_path / os.fsdecode(b"adapter-\xff")
+    with pytest.raises(ValueError, match=r"^save_directory b'.*adapter-\\xff' is not valid UTF-8: .* UTF-8 paths only"):
+        save_lora(get_lora_model(base_model("v2")), bad)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_differential_parameters_can_stay_frozen():
