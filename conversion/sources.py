@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from modeling_diff.checkpoint_files import check_utf8_path, checkpoint_root, is_inside, read_json_object
+from modeling_diff.checkpoint_files import (CONFIG_FILES, INDEX_FILE, check_side_files, check_utf8_path, checkpoint_root,
+                                            is_inside, read_json_object)
 
 SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 
 
 def _check_shard_name(file, tensor) -> None:
@@ -36,6 +36,7 @@ class CheckpointDir:
             raise ValueError(f"source {str(self.path)!r} must be a directory with a config.json (or a .gguf file)")
         check_utf8_path(self.path, "source")
         self.root = checkpoint_root(self.path)
+        check_side_files(self.path, CONFIG_FILES)  # another model's config or index, linked, is not this one's
         self.config = read_json_object(self.path / "config.json")
         if (self.path / INDEX_FILE).is_file():
             weight_map = read_json_object(self.path / INDEX_FILE).get("weight_map")

@@ -29,6 +29,9 @@ TOKENIZER_READS = ("tokenizer*.json", "special_tokens_map.json", "added_tokens.j
                    f"{CHAT_TEMPLATE_DIR}/*.jinja")
 # ... and every file from_pretrained and AutoTokenizer read besides config.json, index and weights.
 SIDE_FILES = (*TOKENIZER_READS, "generation_config.json")
+# The files from_pretrained reads whole before the weights: the config and the index of a sharded checkpoint.
+INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILES = ("config.json", INDEX_FILE)
 
 # transformers (and this package) read a config, an index, a tokenizer or a generation config whole. The largest of
 # real checkpoints are far smaller: an index of thousands of tensors takes a few MiB, Gemma 3's tokenizer.json about 33 MB.
@@ -103,7 +106,7 @@ def side_files(path: Path, patterns: tuple[str, ...] = SIDE_FILES) -> list[Path]
     return list(found)
 
 
-def _fast_tokenizer_files(path: Path) -> list[str]:
+def fast_tokenizer_files(path: Path) -> list[str]:
     """The versioned tokenizer files the tokenizer_config.json of `path` names: transformers reads the one for its
     version, by a name relative to `path` that may lead anywhere (`../other/tokenizer.4.0.json`)."""
     names = read_json_object(path / TOKENIZER_CONFIG).get("fast_tokenizer_files", [])
@@ -114,16 +117,16 @@ def _fast_tokenizer_files(path: Path) -> list[str]:
 
 
 def check_side_files(path: Path, patterns: tuple[str, ...] = SIDE_FILES) -> None:
-    """Before transformers reads the files `patterns` match in checkpoint `path` (its tokenizer, its generation config)
-    and the versioned tokenizer files its tokenizer_config.json names: each that is there must be a file inside the
-    checkpoint that `check_whole_read` admits. A link leading out (`tokenizer.json -> /etc/passwd`, or another
-    model's tokenizer) would be read as this checkpoint's."""
+    """Before transformers reads the files `patterns` match in checkpoint `path` (its tokenizer, its generation config;
+    with CONFIG_FILES its config and index) and the versioned tokenizer files its tokenizer_config.json names: each
+    that is there must be a file inside the checkpoint that `check_whole_read` admits. A link leading out
+    (`tokenizer.json -> /etc/passwd`, or another model's tokenizer or config) would be read as this checkpoint's."""
     root = checkpoint_root(path)
     files = side_files(path, patterns)
     for file in files:
         _check_side_file(path, str(file.relative_to(path)), root)
     if path / TOKENIZER_CONFIG in files:
-        for name in _fast_tokenizer_files(path):
+        for name in fast_tokenizer_files(path):
             if (path / name).exists() or (path / name).is_symlink():
                 _check_side_file(path, name, root)
 

@@ -32,7 +32,7 @@ import torch
 from safetensors import SafetensorError
 from tqdm.auto import tqdm
 
-from .checkpoint_files import check_side_files
+from .checkpoint_files import CONFIG_FILES, SIDE_FILES, check_side_files
 from .data import shakespeare
 from .extras import require
 
@@ -291,12 +291,12 @@ def main(argv: list[str] | None = None) -> NeedleResult:
         parser.error(f"model {args.model!r} is not a local directory")
     if args.gguf_file and not (model_dir / args.gguf_file).is_file():
         parser.error(f"--gguf-file {args.gguf_file!r} is not a file in {args.model!r}")
-    if not args.gguf_file and not (model_dir / "config.json").is_file():
-        parser.error(f"model {args.model!r} holds no config.json (a .gguf model needs --gguf-file)")
-    try:  # transformers reads the tokenizer and generation config whole, and wherever a name leads
-        check_side_files(model_dir)
+    try:  # transformers reads the config, index, tokenizer and generation config whole, and wherever a name leads
+        check_side_files(model_dir, (*CONFIG_FILES, *SIDE_FILES))
     except ValueError as error:
         parser.error(" ".join(str(error).split()))
+    if not args.gguf_file and not (model_dir / "config.json").is_file():
+        parser.error(f"model {args.model!r} holds no config.json (a .gguf model needs --gguf-file)")
     odd = sorted(p.name for p in model_dir.iterdir() if not (p.is_file() or p.is_dir()))
     if odd:  # a FIFO shard would be waited on forever, a link to /dev/zero read without end
         parser.error(f"model {args.model!r} holds entries that are neither files nor folders (a FIFO, a device, a "

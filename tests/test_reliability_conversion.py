@@ -618,6 +618,18 @@ def test_a_versioned_tokenizer_named_outside_the_source_is_not_read_for_the_cali
     assert not (tmp_path / "dst").exists()
 
 
+@pytest.mark.parametrize("name", ["config.json", INDEX])
+def test_a_config_or_index_linking_out_of_the_source_is_refused(src, tmp_path, capsys, name):
+    """The config (or index) of another model, linked from SRC, was read as SRC's: its size was checked, not where it
+    leads. Refused in one line as a link out is, before DST is touched."""
+    other = Path(shutil.copytree(src, tmp_path / "other"))
+    (src / name).unlink()
+    (src / name).symlink_to(other / name)
+    line = cli_error(["convert", str(src), str(tmp_path / "dst"), "--heads", "all"], capsys)
+    assert f"{name} in {str(src)!r} leads to {str(other / name)!r}" in line and "outside the checkpoint" in line
+    assert not (tmp_path / "dst").exists()
+
+
 def test_named_chat_templates_are_carried(src, tmp_path, caplog):
     """A tokenizer's named chat templates live in additional_chat_templates/: the conversion lost them (it copied the
     top folder's files only). A template in it that links out of SRC is skipped with a warning, as at the top."""

@@ -161,6 +161,18 @@ def test_needle_refuses_a_side_file_transformers_would_read_whole_or_outside_the
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("kind", ["3 GiB", "FIFO", "link out"])
+def test_needle_refuses_a_config_json_transformers_would_read_whole_or_outside_the_folder(
+        model_dir, tmp_path, capsys, no_model_loading, kind):
+    """The needle evaluation loaded config.json unchecked: a sparse 3 GiB one would end in a MemoryError, a FIFO was
+    refused as a missing config, a link leading out (another model's config) was read as the model's."""
+    model = Path(shutil.copytree(model_dir, tmp_path / "model"))
+    plant_side_file(model, "config.json", kind)
+    line = needle_error([str(model), "--out", str(tmp_path / "out")], capsys)
+    assert_side_file_refused(line, model, "config.json", kind)
+    assert not (tmp_path / "out").exists()
+
+
 def test_needle_refuses_a_versioned_tokenizer_named_outside_the_folder(model_dir, tmp_path, capsys, no_model_loading):
     """transformers reads the `fast_tokenizer_files` entry for its version by a name relative to the folder, `..`
     included: it read another folder's tokenizer as this model's."""
@@ -322,6 +334,21 @@ def test_export_reads_no_shard_or_tokenizer_the_converter_would_not(model_dir, t
     line = export_error([str(src), str(tmp_path / "out")], capsys)
     assert "tokenizer.json in" in line and "outside the checkpoint" in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other-tokenizer.json", "src"]
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors.index.json"])
+def test_export_refuses_a_config_linking_out_of_the_source(model_dir, tmp_path, capsys, no_model_loading, name):
+    """SRC's config.json (or index) linking to another model's was read, and exported, as SRC's: its size was checked,
+    not where it leads."""
+    src = Path(shutil.copytree(model_dir, tmp_path / "src"))
+    other = Path(shutil.copytree(model_dir, tmp_path / "other"))
+    if name != "config.json":  # an index naming SRC's own shard, kept in the other model's folder
+        (other / name).write_text(json.dumps({"weight_map": {"lm_head.weight": "model.safetensors"}}))
+    (src / name).unlink(missing_ok=True)
+    (src / name).symlink_to(other / name)
+    line = export_error([str(src), str(tmp_path / "out")], capsys)
+    assert f"{name} in {str(src)!r} leads to {str(other / name)!r}" in line and "outside the checkpoint" in line
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("kind", ["3 GiB", "FIFO", "link out"])
