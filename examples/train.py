@@ -24,7 +24,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Train
 import modeling_diff
 from modeling_diff.annealing import AnnealingCallback
 from modeling_diff.atomic import check_destination, overwrite_from_flags
-from modeling_diff.checkpoint_files import check_utf8_path
+from modeling_diff.checkpoint_files import CONFIG_FILES, SIDE_FILES, check_side_files, check_utf8_path
 from modeling_diff.data import shakespeare
 
 
@@ -48,6 +48,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     for field in ("seq_len", "batch_size", "gradient_accumulation_steps", "max_steps"):
         if getattr(args, field) < 1:
             parser.error(f"--{field.replace('_', '-')} must be >= 1, got {getattr(args, field)}")
+    # transformers reads a folder's config, tokenizer and generation config whole, and wherever a name leads: the
+    # converter's rule (a Hub id given as --tokenizer is no folder here; transformers resolves it)
+    folders = [name for name in ((args.model if args.model not in modeling_diff.PRESETS else None), args.tokenizer)
+               if name is not None and Path(name).is_dir()]
+    try:
+        for folder in folders:
+            check_side_files(Path(folder), (*CONFIG_FILES, *SIDE_FILES))
+    except ValueError as error:
+        parser.error(" ".join(str(error).split()))
     if args.model not in modeling_diff.PRESETS and not Path(args.model, "config.json").is_file():
         parser.error(f"--model must be a preset ({', '.join(sorted(modeling_diff.PRESETS))}) or a folder with a "
                      f"config.json, got {args.model!r}")

@@ -13,7 +13,7 @@ import torch
 from accelerate import infer_auto_device_map
 from accelerate.commands.config.config_args import load_config_from_file
 from conftest import tiny_model
-from ecosystem_helpers import PYTHON, REPO, offline_env, tiny_config
+from ecosystem_helpers import PYTHON, REPO, byte_tokenizer, offline_env, tiny_config
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -246,3 +246,31 @@ def test_training_script_refuses_bad_arguments(tmp_path):
         assert out.returncode == 2 and message in out.stderr, out.stderr[-2000:]
     assert {p.name: p.read_bytes() for p in checkpoint.iterdir()} == before
     assert [p.name for p in (tmp_path / "notes").iterdir()] == ["todo.txt"] and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("folder,name,kind", [
+    ("--tokenizer", "tokenizer.json", "link out"), ("--tokenizer", "tokenizer_config.json", "3 GiB"),
+    ("--model", "tokenizer.json", "link out"), ("--model", "config.json", "link out"),
+])
+def test_training_script_refuses_a_tokenizer_or_config_read_whole_or_outside_its_folder(tmp_path, folder, name, kind):
+    """The --tokenizer folder and a --model folder's own tokenizer and config were loaded unchecked: a file linking
+    to another model's was trained on as this one's, a sparse 3 GiB one read whole. Refused before training, as the
+    converter and the needle evaluation refuse them (`check_side_files`)."""
+    checkpoint = tmp_path / "checkpoint"
+    DiffLlamaForCausalLM(preset_config("tiny-v1")).save_pretrained(checkpoint)
+    byte_tokenizer().save_pretrained(checkpoint)
+    target = checkpoint if folder == "--model" else tmp_path / "tokenizer"
+    byte_tokenizer().save_pretrained(target)
+    (target / name).rename(tmp_path / "elsewhere")
+    if kind == "link out":
+        (target / name).symlink_to(tmp_path / "elsewhere")
+    else:
+        with open(target / name, "wb") as file:
+            file.truncate(3 << 30)  # sparse: no disk used
+    model = ["--model", str(checkpoint)] if folder == "--model" else ["--model", "tiny-v1", "--tokenizer", str(target)]
+    out = subprocess.run([PYTHON, str(REPO / "examples" / "train.py"), *model, "--max-steps", "1", "--seq-len", "16",
+                          "--output-dir", str(tmp_path / "out")], env=offline_env(tmp_path), capture_output=True,
+                         text=True, timeout=120)
+    rule = "leads to" if kind == "link out" else "must be a regular file of at most 67108864 bytes"
+    assert out.returncode == 2 and f"{name} in {str(target)!r} {rule}" in out.stderr, out.stderr[-2000:]
+    assert not (tmp_path / "out").exists()
