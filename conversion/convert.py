@@ -19,8 +19,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from transformers.initialization import no_init_weights
 
 from modeling_diff.atomic import atomic_directory, check_destination
-from modeling_diff.checkpoint_files import (CHAT_TEMPLATE_DIR, TOKENIZER_READS, check_side_files, check_utf8_path,
-                                            check_whole_read, checkpoint_root, is_inside, side_files)
+from modeling_diff.checkpoint_files import (CHAT_TEMPLATE_DIR, TOKENIZER_CONFIG, TOKENIZER_READS, check_side_files,
+                                            check_utf8_path, check_whole_read, checkpoint_root, fast_tokenizer_files,
+                                            is_inside, read_json_object, side_files)
 from modeling_diff.extras import require
 from modeling_diff.modeling_diff_llama import DiffLlamaForCausalLM
 
@@ -265,6 +266,7 @@ def convert_checkpoint(
         plan = _Plan(source_config, method, heads, head_fraction, calibration, anneal_steps, noise_init, headers,
                      str(src))
     carried = _carried_files(source)
+    tokenizer_config = _tokenizer_config_inside(source, carried)
     dst = check_destination(dst, overwrite, protect=protect, expected=_EXPECTED)
     check_utf8_path(dst, "destination")
 
@@ -277,6 +279,9 @@ def convert_checkpoint(
         for path in carried:
             (tmp / path.relative_to(source.path)).parent.mkdir(exist_ok=True)
             shutil.copy2(path, tmp / path.relative_to(source.path))
+        if tokenizer_config is not None:
+            (tmp / TOKENIZER_CONFIG).write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n",
+                                                encoding="utf-8")
     if progress:
         target = getattr(mapping.config, "diff_mode", mapping.config.model_type)
         tqdm.write(f"converted {src} -> {dst} ({target}) in {time.perf_counter() - started:.1f} s")
@@ -323,6 +328,25 @@ def _carried_files(source: CheckpointDir) -> list[Path]:
             check_whole_read(path)
         carried.append(path)
     return carried
+
+
+def _tokenizer_config_inside(source: CheckpointDir, carried: list[Path]) -> dict | None:
+    """The carried tokenizer_config.json without the `fast_tokenizer_files` entries that lead out of the source, or
+    None to copy it unchanged. transformers reads the entry for its version by a name relative to the folder, so the
+    output would read `../other/tokenizer.4.0.json` as its own tokenizer: such an entry is dropped with a warning, as
+    a link out is skipped (the output falls back on the entries and the tokenizer.json it holds)."""
+    if source.path / TOKENIZER_CONFIG not in carried:
+        return None
+    names = fast_tokenizer_files(source.path)
+    inside = [name for name in names if is_inside(source.path / name, source.root)]
+    if inside == names:
+        return None
+    for name in names:
+        if name not in inside:
+            logger.warning(f"dropped {name} from fast_tokenizer_files of the copied {TOKENIZER_CONFIG}: it leads to "
+                           f"{str((source.path / name).resolve())!r}, outside the source checkpoint "
+                           f"{str(source.root)!r}")
+    return {**read_json_object(source.path / TOKENIZER_CONFIG), "fast_tokenizer_files": inside}
 
 
 __all__ = ["calibration_ids_from", "convert_checkpoint", "convert_model",

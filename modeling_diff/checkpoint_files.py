@@ -110,7 +110,7 @@ def fast_tokenizer_files(path: Path) -> list[str]:
     """The versioned tokenizer files the tokenizer_config.json of `path` names: transformers reads the one for its
     version, by a name relative to `path` that may lead anywhere (`../other/tokenizer.4.0.json`)."""
     names = read_json_object(path / TOKENIZER_CONFIG).get("fast_tokenizer_files", [])
-    if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
+    if not isinstance(names, list) or not all(isinstance(name, str) and "\0" not in name for name in names):
         raise ValueError(f"{TOKENIZER_CONFIG} in {str(path)!r}: fast_tokenizer_files must be a list of file names, "
                          f"got {json.dumps(names)[:40]}")
     return names

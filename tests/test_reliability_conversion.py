@@ -618,6 +618,40 @@ def test_a_versioned_tokenizer_named_outside_the_source_is_not_read_for_the_cali
     assert not (tmp_path / "dst").exists()
 
 
+def test_a_versioned_tokenizer_named_outside_the_source_is_dropped_from_the_copied_tokenizer_config(
+        src, tmp_path, caplog):
+    """Without calibration text nothing reads the tokenizer: its tokenizer_config.json was copied unchanged, so the
+    output's `fast_tokenizer_files` named `../other/tokenizer.4.1.0.json`, read by transformers relative to DST as
+    the output's own tokenizer. The entry is dropped with a warning, as a link out is skipped; entries inside stay."""
+    (tmp_path / "other").mkdir()
+    shutil.copy(src / "tokenizer.json", tmp_path / "other" / "tokenizer.4.1.0.json")
+    shutil.copy(src / "tokenizer.json", src / "tokenizer.4.0.0.json")
+    config = json.loads((src / "tokenizer_config.json").read_text())
+    names = ["tokenizer.4.0.0.json", "../other/tokenizer.4.1.0.json"]
+    (src / "tokenizer_config.json").write_text(json.dumps({**config, "fast_tokenizer_files": names}))
+    before = tree_hash(src)
+    with caplog.at_level(logging.WARNING, logger=convert_module.__name__):
+        dst = convert_checkpoint(src, tmp_path / "dst", heads="all", progress=False)
+    assert "dropped ../other/tokenizer.4.1.0.json from fast_tokenizer_files" in caplog.text
+    assert "outside the source checkpoint" in caplog.text
+    assert json.loads((dst / "tokenizer_config.json").read_text()) == {**config, "fast_tokenizer_files": names[:1]}
+    assert (dst / "tokenizer.4.0.0.json").is_file() and tree_hash(src) == before
+    assert AutoTokenizer.from_pretrained(dst)(TEXT).input_ids == AutoTokenizer.from_pretrained(src)(TEXT).input_ids
+
+
+@pytest.mark.parametrize("text,message", [
+    ("{garbage", "tokenizer_config.json in {src!r} is not valid JSON"),
+    ('{"fast_tokenizer_files": "tokenizer.4.0.0.json"}', "fast_tokenizer_files must be a list of file names"),
+    ('{"fast_tokenizer_files": ["tokenizer.4.0.0.json\\u0000"]}', "fast_tokenizer_files must be a list of file names"),
+])
+def test_a_tokenizer_config_the_output_could_not_load_is_refused_before_it_is_copied(src, tmp_path, capsys, text,
+                                                                                     message):
+    """Its `fast_tokenizer_files` are read to drop the entries leading out: one that cannot be read is one line."""
+    (src / "tokenizer_config.json").write_text(text)
+    line = cli_error(["convert", str(src), str(tmp_path / "dst"), "--heads", "all"], capsys)
+    assert message.format(src=str(src)) in line and not (tmp_path / "dst").exists()
+
+
 @pytest.mark.parametrize("name", ["config.json", INDEX])
 def test_a_config_or_index_linking_out_of_the_source_is_refused(src, tmp_path, capsys, name):
     """The config (or index) of another model, linked from SRC, was read as SRC's: its size was checked, not where it
