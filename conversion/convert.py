@@ -20,8 +20,8 @@ from transformers.initialization import no_init_weights
 
 from modeling_diff.atomic import atomic_directory, check_destination
 from modeling_diff.checkpoint_files import (CHAT_TEMPLATE_DIR, TOKENIZER_CONFIG, TOKENIZER_READS, check_side_files,
-                                            check_utf8_path, check_whole_read, checkpoint_root, fast_tokenizer_files,
-                                            is_inside, read_json_object, side_files)
+                                            check_whole_read, checkpoint_root, fast_tokenizer_files, is_inside,
+                                            read_json_object, side_files)
 from modeling_diff.extras import require
 from modeling_diff.modeling_diff_llama import DiffLlamaForCausalLM
 
@@ -239,7 +239,6 @@ def convert_checkpoint(
         _check_gguf(src)
         check_side_files(src.parent, _GGUF_SIDE_FILES)
         dst = check_destination(dst, overwrite, protect=protect, expected=_EXPECTED)  # before loading the model
-        check_utf8_path(dst, "destination")
         with atomic_directory(dst, overwrite, protect=protect, expected=_EXPECTED) as tmp:
             try:  # a file gguf's reader parses whose tensors do not match its metadata fails in transformers
                 model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32,
@@ -268,7 +267,6 @@ def convert_checkpoint(
     carried = _carried_files(source)
     tokenizer_config = _tokenizer_config_inside(source, carried)
     dst = check_destination(dst, overwrite, protect=protect, expected=_EXPECTED)
-    check_utf8_path(dst, "destination")
 
     with atomic_directory(dst, overwrite, protect=protect, expected=_EXPECTED) as tmp:
         mapping = plan.mapping(source.get, progress)

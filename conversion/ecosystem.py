@@ -46,7 +46,7 @@ def run_export(args: argparse.Namespace) -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from modeling_diff.atomic import check_destination, overwrite_from_flags
-    from modeling_diff.checkpoint_files import check_side_files, check_utf8_path
+    from modeling_diff.checkpoint_files import check_side_files
     from modeling_diff.configuration import DiffLlamaConfig
     from modeling_diff.hub import save_for_hub
 
@@ -56,7 +56,7 @@ def run_export(args: argparse.Namespace) -> str:
     source = CheckpointDir(args.src)
     overwrite = overwrite_from_flags(args.overwrite)
     protect = (args.src, source.root)  # a Hub cache snapshot's blobs are its repository folder's
-    check_utf8_path(check_destination(args.dst, overwrite, protect, name="dst", expected=("config.json",)), "dst")
+    check_destination(args.dst, overwrite, protect, name="dst", expected=("config.json",))
     model_type = source.config.get("model_type")
     if model_type != DiffLlamaConfig.model_type:
         raise ValueError(f"src must be a {DiffLlamaConfig.model_type!r} checkpoint (convert a Llama first with "

@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from modeling_diff.checkpoint_files import (CONFIG_FILES, INDEX_FILE, check_side_files, check_utf8_path, checkpoint_root,
+from modeling_diff.atomic import check_utf8_path
+from modeling_diff.checkpoint_files import (CONFIG_FILES, INDEX_FILE, check_side_files, checkpoint_root,
                                             is_inside, read_json_object)
 
 SINGLE_FILE = "model.safetensors"

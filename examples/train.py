@@ -24,7 +24,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Train
 import modeling_diff
 from modeling_diff.annealing import AnnealingCallback
 from modeling_diff.atomic import check_destination, overwrite_from_flags
-from modeling_diff.checkpoint_files import CONFIG_FILES, SIDE_FILES, check_side_files, check_utf8_path
+from modeling_diff.checkpoint_files import CONFIG_FILES, SIDE_FILES, check_side_files
 from modeling_diff.data import shakespeare
 
 
@@ -50,11 +50,11 @@ def parse_args(argv=None) -> argparse.Namespace:
             parser.error(f"--{field.replace('_', '-')} must be >= 1, got {getattr(args, field)}")
     # transformers reads a folder's config, tokenizer and generation config whole, and wherever a name leads: the
     # converter's rule (a Hub id given as --tokenizer is no folder here; transformers resolves it)
-    folders = [name for name in ((args.model if args.model not in modeling_diff.PRESETS else None), args.tokenizer)
-               if name is not None and Path(name).is_dir()]
+    folders = [args.tokenizer] + ([] if args.model in modeling_diff.PRESETS else [args.model])
     try:
-        for folder in folders:
-            check_side_files(Path(folder), (*CONFIG_FILES, *SIDE_FILES))
+        for folder in (Path(name) for name in folders if name is not None):
+            if folder.is_dir():
+                check_side_files(folder, (*CONFIG_FILES, *SIDE_FILES))
     except ValueError as error:
         parser.error(" ".join(str(error).split()))
     if args.model not in modeling_diff.PRESETS and not Path(args.model, "config.json").is_file():
@@ -73,7 +73,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     try:
         check_destination(args.output_dir, overwrite_from_flags(args.overwrite), source,
                           name="--output-dir", expected=("config.json",))
-        check_utf8_path(args.output_dir, "--output-dir")  # the saved model would not load: safetensors opens UTF-8 only
     except ValueError as error:
         parser.error(str(error))
     return args

@@ -147,9 +147,22 @@ def _remove_stale_staging(dst: Path) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+def check_utf8_path(path: str | os.PathLike, name: str) -> None:
+    """A checkpoint's path (source or output) must be valid UTF-8: safetensors opens, and tokenizers writes, UTF-8
+    paths only. A name the shell passed as other bytes failed deep inside them ("surrogates not allowed", or a shard
+    "not valid UTF-8"), after the work was done, or left an output that no one could load."""
+    try:
+        os.fspath(path).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{name} {os.fsencode(path)!r} is not valid UTF-8: safetensors and tokenizers, which read "
+                         f"and write checkpoints, take UTF-8 paths only; use a UTF-8 name") from None
+
+
 def check_destination(dst: str | os.PathLike, overwrite: bool | str = False, protect: tuple = (),
                       name: str = "destination", expected: tuple[str, ...] = ()) -> Path:
-    """Refuse, before any work, a `dst` that `atomic_directory` would refuse; returns it resolved."""
+    """Refuse, before any work, a `dst` that `atomic_directory` would refuse; returns it resolved. Every directory
+    written here is a checkpoint (a model, an adapter) that safetensors must open again: its path must be UTF-8."""
+    check_utf8_path(dst, name)
     dst, protect = _resolved(dst, name), [_resolved(p, "source") for p in protect]
     for path in protect:
         if dst == path or path in dst.parents or dst in path.parents:

@@ -5,8 +5,8 @@ Before it does, every such file of the folder must lie inside the checkpoint (a 
 out would be read as the checkpoint's) and be a regular file of at most MAX_WHOLE_READ_BYTES (a FIFO would be
 waited on, a sparse file of gigabytes ended in a MemoryError inside transformers). "Inside" is the checkpoint
 folder itself or, for a snapshot of the Hugging Face cache (`models--org--name/snapshots/<revision>/`, whose files
-are links to `models--org--name/blobs/`), that repository's cache folder. And a checkpoint's path must be valid
-UTF-8: safetensors and tokenizers take no other.
+are links to `models--org--name/blobs/`), that repository's cache folder. (A checkpoint's path must also be valid
+UTF-8: `modeling_diff.atomic.check_utf8_path`.)
 
 One module for the converter (`modeling_diff.conversion`), the needle evaluation, the Hub export and LoRA: the
 model package does not import the converter.
@@ -14,7 +14,6 @@ model package does not import the converter.
 
 import fnmatch
 import json
-import os
 import stat
 from pathlib import Path
 
@@ -54,17 +53,6 @@ def is_inside(path: Path, root: Path) -> bool:
     """Whether `path`, with every link followed, lies inside `root` (already resolved)."""
     target = path.resolve()
     return target == root or root in target.parents
-
-
-def check_utf8_path(path: str | os.PathLike, name: str) -> None:
-    """A checkpoint's path (source or output) must be valid UTF-8: safetensors opens, and tokenizers writes, UTF-8
-    paths only. A name the shell passed as other bytes failed deep inside them ("surrogates not allowed", or a shard
-    "not valid UTF-8"), after the work was done, or left an output that no one could load."""
-    try:
-        os.fspath(path).encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError(f"{name} {os.fsencode(path)!r} is not valid UTF-8: safetensors and tokenizers, which read "
-                         f"and write checkpoints, take UTF-8 paths only; use a UTF-8 name") from None
 
 
 def check_whole_read(path: Path) -> None:

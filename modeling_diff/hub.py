@@ -29,7 +29,6 @@ from huggingface_hub import HfApi, ModelCard, ModelCardData
 from transformers.models.auto import modeling_auto
 
 from .atomic import atomic_directory
-from .checkpoint_files import check_utf8_path
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Flattening the import graph
@@ -258,8 +257,7 @@ def save_for_hub(model, save_directory: str | os.PathLike, tokenizer=None, repo_
     through `atomic_directory`: never half-written; an existing non-empty folder is replaced only with
     `overwrite=True` and only if it is an earlier output (holds a config.json), any folder with `overwrite="force"`;
     `save_directory` may not be, contain or lie inside a path of `protect` (the checkpoint it was loaded from), and
-    must be valid UTF-8 (`check_utf8_path`)."""
-    check_utf8_path(save_directory, "save_directory")
+    must be valid UTF-8 (`check_destination`)."""
     classes = registered_classes(type(model.config))
     if type(model) not in classes.values():
         registered = sorted(cls.__name__ for cls in classes.values())

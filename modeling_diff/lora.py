@@ -15,7 +15,6 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 
 from .atomic import atomic_directory
-from .checkpoint_files import check_utf8_path
 
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DIFFERENTIAL_MODULES = ("diff_lambda", "subln", "lambda_proj", "dex_proj", "dex_lambda")
@@ -41,8 +40,7 @@ def save_lora(peft_model: PeftModel, save_directory: str | os.PathLike, overwrit
     `overwrite="force"`; `save_directory` may not be, contain or lie inside the base model's local folder nor a path
     of `protect`. With `is_main_process=False` (another rank of a distributed run) nothing is written, as PEFT
     writes nothing then. Load with `PeftModel.from_pretrained(base_model, save_directory)`, which opens UTF-8 paths
-    only (safetensors): another is refused (`check_utf8_path`)."""
-    check_utf8_path(save_directory, "save_directory")
+    only (safetensors): another is refused (`check_destination`)."""
     if not kwargs.get("is_main_process", True):
         return Path(save_directory).resolve()
     base = getattr(peft_model.get_base_model(), "name_or_path", "") or ""
