@@ -4,6 +4,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
+# No wheel cache: the install is about 3 GB and CI machines have had little disk to spare.
+export PIP_NO_CACHE_DIR := 1
 
 .PHONY: venv transformers-tests test test-fast demo clean
 
