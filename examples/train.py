@@ -24,7 +24,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Train
 import modeling_diff
 from modeling_diff.annealing import AnnealingCallback
 from modeling_diff.atomic import check_destination, overwrite_from_flags
-from modeling_diff.checkpoint_files import CONFIG_FILES, SIDE_FILES, check_side_files
+from modeling_diff.checkpoint_files import CONFIG_FILES, SIDE_FILES, check_side_files, check_weight_files
 from modeling_diff.data import shakespeare
 
 
@@ -55,6 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         for folder in (Path(name) for name in folders if name is not None):
             if folder.is_dir():
                 check_side_files(folder, (*CONFIG_FILES, *SIDE_FILES))
+        if args.model not in modeling_diff.PRESETS and Path(args.model).is_dir():
+            check_weight_files(Path(args.model))  # the weights it goes on training: a link out would be trained on
     except ValueError as error:
         parser.error(" ".join(str(error).split()))
     if args.model not in modeling_diff.PRESETS and not Path(args.model, "config.json").is_file():

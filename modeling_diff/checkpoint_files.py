@@ -30,7 +30,10 @@ TOKENIZER_READS = ("tokenizer*.json", "special_tokens_map.json", "added_tokens.j
 SIDE_FILES = (*TOKENIZER_READS, "generation_config.json")
 # The files from_pretrained reads whole before the weights: the config and the index of a sharded checkpoint.
 INDEX_FILE = "model.safetensors.index.json"
-CONFIG_FILES = ("config.json", INDEX_FILE)
+PT_INDEX_FILE = "pytorch_model.bin.index.json"
+CONFIG_FILES = ("config.json", INDEX_FILE, PT_INDEX_FILE)
+# The weights from_pretrained reads from a local folder (without `variant`): one file, or the shards of an index.
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 # transformers (and this package) read a config, an index, a tokenizer or a generation config whole. The largest of
 # real checkpoints are far smaller: an index of thousands of tensors takes a few MiB, Gemma 3's tokenizer.json about 33 MB.
@@ -119,8 +122,41 @@ def check_side_files(path: Path, patterns: tuple[str, ...] = SIDE_FILES) -> None
                 _check_side_file(path, name, root)
 
 
+def weight_files(path: Path, gguf_file: str | None = None) -> list[str]:
+    """The names, relative to checkpoint `path`, of the weight files from_pretrained would read: `gguf_file`, or
+    those of WEIGHT_FILES that are there and the shards the indexes there name (checked whole first)."""
+    if gguf_file is not None:
+        return [gguf_file]
+    names = [name for name in WEIGHT_FILES if (path / name).exists() or (path / name).is_symlink()]
+    for index in (INDEX_FILE, PT_INDEX_FILE):
+        if (path / index).exists() or (path / index).is_symlink():
+            weight_map = read_json_object(path / index).get("weight_map")
+            if not isinstance(weight_map, dict) or not all(isinstance(name, str) and "\0" not in name
+                                                           for name in weight_map.values()):
+                raise ValueError(f"{index} in {str(path)!r} must hold a 'weight_map' object of tensor name -> shard "
+                                 f"file name, got {json.dumps(weight_map)[:40]}")
+            names.extend(dict.fromkeys(weight_map.values()))
+    return names
+
+
+def check_weight_files(path: Path, gguf_file: str | None = None) -> None:
+    """Before from_pretrained loads checkpoint `path` (with `gguf_file`, that file of it): every weight file it would
+    read lies inside the checkpoint and is a regular file where it is there (a missing one transformers reports). A
+    shard or .gguf leading out (`model.safetensors -> ../other/model.safetensors`, `--gguf-file ../x.gguf`) would be
+    loaded as this checkpoint's weights; a FIFO would be waited on forever."""
+    root = checkpoint_root(path)
+    for name in weight_files(path, gguf_file):
+        _check_inside(path, name, root)
+        if (path / name).exists() and not (path / name).is_file():
+            raise ValueError(f"{name} in {str(path)!r} must be a regular file, got a FIFO, a device or a folder")
+
+
 def _check_side_file(path: Path, name: str, root: Path) -> None:
+    _check_inside(path, name, root)
+    check_whole_read(path / name)
+
+
+def _check_inside(path: Path, name: str, root: Path) -> None:
     if not is_inside(path / name, root):
         raise ValueError(f"{name} in {str(path)!r} leads to {str((path / name).resolve())!r}, outside the checkpoint "
                          f"{str(root)!r}: refusing to read it as the checkpoint's")
-    check_whole_read(path / name)

@@ -32,7 +32,7 @@ import torch
 from safetensors import SafetensorError
 from tqdm.auto import tqdm
 
-from .checkpoint_files import CONFIG_FILES, SIDE_FILES, check_side_files
+from .checkpoint_files import CONFIG_FILES, SIDE_FILES, check_side_files, check_weight_files
 from .data import shakespeare
 from .extras import require
 
@@ -301,6 +301,10 @@ def main(argv: list[str] | None = None) -> NeedleResult:
     if odd:  # a FIFO shard would be waited on forever, a link to /dev/zero read without end
         parser.error(f"model {args.model!r} holds entries that are neither files nor folders (a FIFO, a device, a "
                      f"link to nothing): {', '.join(odd)}")
+    try:  # and the weights wherever the names lead: another model's, linked or named out, would be evaluated
+        check_weight_files(model_dir, args.gguf_file)
+    except ValueError as error:
+        parser.error(" ".join(str(error).split()))
     if args.out.is_symlink() and not args.out.exists():
         parser.error(f"--out {str(args.out)!r} is a link to nothing")
     blocker = next((p for p in [args.out, *args.out.parents] if p.exists()), None)

@@ -251,6 +251,7 @@ def test_training_script_refuses_bad_arguments(tmp_path):
 @pytest.mark.parametrize("folder,name,kind", [
     ("--tokenizer", "tokenizer.json", "link out"), ("--tokenizer", "tokenizer_config.json", "3 GiB"),
     ("--model", "tokenizer.json", "link out"), ("--model", "config.json", "link out"),
+    ("--model", "model.safetensors", "link out"),
 ])
 def test_training_script_refuses_a_tokenizer_or_config_read_whole_or_outside_its_folder(tmp_path, folder, name, kind):
     """The --tokenizer folder and a --model folder's own tokenizer and config were loaded unchecked: a file linking

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from safetensors import safe_open
 from ecosystem_helpers import byte_tokenizer, tiny_config
 from test_needle import HAYSTACK
 from test_reliability_conversion import tree_hash
@@ -184,6 +185,42 @@ def test_needle_refuses_a_versioned_tokenizer_named_outside_the_folder(model_dir
     (model / "tokenizer_config.json").write_text(json.dumps(config))
     line = needle_error([str(model), "--out", str(tmp_path / "out")], capsys)
     assert f"../other/tokenizer.4.0.0.json in {str(model)!r} leads to" in line and "outside the checkpoint" in line
+
+
+@pytest.mark.parametrize("attack", ["link out", "shard link out", "shard named ..", "shard a FIFO in a folder",
+                                    "gguf named ..", "gguf absolute"])
+def test_needle_refuses_weights_outside_the_folder_or_not_a_file(model_dir, tmp_path, capsys, no_model_loading,
+                                                                 attack):
+    """The needle evaluation loaded whatever weights the folder's names led to: a model.safetensors, a shard of the
+    index or a --gguf-file linking or named out of the folder was evaluated as this model (another model's weights);
+    a FIFO shard was waited on forever. Refused before loading, as the converter refuses its shards."""
+    model = Path(shutil.copytree(model_dir, tmp_path / "model"))
+    other = tmp_path / "other"
+    other.mkdir()
+    (model / "model.safetensors").rename(other / "model.safetensors")
+    extra, name = [], {"link out": "model.safetensors", "shard link out": "model-00001-of-00001.safetensors",
+                       "shard named ..": "../other/model.safetensors",
+                       "shard a FIFO in a folder": "shards/model-00001-of-00001.safetensors",
+                       "gguf named ..": "../other/model.gguf", "gguf absolute": str(other / "model.gguf")}[attack]
+    if attack.startswith("shard"):
+        with safe_open(other / "model.safetensors", framework="pt") as weights:
+            index = {"metadata": {}, "weight_map": dict.fromkeys(weights.keys(), name)}
+        (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    if attack in ("link out", "shard link out"):
+        (model / name).symlink_to(other / "model.safetensors")
+    elif attack == "shard a FIFO in a folder":
+        (model / "shards").mkdir()
+        os.mkfifo(model / name)
+    elif attack.startswith("gguf"):
+        (model / "model.safetensors").symlink_to(other / "model.safetensors")
+        (other / "model.gguf").write_bytes(b"GGUF")
+        extra = ["--gguf-file", name]
+    line = needle_error([str(model), "--out", str(tmp_path / "out"), *extra], capsys)
+    if attack == "shard a FIFO in a folder":
+        assert f"{name} in {str(model)!r} must be a regular file, got a FIFO" in line, line
+    else:
+        assert f"{name} in {str(model)!r} leads to" in line and "outside the checkpoint" in line, line
+    assert not (tmp_path / "out").exists()
 
 
 def test_lengths_beyond_the_model_are_one_line(model_dir, tmp_path, capsys):
