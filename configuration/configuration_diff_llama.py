@@ -183,8 +183,11 @@ class DiffLlamaConfig(PreTrainedConfig):
         # square of any usual activation (order 1 or less) and the norm no longer normalises. Checkpoints use 1e-12
         # to 1e-5; transformers' tester mixins set 1.0 (`set_config_for_less_flaky_test`).
         _check_range("rms_norm_eps", self.rms_norm_eps, 0, 1, "> 0 and at most 1", low_open=True)
-        self._check_pad_token_id()
-        _check_range("initializer_range", self.initializer_range, 0, math.inf, ">= 0 and finite")
+        self._check_token_ids()
+        # The standard deviation of the initial weights: a Linear of fan-in n scales its input by about
+        # initializer_range * sqrt(n), 8x a layer at 1 and n = 64. Checkpoints use 0.02 or less; 1e300 overflowed
+        # float32 and made every logit NaN.
+        _check_range("initializer_range", self.initializer_range, 0, 1, ">= 0 and at most 1")
         _check_range("attention_dropout", self.attention_dropout or 0.0, 0, 1, "in [0, 1)", high_open=True)
         self._check_rope_parameters()
         # lambda_std_dev > 1 gives lambda = exp(q1 . k1) - ... of order exp(sqrt(head_dim)): no usable start.
@@ -232,13 +235,21 @@ class DiffLlamaConfig(PreTrainedConfig):
                 raise ValueError(f"dex_heads selects no head in any layer: diff_mode='dex' needs at least one (None "
                                  f"selects all), got {self.dex_heads!r}")
 
-    def _check_pad_token_id(self):
+    def _check_token_ids(self):
         """pad_token_id is the embedding's padding row (nn.Embedding's padding_idx): a row outside the embedding
         failed only when the model was built, with nn.Embedding's AssertionError. -1 (the last row) stays allowed:
-        Llama checkpoints on the Hub carry it, and transformers' own config only warns about it."""
+        Llama checkpoints on the Hub carry it, and transformers' own config only warns about it. bos_token_id is what
+        generate() starts from without a prompt (outside the embedding: an IndexError), eos_token_id (an id or a
+        list) what it stops at (outside the vocabulary: never sampled, so generation silently runs to max_length)."""
         pad = self.pad_token_id
         if pad is not None and not -1 <= pad < self.vocab_size:  # (its type is @strict's: an int)
             raise ValueError(f"pad_token_id must be None, -1 or a token id in [0, {self.vocab_size}), got {pad!r}")
+        for field in ("bos_token_id", "eos_token_id"):
+            value = getattr(self, field)
+            ids = value if isinstance(value, (list, tuple)) else [] if value is None else [value]
+            if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.vocab_size for i in ids):
+                what = "a token id or a list of token ids" if field == "eos_token_id" else "a token id"
+                raise ValueError(f"{field} must be None or {what} in [0, {self.vocab_size}), got {value!r}")
 
     def _check_rope_parameters(self):
         """rope_theta and a scaling factor > 0, partial_rotary_factor in (0, 1], every other number (YaRN's betas,

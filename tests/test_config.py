@@ -84,7 +84,17 @@ def test_round_trip_through_dict_and_auto_config(tmp_path):
         (dict(intermediate_size=0), "intermediate_size must be a positive integer"),
         (dict(max_position_embeddings=-1), "max_position_embeddings must be a positive integer"),
         (dict(vocab_size=0), "vocab_size must be a positive integer"),
-        (dict(initializer_range=float("inf")), "initializer_range must be >= 0 and finite"),
+        (dict(initializer_range=float("inf")), "initializer_range must be >= 0 and at most 1, got inf"),
+        # audit: a standard deviation of 1e300 overflowed float32 and made every logit NaN
+        (dict(initializer_range=1e300), "initializer_range must be >= 0 and at most 1, got 1e+300"),
+        (dict(initializer_range=-0.02), "initializer_range must be >= 0 and at most 1"),
+        # a bos id outside the embedding was an IndexError in generate() without a prompt; an eos id outside the
+        # vocabulary is never sampled, so generation ran to max_length (transformers itself does not check either)
+        (dict(bos_token_id=32000), "bos_token_id must be None or a token id in [0, 32000), got 32000"),
+        (dict(bos_token_id=-1), "bos_token_id must be None or a token id in [0, 32000), got -1"),
+        (dict(eos_token_id=40000), "eos_token_id must be None or a token id or a list of token ids in [0, 32000)"),
+        (dict(eos_token_id=[2, 32000]), "eos_token_id must be None or a token id or a list of token ids in [0, 32000), "
+                                        "got [2, 32000]"),
         (dict(hidden_act="swoosh"), "hidden_act must be one of transformers' activations"),
         (dict(diff_mode="v1", anneal_steps=100), "anneal_steps is not used by diff_mode='v1'"),
         # audit: an epsilon that outweighs the mean square it is added to no longer normalises (1e300 was accepted)
@@ -113,6 +123,8 @@ def test_invalid_configs_name_the_field(fields, field_named):
     dict(pad_token_id=None), dict(pad_token_id=0), dict(pad_token_id=31999),
     dict(pad_token_id=-1),  # some Llama checkpoints on the Hub carry it (transformers only warns; nn.Embedding's last row)
     dict(rms_norm_eps=1e-12),
+    dict(initializer_range=0.0), dict(initializer_range=1.0),
+    dict(bos_token_id=None, eos_token_id=None), dict(bos_token_id=31999, eos_token_id=[0, 31999]),
     dict(rms_norm_eps=1.0),  # what transformers' tester mixins set (set_config_for_less_flaky_test)
     dict(diff_mode="dex", dex_heads=[[0], []]),  # a layer without DEX heads is Llama attention: `--heads '[[0],[]]'`
 ])
