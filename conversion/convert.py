@@ -8,6 +8,8 @@ GGUF file (`convert_checkpoint`, dequantised by transformers, then converted in 
 import copy
 import json
 import logging
+import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -42,6 +44,8 @@ _EXPECTED = ("config.json",)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 # AutoTokenizer reads these files next to a .gguf file (the tokenizer itself comes from the .gguf).
 _GGUF_SIDE_FILES = ("tokenizer_config.json", f"{CHAT_TEMPLATE_DIR}/*.jinja")
+# The name of a versioned tokenizer file, as transformers' `get_fast_tokenizer_file` finds its version in it.
+_VERSIONED_TOKENIZER = re.compile(r"tokenizer\.(.+)\.json")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
 
 
@@ -265,7 +269,8 @@ def convert_checkpoint(
         plan = _Plan(source_config, method, heads, head_fraction, calibration, anneal_steps, noise_init, headers,
                      str(src))
     carried = _carried_files(source)
-    tokenizer_config = _tokenizer_config_inside(source, carried)
+    tokenizer_config, versioned = _versioned_tokenizers(source, carried)
+    carried += versioned
     dst = check_destination(dst, overwrite, protect=protect, expected=_EXPECTED)
 
     with atomic_directory(dst, overwrite, protect=protect, expected=_EXPECTED) as tmp:
@@ -275,7 +280,7 @@ def convert_checkpoint(
         mapping.config.architectures = [DiffLlamaForCausalLM.__name__]
         mapping.config.save_pretrained(tmp)
         for path in carried:
-            (tmp / path.relative_to(source.path)).parent.mkdir(exist_ok=True)
+            (tmp / path.relative_to(source.path)).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(path, tmp / path.relative_to(source.path))
         if tokenizer_config is not None:
             (tmp / TOKENIZER_CONFIG).write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n",
@@ -328,23 +333,38 @@ def _carried_files(source: CheckpointDir) -> list[Path]:
     return carried
 
 
-def _tokenizer_config_inside(source: CheckpointDir, carried: list[Path]) -> dict | None:
-    """The carried tokenizer_config.json without the `fast_tokenizer_files` entries that lead out of the source, or
-    None to copy it unchanged. transformers reads the entry for its version by a name relative to the folder, so the
-    output would read `../other/tokenizer.4.0.json` as its own tokenizer: such an entry is dropped with a warning, as
-    a link out is skipped (the output falls back on the entries and the tokenizer.json it holds)."""
+def _versioned_tokenizers(source: CheckpointDir, carried: list[Path]) -> tuple[dict | None, list[Path]]:
+    """The carried tokenizer_config.json rewritten where its `fast_tokenizer_files` must change (None to copy it
+    unchanged), and the files those entries name that the top-level copy does not carry.
+
+    transformers reads the entry for its version by a name relative to the folder, a subfolder's or `..` included.
+    An entry leading out of the source (`../other/tokenizer.4.0.json`, or through a link) would make the output
+    read another folder's tokenizer as its own: it is dropped with a warning, as a link out is skipped (the output
+    falls back on the entries and the tokenizer.json it holds). An entry inside is kept under its plain name
+    (`./v/../v/tokenizer.4.0.json` -> `v/tokenizer.4.0.json`, no `.` or `..` for the output to resolve) and its
+    file, in a subfolder too, is carried."""
     if source.path / TOKENIZER_CONFIG not in carried:
-        return None
+        return None, []
     names = fast_tokenizer_files(source.path)
-    inside = [name for name in names if is_inside(source.path / name, source.root)]
-    if inside == names:
-        return None
+    kept, files = [], []
     for name in names:
-        if name not in inside:
+        plain = Path(os.path.normpath(name))
+        if plain.is_absolute() or plain.parts[:1] == ("..",) or not all(
+                is_inside(path, source.root) for path in (source.path / name, source.path / plain)):
             logger.warning(f"dropped {name} from fast_tokenizer_files of the copied {TOKENIZER_CONFIG}: it leads to "
                            f"{str((source.path / name).resolve())!r}, outside the source checkpoint "
                            f"{str(source.root)!r}")
-    return {**read_json_object(source.path / TOKENIZER_CONFIG), "fast_tokenizer_files": inside}
+            continue
+        kept.append(plain.as_posix())
+        # Only what transformers takes for a versioned tokenizer: an entry naming `config.json` or the weights
+        # (which it ignores) would otherwise be copied over the converted ones.
+        if (_VERSIONED_TOKENIZER.fullmatch(plain.name) and (source.path / plain).exists()
+                and source.path / plain not in carried):
+            check_whole_read(source.path / plain)
+            files.append(source.path / plain)
+    if kept == names:
+        return None, files
+    return {**read_json_object(source.path / TOKENIZER_CONFIG), "fast_tokenizer_files": kept}, files
 
 
 __all__ = ["calibration_ids_from", "convert_checkpoint", "convert_model",

@@ -20,9 +20,10 @@ import torch
 from ecosystem_helpers import byte_tokenizer
 from safetensors import SafetensorError
 from test_conversion import tiny_llama, token_ids
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import modeling_diff.conversion.convert as convert_module
+from modeling_diff import DiffLlamaForCausalLM
 from modeling_diff.conversion import convert_checkpoint
 from modeling_diff.conversion.cli import main
 
@@ -637,6 +638,45 @@ def test_a_versioned_tokenizer_named_outside_the_source_is_dropped_from_the_copi
     assert json.loads((dst / "tokenizer_config.json").read_text()) == {**config, "fast_tokenizer_files": names[:1]}
     assert (dst / "tokenizer.4.0.0.json").is_file() and tree_hash(src) == before
     assert AutoTokenizer.from_pretrained(dst)(TEXT).input_ids == AutoTokenizer.from_pretrained(src)(TEXT).input_ids
+
+
+@pytest.mark.parametrize("name", ["versions/tokenizer.4.0.0.json", "./versions/../versions/tokenizer.4.0.0.json"])
+def test_a_versioned_tokenizer_in_a_subfolder_is_carried_under_a_plain_name(src, tmp_path, name):
+    """transformers reads the `fast_tokenizer_files` entry for its version relative to the folder, a subfolder's
+    included: convert copied the top level and the chat templates only, so the output named a file it lacked and
+    loaded another tokenizer than the source's. The file is carried; the entry is written without `.` or `..`."""
+    (src / "versions").mkdir()
+    tokenizer = json.loads((src / "tokenizer.json").read_text())
+    tokenizer["added_tokens"].append({**tokenizer["added_tokens"][-1], "id": tokenizer["added_tokens"][-1]["id"] + 1,
+                                      "content": "<|versioned|>"})  # tells the versioned file from tokenizer.json
+    (src / "versions" / "tokenizer.4.0.0.json").write_text(json.dumps(tokenizer))
+    config = json.loads((src / "tokenizer_config.json").read_text())
+    (src / "tokenizer_config.json").write_text(json.dumps({**config, "fast_tokenizer_files": [name]}))
+    text = TEXT + " <|versioned|>"
+    source_tokenizer = AutoTokenizer.from_pretrained(src)
+    assert "<|versioned|>" in source_tokenizer.get_vocab()  # the source reads the versioned file
+    expected = source_tokenizer(text).input_ids
+    dst = convert_checkpoint(src, tmp_path / "dst", heads="all", progress=False)
+    assert json.loads((dst / "tokenizer_config.json").read_text())["fast_tokenizer_files"] == [
+        "versions/tokenizer.4.0.0.json"]
+    assert (dst / "versions" / "tokenizer.4.0.0.json").read_bytes() == (
+        src / "versions" / "tokenizer.4.0.0.json").read_bytes()
+    assert AutoTokenizer.from_pretrained(dst)(text).input_ids == expected
+
+
+def test_fast_tokenizer_files_naming_the_config_or_weights_do_not_replace_the_converted_ones(src, tmp_path):
+    """The files `fast_tokenizer_files` names are carried into the output: an entry naming `config.json`, the index
+    or a weights file (transformers ignores a name that is not `tokenizer.<version>.json`) must not be copied over
+    the converted model."""
+    config = json.loads((src / "tokenizer_config.json").read_text())
+    names = ["config.json", "model.safetensors", INDEX, "./config.json", "sub/../model.safetensors"]
+    (src / "tokenizer_config.json").write_text(json.dumps({**config, "fast_tokenizer_files": names}))
+    dst = convert_checkpoint(src, tmp_path / "dst", heads="all", progress=False)
+    assert AutoConfig.from_pretrained(dst).model_type == "diff_llama"
+    assert sorted(p.name for p in dst.iterdir() if p.name.endswith(".safetensors") or p.name == INDEX) == sorted(
+        p.name for p in src.iterdir() if p.name.endswith(".safetensors") or p.name == INDEX)  # no weights added
+    model = AutoModelForCausalLM.from_pretrained(dst)
+    assert type(model) is DiffLlamaForCausalLM and model.config.diff_mode == "dex"
 
 
 @pytest.mark.parametrize("text,message", [
