@@ -7,11 +7,12 @@ from transformers' built-in V1-only `"diffllama"`.
 
 import math
 
+import torch
 from huggingface_hub.dataclasses import strict
 from huggingface_hub.errors import StrictDataclassClassValidationError, StrictDataclassFieldValidationError
 from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
-from transformers.modeling_rope_utils import RopeParameters
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RopeParameters
 
 DIFF_MODES = ("v1", "v2", "dex")
 
@@ -146,6 +147,7 @@ class DiffLlamaConfig(PreTrainedConfig):
             self.head_dim = self.hidden_size // heads_sharing_hidden
         # Validate here too: `@strict` wraps errors of its validators in its own exception type, and users
         # (and DESIGN.md) expect a plain ValueError naming the field.
+        _check_dtype("torch_dtype", kwargs.get("torch_dtype"))  # the legacy name, turned into dtype by transformers
         self.validate_architecture()
         self.base_model_tp_plan = {**type(self).base_model_tp_plan, **MODE_TP_PLANS[self.diff_mode]}
         # `auto_map` names the model code where it is saved with it (`modeling_diff.hub.save_for_hub`), empty
@@ -205,8 +207,10 @@ class DiffLlamaConfig(PreTrainedConfig):
             )
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-        if isinstance(self.anneal_steps, bool) or self.anneal_steps < 0:
-            raise ValueError(f"anneal_steps must be an integer >= 0, got {self.anneal_steps!r}")
+        _check_dtype("dtype", self.dtype)
+        # (t / T is computed from the int64 step: a T beyond int64 overflowed in the first forward)
+        if isinstance(self.anneal_steps, bool) or not 0 <= self.anneal_steps < 2**31:
+            raise ValueError(f"anneal_steps must be an integer in [0, 2**31), got {self.anneal_steps!r}")
         if self.anneal_steps and self.diff_mode == "v1":
             raise ValueError(f"anneal_steps is not used by diff_mode='v1' (only V2 and DEX anneal); leave it 0, got "
                              f"{self.anneal_steps}")
@@ -221,10 +225,10 @@ class DiffLlamaConfig(PreTrainedConfig):
                 if not isinstance(heads, (list, tuple)):
                     raise ValueError(f"dex_heads must hold one list of head indices per layer "
                                      f"({self.num_hidden_layers}), got {self.dex_heads!r}")
-                if len(set(heads)) != len(heads) or any(
+                if any(  # (the types first: a nested list is unhashable)
                     isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < self.num_attention_heads
                     for h in heads
-                ):
+                ) or len(set(heads)) != len(heads):
                     raise ValueError(
                         f"dex_heads[{layer_idx}] must hold distinct head indices in [0, {self.num_attention_heads}), "
                         f"got {heads}"
@@ -252,14 +256,24 @@ class DiffLlamaConfig(PreTrainedConfig):
                 raise ValueError(f"{field} must be None or {what} in [0, {self.vocab_size}), got {value!r}")
 
     def _check_rope_parameters(self):
-        """rope_theta and a scaling factor > 0, partial_rotary_factor in (0, 1], every other number (YaRN's betas,
-        Llama 3's frequency factors, LongRoPE's lists) finite: a NaN here makes every rotary frequency NaN, and with
-        it every logit (transformers itself only warns about a factor below 1)."""
+        """A rope_type transformers knows; rope_theta and a scaling factor >= 1, partial_rotary_factor in (0, 1],
+        original_max_position_embeddings a positive integer, every other number (YaRN's betas, Llama 3's frequency
+        factors, LongRoPE's lists) finite. The inverse frequencies are rope_theta^(-2i/d) / factor: below 1 either
+        makes them grow instead of fall (1e-300 overflowed them, and every logit was NaN; transformers itself only
+        warns about a factor below 1), a NaN makes every one NaN; an unknown rope_type was a KeyError and an
+        original_max_position_embeddings of 0 a ZeroDivisionError when the model was built."""
         rope = self.rope_parameters if isinstance(self.rope_parameters, dict) else {}
+        rope_types = ("default", *ROPE_INIT_FUNCTIONS)
+        if rope.get("rope_type", "default") not in rope_types:
+            raise ValueError(f"rope_parameters['rope_type'] must be one of {', '.join(rope_types)}, got "
+                             f"{rope['rope_type']!r}")
         for key, value in rope.items():
             field = f"rope_parameters[{key!r}]"
             if key in ("rope_theta", "factor"):
-                _check_range(field, value, 0, math.inf, "> 0 and finite", low_open=True)
+                _check_range(field, value, 1, math.inf, ">= 1 and finite")
+            elif key == "original_max_position_embeddings":
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise ValueError(f"{field} must be a positive integer, got {value!r}")
             elif key == "partial_rotary_factor":
                 _check_range(field, value, 0, 1, "in (0, 1]", low_open=True)
             elif isinstance(value, (list, tuple)):
@@ -267,6 +281,18 @@ class DiffLlamaConfig(PreTrainedConfig):
                     _check_range(f"{field}[{i}]", item, -math.inf, math.inf, "a finite number")
             elif isinstance(value, float):
                 _check_range(field, value, -math.inf, math.inf, "a finite number")
+
+
+def _check_dtype(field: str, value) -> None:
+    """The dtype of the saved weights (`dtype`, or its legacy name `torch_dtype`), which `from_pretrained(dtype="auto")`
+    loads them in: None, or a floating-point torch dtype or its name. An integer one (`"int8"`) was saved and the
+    output did not load; an unknown name was an AttributeError inside transformers."""
+    if value is None:
+        return
+    resolved = getattr(torch, value, None) if isinstance(value, str) else value
+    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
+        raise ValueError(f"{field} must be a floating-point torch dtype (float32, bfloat16, float16, ...), got "
+                         f"{str(value)!r}")
 
 
 def _check_range(field: str, value, low: float, high: float, rule: str, low_open=False, high_open=False) -> None:

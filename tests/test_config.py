@@ -3,6 +3,7 @@
 import re
 
 import pytest
+import torch
 from transformers import AutoConfig
 
 from modeling_diff import DiffLlamaConfig, preset_config
@@ -65,13 +66,13 @@ def test_round_trip_through_dict_and_auto_config(tmp_path):
         (dict(rms_norm_eps=-1e-5), "rms_norm_eps must be > 0"),
         (dict(rms_norm_eps=float("nan")), "rms_norm_eps must be > 0 and at most 1, got nan"),
         (dict(rms_norm_eps=float("inf")), "rms_norm_eps must be > 0 and at most 1, got inf"),
-        (dict(rope_parameters={"rope_type": "default", "rope_theta": 0.0}), r"rope_parameters['rope_theta'] must be > 0"),
-        (dict(rope_theta=-10000.0), r"rope_parameters['rope_theta'] must be > 0"),  # the legacy keyword
+        (dict(rope_parameters={"rope_type": "default", "rope_theta": 0.0}), r"rope_parameters['rope_theta'] must be >= 1"),
+        (dict(rope_theta=-10000.0), r"rope_parameters['rope_theta'] must be >= 1"),  # the legacy keyword
         # a NaN factor made every rotary frequency, and every logit, NaN; transformers only warns below 1
         (dict(rope_parameters={"rope_type": "linear", "factor": float("nan")}),
-         "rope_parameters['factor'] must be > 0 and finite, got nan"),
-        (dict(rope_parameters={"rope_type": "linear", "factor": float("inf")}), "rope_parameters['factor'] must be > 0"),
-        (dict(rope_parameters={"rope_type": "linear", "factor": -2.0}), "rope_parameters['factor'] must be > 0"),
+         "rope_parameters['factor'] must be >= 1 and finite, got nan"),
+        (dict(rope_parameters={"rope_type": "linear", "factor": float("inf")}), "rope_parameters['factor'] must be >= 1"),
+        (dict(rope_parameters={"rope_type": "linear", "factor": -2.0}), "rope_parameters['factor'] must be >= 1"),
         (dict(rope_parameters={"rope_type": "default", "partial_rotary_factor": float("nan")}),
          "rope_parameters['partial_rotary_factor'] must be in (0, 1], got nan"),
         (dict(rope_parameters={"rope_type": "default", "partial_rotary_factor": 1.5}),
@@ -79,6 +80,23 @@ def test_round_trip_through_dict_and_auto_config(tmp_path):
         (dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": float("nan"),
                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
          "rope_parameters['low_freq_factor'] must be a finite number, got nan"),
+        # audit: below 1 the inverse frequencies theta^(-2i/d) / factor grow; 1e-300 overflowed them (NaN logits)
+        (dict(rope_theta=1e-300), "rope_parameters['rope_theta'] must be >= 1 and finite, got 1e-300"),
+        (dict(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 1e-300}),
+         "rope_parameters['factor'] must be >= 1 and finite, got 1e-300"),
+        # a KeyError and a ZeroDivisionError when the model was built
+        (dict(rope_parameters={"rope_type": "foo", "rope_theta": 10000.0}),
+         "rope_parameters['rope_type'] must be one of default, linear, dynamic, yarn"),
+        (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                               "original_max_position_embeddings": 0}),
+         "rope_parameters['original_max_position_embeddings'] must be a positive integer, got 0"),
+        # a dtype the saved weights cannot have: the output did not load with dtype="auto"; an AttributeError
+        (dict(dtype="int8"), "dtype must be a floating-point torch dtype (float32, bfloat16, float16, ...), got 'int8'"),
+        (dict(torch_dtype="float99"), "torch_dtype must be a floating-point torch dtype"),
+        # t / T overflowed int64 in the first forward
+        (dict(diff_mode="v2", anneal_steps=10**23), "anneal_steps must be an integer in [0, 2**31), got 1000000000"),
+        # a nested list was a TypeError (unhashable)
+        (dict(diff_mode="dex", dex_heads=[[[0]], [[0]]]), "dex_heads[0] must hold distinct head indices in [0, 16)"),
         (dict(attention_dropout=1.0), "attention_dropout must be in [0, 1)"),
         (dict(attention_dropout=-0.1), "attention_dropout must be in [0, 1)"),
         (dict(intermediate_size=0), "intermediate_size must be a positive integer"),
@@ -124,6 +142,8 @@ def test_invalid_configs_name_the_field(fields, field_named):
     dict(pad_token_id=-1),  # some Llama checkpoints on the Hub carry it (transformers only warns; nn.Embedding's last row)
     dict(rms_norm_eps=1e-12),
     dict(initializer_range=0.0), dict(initializer_range=1.0),
+    dict(dtype=torch.bfloat16), dict(diff_mode="v2", anneal_steps=2**31 - 1),
+    dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 8192}),
     dict(bos_token_id=None, eos_token_id=None), dict(bos_token_id=31999, eos_token_id=[0, 31999]),
     dict(rms_norm_eps=1.0),  # what transformers' tester mixins set (set_config_for_less_flaky_test)
     dict(diff_mode="dex", dex_heads=[[0], []]),  # a layer without DEX heads is Llama attention: `--heads '[[0],[]]'`
