@@ -14,7 +14,9 @@ What `atomic_directory` guarantees, and how:
   directory or a protected source;
 - the lock file is opened without following links (`O_NOFOLLOW`) and must be a regular file of one name, so a
   link (symbolic or hard) planted in its place cannot make a writer overwrite another file;
-- the filesystem's root, a directory directly under it, and the home directory and its parents are never replaced.
+- the filesystem's root, a directory directly under it, and the home directory and its parents are never replaced;
+- a destination that is (or lies under) a link to nothing is refused: followed, the output would be written where
+  the link leads, folders created on the way. A link to an existing directory is followed.
 """
 
 import contextlib
@@ -163,6 +165,10 @@ def check_destination(dst: str | os.PathLike, overwrite: bool | str = False, pro
     """Refuse, before any work, a `dst` that `atomic_directory` would refuse; returns it resolved. Every directory
     written here is a checkpoint (a model, an adapter) that safetensors must open again: its path must be UTF-8."""
     check_utf8_path(dst, name)
+    for path in (Path(dst), *Path(dst).parents):  # followed, it would write where it leads, creating folders there
+        if path.is_symlink() and not path.exists():
+            raise ValueError(f"{name} {str(dst)!r}: {str(path)!r} is a link to nothing ({os.readlink(path)!r}); "
+                             f"remove it or make it lead to a directory")
     dst, protect = _resolved(dst, name), [_resolved(p, "source") for p in protect]
     for path in protect:
         if dst == path or path in dst.parents or dst in path.parents:

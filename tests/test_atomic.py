@@ -72,3 +72,25 @@ def test_parents_it_created_are_removed_on_failure(tmp_path):
         with atomic_directory(tmp_path / "a" / "b" / "out"):
             raise RuntimeError("interrupted")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("where", ["dst", "a parent"])
+def test_a_destination_through_a_link_to_nothing_is_refused(tmp_path, where, capsys):
+    """`ln -s elsewhere/deep/er/out dst; modeling-diff convert SRC dst` wrote into elsewhere/deep/er/out, creating
+    its folders: refused, as the needle evaluation refuses such an --out; nothing is created anywhere."""
+    from test_conversion import tiny_llama
+
+    from modeling_diff.conversion.cli import main
+
+    tiny_llama().save_pretrained(tmp_path / "src")
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "elsewhere" / "deep" / "er" / "out")
+    dst = link if where == "dst" else link / "out"
+    with pytest.raises(ValueError, match=f"{str(link)!r} is a link to nothing"):
+        with atomic_directory(dst):
+            pass
+    with pytest.raises(SystemExit) as exit_info:  # the converter's command line
+        main(["convert", str(tmp_path / "src"), str(dst), "--heads", "all"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "is a link to nothing" in err and "Traceback" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "src"]
