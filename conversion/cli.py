@@ -3,6 +3,8 @@
 
 import argparse
 import json
+import os
+import stat
 import sys
 from pathlib import Path
 
@@ -14,28 +16,62 @@ from . import diffllama, ecosystem
 from .convert import CHARS_PER_TOKEN_AT_MOST, DEFAULT_ANNEAL_STEPS, convert_checkpoint
 
 
+_HEADS_RULE = ("--heads must be 'entropy', 'all', comma-separated head indices or a JSON list of head indices or of "
+               "lists of head indices (one per layer)")
+
+
 def _heads(value: str):
-    """`entropy`, `all`, `0,3,5` (every layer) or a JSON list of per-layer lists such as `[[0,1],[2]]`."""
+    """`entropy`, `all`, `0,3,5` (every layer) or a JSON list of per-layer lists such as `[[0,1],[2]]`. A JSON list is
+    a list of integers or of lists of integers (JSON true/false included, which `resolve_heads` names as booleans):
+    anything nested deeper, or a string, number or object in place of an index, is refused here."""
     if value in ("entropy", "all"):
         return value
     try:
-        return json.loads(value) if value.lstrip().startswith("[") else [int(h) for h in value.split(",")]
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(
-            f"--heads must be 'entropy', 'all', comma-separated head indices or a JSON list of lists, got {value!r}"
-        ) from error
+        heads = json.loads(value) if value.lstrip().startswith("[") else [int(h) for h in value.split(",")]
+    except (ValueError, RecursionError) as error:
+        raise argparse.ArgumentTypeError(f"{_HEADS_RULE}, got {value!r}") from error
+    if not isinstance(heads, list) or not all(
+            isinstance(item, int) or (isinstance(item, list) and all(isinstance(h, int) for h in item))
+            for item in heads):
+        raise argparse.ArgumentTypeError(f"{_HEADS_RULE}, got {value!r}")
+    return heads
 
 
 def _read_calibration(parser: argparse.ArgumentParser, path: Path | None) -> str | None:
+    """The opening of the calibration text: what the first 512 tokens can take (a file of gigabytes is not read whole).
+    It must be a regular file with a size: a FIFO or a device is never opened, and neither is a file such as those
+    of /proc, which report a size of 0 and may block when read (/proc/kmsg) or fail (/proc/self/mem). The file is
+    opened without blocking and checked again through its descriptor (it may have been replaced meanwhile)."""
     if path is None:
         return None
-    if not path.is_file():
-        parser.error(f"--calibration-file {str(path)!r} is not a file")
-    try:  # its opening only: what the first 512 tokens can take (a file of gigabytes is not read whole)
-        with open(path, encoding="utf-8") as file:
+    name = f"--calibration-file {str(path)!r}"
+    rule = "must be a regular file of text"
+
+    def check(info: os.stat_result) -> None:
+        if not stat.S_ISREG(info.st_mode):
+            parser.error(f"{name} {rule}, got {_file_kind(info.st_mode)}")
+        if info.st_size == 0:
+            parser.error(f"{name} {rule}: it is empty, or a file that reports no size (such as those of /proc), which "
+                         f"is not read")
+
+    try:
+        check(path.stat())
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+        with open(fd, encoding="utf-8") as file:
+            check(os.fstat(file.fileno()))
             return file.read(512 * CHARS_PER_TOKEN_AT_MOST)
     except UnicodeDecodeError as error:
-        parser.error(f"--calibration-file {str(path)!r} is not UTF-8 text: {error}")
+        parser.error(f"{name} is not UTF-8 text: {error}")
+    except FileNotFoundError:
+        parser.error(f"{name} is not a file: it does not exist")
+    except OSError as error:  # permissions, a loop of links, a disk error (EIO)
+        parser.error(f"{name} cannot be read: {error.strerror or error}")
+
+
+def _file_kind(mode: int) -> str:
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+    return next((kind for test, kind in kinds if test(mode)), "not a regular file")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -46,6 +46,8 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 _GGUF_SIDE_FILES = ("tokenizer_config.json", f"{CHAT_TEMPLATE_DIR}/*.jinja")
 # The name of a versioned tokenizer file, as transformers' `get_fast_tokenizer_file` finds its version in it.
 _VERSIONED_TOKENIZER = re.compile(r"tokenizer\.(.+)\.json")
+# The dtypes a source's config.json may name: those of the tensors the converter takes (`TensorMapping.check`).
+_CONFIG_DTYPES = ("float32", "float16", "bfloat16")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
 
 
@@ -258,6 +260,7 @@ def convert_checkpoint(
 
     # Everything that can be refused is refused here, before the destination is touched or the calibration runs.
     source = CheckpointDir(src)
+    _check_source_dtype(source.config, src)
     source_config = _source_config(src)
     if isinstance(calibration, str):
         calibration = calibration_ids_from(calibration, _source_tokenizer(src))
@@ -289,6 +292,17 @@ def convert_checkpoint(
         target = getattr(mapping.config, "diff_mode", mapping.config.model_type)
         tqdm.write(f"converted {src} -> {dst} ({target}) in {time.perf_counter() - started:.1f} s")
     return dst
+
+
+def _check_source_dtype(config: dict, src: Path) -> None:
+    """The dtype config.json names (`dtype`, or its legacy name `torch_dtype`) is carried into the output, which
+    `from_pretrained(dtype="auto")` loads in: it must be one of the tensors' dtypes the converter takes. An integer one
+    ("int8") was carried and the output did not load ("not a floating-point dtype")."""
+    for field in ("dtype", "torch_dtype"):
+        value = config.get(field)
+        if value is not None and (not isinstance(value, str) or value.removeprefix("torch.") not in _CONFIG_DTYPES):
+            raise ValueError(f"config.json in {str(src)!r}: {field} must be float32, float16 or bfloat16 (what the "
+                             f"output loads in with dtype=\"auto\"), or absent, got {value!r}")
 
 
 def _source_config(src: Path):

@@ -24,9 +24,11 @@ from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 import modeling_diff  # noqa: F401  (registers DiffLlama with AutoModelForCausalLM for the reload)
 from modeling_diff.annealing import AnnealingCallback, anneal_state
+from modeling_diff.atomic import check_destination, overwrite_from_flags
 from modeling_diff.data import SMOLLM2_GGUF, load_smollm2, shakespeare, text_blocks
 
-from .convert import convert_model, save_model
+from .convert import _EXPECTED, convert_model, save_model
+from .heads import check_head_fraction
 
 TRAIN_PLAYS = ("twelfth-night", "as-you-like-it", "much-ado-about-nothing")
 HELD_OUT_PLAY = "macbeth"
@@ -79,8 +81,9 @@ def greedy(model, tokenizer, max_new_tokens: int) -> torch.Tensor:
     return out[0, ids.shape[1]:]
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m modeling_diff.conversion.demo", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps of each adaptation")
     parser.add_argument("--anneal-steps", type=int, default=4, help="T: lambda reaches lambda_learn at step T")
     parser.add_argument("--batch-size", type=int, default=4)
@@ -90,12 +93,67 @@ def parse_args(argv=None):
     parser.add_argument("--eval-blocks", type=int, default=8, help="held-out blocks of --seq-len tokens")
     parser.add_argument("--head-fraction", type=float, default=0.5)
     parser.add_argument("--new-tokens", type=int, default=24)
-    parser.add_argument("--output", type=Path, default=None, help="save the adapted model here (default: a temp dir)")
-    return parser.parse_args(argv)
+    parser.add_argument("--output", type=Path, default=None,
+                        help="save the adapted model here (default: a temporary directory, removed at the end)")
+    parser.add_argument("--overwrite", action="count", default=0,
+                        help="replace --output if it holds a checkpoint (a config.json); twice: replace any directory")
+    return parser
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every flag, before the model loads: one line naming it (exit status 2). An existing --output is replaced only
+    with --overwrite, as convert's DST (`check_destination`; the save checks it again)."""
+    for flag, value in (("--steps", args.steps), ("--batch-size", args.batch_size),
+                        ("--eval-blocks", args.eval_blocks), ("--new-tokens", args.new_tokens)):
+        if value < 1:
+            parser.error(f"{flag} must be an integer >= 1, got {value}")
+    if args.seq_len < 2:  # a next-token loss, and the entropy calibration, need two tokens
+        parser.error(f"--seq-len must be an integer >= 2, got {args.seq_len}")
+    if not 0 <= args.anneal_steps < 2**31:
+        parser.error(f"--anneal-steps must be an integer in [0, 2**31), got {args.anneal_steps}")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        parser.error(f"--lr must be a finite number > 0, got {args.lr}")
+    try:
+        check_head_fraction(args.head_fraction)
+    except ValueError:
+        parser.error(f"--head-fraction must be in (0, 1], got {args.head_fraction}")
+    if args.output is not None:
+        try:
+            check_destination(args.output, overwrite_from_flags(args.overwrite), name="--output", expected=_EXPECTED)
+        except ValueError as error:
+            parser.error(" ".join(str(error).split()))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+    return args
+
+
+def _blocks(parser, tokenizer, text: str, args, count: int, what: str) -> torch.Tensor:
+    """`count` blocks of --seq-len tokens of `text`; too few tokens is one line naming the flags that ask for them."""
+    flags = "--steps x --batch-size x --seq-len" if what == "training" else "--eval-blocks x --seq-len"
+    need = count * args.seq_len
+    if tokenizer is None:  # before the model loads: a token takes at least one byte of text
+        have, unit = len(text.encode("utf-8")), "bytes"
+    else:
+        have, unit = len(tokenizer(text, add_special_tokens=False).input_ids), "tokens"
+    if need > have:
+        plays = ", ".join(TRAIN_PLAYS) if what == "training" else HELD_OUT_PLAY
+        parser.error(f"{flags} = {need} tokens of {what} text, more than the {have} {unit} of {plays} hold")
+    return None if tokenizer is None else text_blocks(tokenizer, text, args.seq_len, count)
 
 
 def main(argv=None) -> dict:
-    args = parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+    train_text = "\n".join(shakespeare(play) for play in TRAIN_PLAYS)
+    eval_text = shakespeare(HELD_OUT_PLAY)
+    for text, count, what in ((train_text, args.steps * args.batch_size, "training"),
+                              (eval_text, args.eval_blocks, "held-out")):
+        _blocks(parser, None, text, args, count, what)
     torch.manual_seed(0)
     clock = time.perf_counter()
     timings = {}
@@ -109,9 +167,8 @@ def main(argv=None) -> dict:
     print(f"== 1. SmolLM2-135M-Instruct from {SMOLLM2_GGUF} (dequantised to float32)")
     # A plain Llama without a quantizer record (Trainer fine-tunes the control); the first call caches a copy.
     source, tokenizer = load_smollm2()
-    train_text = "\n".join(shakespeare(play) for play in TRAIN_PLAYS)
-    train_ids = text_blocks(tokenizer, train_text, args.seq_len, args.steps * args.batch_size)
-    eval_ids = text_blocks(tokenizer, shakespeare(HELD_OUT_PLAY), args.seq_len, args.eval_blocks)
+    train_ids = _blocks(parser, tokenizer, train_text, args, args.steps * args.batch_size, "training")
+    eval_ids = _blocks(parser, tokenizer, eval_text, args, args.eval_blocks, "held-out")
     lap("load")
 
     print("== 2. DEX conversion (entropy-selected heads), identity check")
@@ -146,7 +203,12 @@ def main(argv=None) -> dict:
     tokens = greedy(dex, tokenizer, args.new_tokens)
     with tempfile.TemporaryDirectory() as tmp:
         output = args.output or Path(tmp) / "smollm2-dex-shakespeare"
-        save_model(dex, output, tokenizer, overwrite=args.output is not None)
+        # a fresh temporary folder by default; a given --output was checked above and is replaced only with
+        # --overwrite (it was replaced unasked)
+        try:
+            save_model(dex, output, tokenizer, overwrite=overwrite_from_flags(args.overwrite))
+        except ValueError as error:  # the save's own check: an --output created or changed while the demo ran
+            parser.error(" ".join(str(error).split()))
         reloaded = AutoModelForCausalLM.from_pretrained(output)
         same = torch.equal(greedy(reloaded, tokenizer, args.new_tokens), tokens)
     print(f"{PROMPT}{tokenizer.decode(tokens)}")

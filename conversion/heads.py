@@ -45,7 +45,8 @@ def resolve_heads(heads, num_layers: int, num_heads: int) -> list[list[int]] | N
             f"heads must be a list of head indices or one such list per layer ({num_layers}), got {heads!r}"
         )
     for layer_idx, layer in enumerate(heads):
-        if len(set(layer)) != len(layer) or not all(is_head_index(h, num_heads) for h in layer):
+        # indices first: a list or a dict in place of one cannot be put in a set (a TypeError)
+        if not all(is_head_index(h, num_heads) for h in layer) or len(set(layer)) != len(layer):
             raise ValueError(
                 f"heads[{layer_idx}] must hold distinct head indices in [0, {num_heads}) (integers, not booleans), "
                 f"got {list(layer)}"

@@ -9,6 +9,7 @@ and every file must lie inside the checkpoint (`modeling_diff.checkpoint_files.c
 cannot make the converter read or write elsewhere.
 """
 
+import re
 from pathlib import Path
 
 import torch
@@ -19,6 +20,7 @@ from modeling_diff.checkpoint_files import (CONFIG_FILES, INDEX_FILE, check_side
                                             is_inside, read_json_object)
 
 SINGLE_FILE = "model.safetensors"
+_LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\..+")
 
 
 def _check_shard_name(file, tensor) -> None:
@@ -64,6 +66,30 @@ class CheckpointDir:
             if listed_only:
                 raise ValueError(f"tensor {listed_only[0]!r} is listed in {INDEX_FILE} but missing from its shard "
                                  f"{weight_map[listed_only[0]]}")
+        self._check_layers()
+
+    def _check_layers(self) -> None:
+        """config.json's num_hidden_layers must be the number of layers the tensors hold, numbered from 0
+        (`model.layers.<i>.`), compared here, from the shard headers, before any config or model is built from it: a
+        config claiming a million layers made the converter build them (on the meta device: minutes, tens of GiB)
+        before its tensors were compared with them, and export load them. (A header naming one tensor of layer
+        999999 does not make a million layers.) A count that is no number is left to transformers' config check."""
+        layers = self.config.get("num_hidden_layers")
+        if isinstance(layers, bool) or not isinstance(layers, (int, float)):
+            return
+        held = {int(match.group(1)) for match in map(_LAYER_TENSOR.fullmatch, self.weight_map) if match}
+        numbered = held == set(range(len(held)))
+        if layers == len(held) and numbered:
+            return
+        if not held:
+            what = "0 layers (no model.layers.<i> tensor)"
+        elif numbered:
+            what = f"{len(held)} layers (model.layers.0 to model.layers.{len(held) - 1})"
+        else:
+            gap = min(set(range(max(held) + 1)) - held)
+            what = f"{len(held)} layers, numbered up to {max(held)} (no model.layers.{gap}.* tensor)"
+        raise ValueError(f"config.json in {str(self.path)!r}: num_hidden_layers is {layers}, but its tensors hold "
+                         f"{what}; num_hidden_layers must be the number of layers of the checkpoint, numbered from 0")
 
     def _open(self, file: str):
         if not (self.path / file).is_file():

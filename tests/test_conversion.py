@@ -190,6 +190,9 @@ def test_resolve_heads():
         (dict(heads=[True]), r"heads\[0\] must hold distinct head indices .* not booleans"),
         (dict(heads=[[True], [1], [0]]), r"heads\[0\] must hold distinct head indices .* not booleans"),
         (dict(heads=[[0], 1, [2]]), r"one such list per layer \(3\)"),
+        # nested deeper, or a dict in a layer's list: a TypeError (unhashable) before
+        (dict(heads=[[[0]], [[0]], [[0]]]), r"heads\[0\] must hold distinct head indices in \[0, 4\)"),
+        (dict(heads=[[0], [1], [{"a": 1}]]), r"heads\[2\] must hold distinct head indices in \[0, 4\)"),
         (dict(heads=[]), "heads selects no head"),
         (dict(heads=[[], [], []]), "heads selects no head"),
         (dict(heads=3), "heads must be one of"),

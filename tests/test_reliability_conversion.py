@@ -61,10 +61,10 @@ def hidden_leftovers(parent: Path) -> list[str]:
     return sorted(p.name for p in parent.iterdir() if p.name.startswith("."))
 
 
-def cli_error(argv: list[str], capsys) -> str:
+def cli_error(argv: list[str], capsys, quiet: bool = True) -> str:
     """Run the command line, which must exit with status 2 and a one-line error (no traceback); return that line."""
     with pytest.raises(SystemExit) as exit_info:
-        main([*argv, "--quiet"])
+        main([*argv, "--quiet"] if quiet else argv)
     err = capsys.readouterr().err
     assert exit_info.value.code == 2, err
     assert "Traceback" not in err
@@ -218,7 +218,8 @@ def test_a_destination_that_is_a_loop_of_links_is_one_line(src, tmp_path, capsys
     (tmp_path / "loop1").symlink_to(tmp_path / "loop2")
     (tmp_path / "loop2").symlink_to(tmp_path / "loop1")
     for dst in (tmp_path / "loop1", tmp_path / "loop1" / "out"):
-        assert "cannot be resolved" in cli_error(["convert", str(src), str(dst), "--heads", "all"], capsys)
+        line = cli_error(["convert", str(src), str(dst), "--heads", "all"], capsys)
+        assert "cannot be resolved" in line or "is a link to nothing" in line  # (a loop leads to nothing)
 
 
 def test_a_planted_staging_name_of_no_possible_process_is_kept_and_does_not_stop_the_conversion(src, tmp_path):
@@ -391,7 +392,11 @@ def test_a_failed_final_rename_leaves_the_old_output_and_nothing_else(src, tmp_p
 
 @pytest.mark.parametrize("heads,message", [("[true]", "not booleans"), ("[[true],[1],[0]]", "not booleans"),
                                            ("[]", "heads selects no head"), ("[[0],1,[2]]", "one such list per layer"),
-                                           ("[0,", "--heads must be")])
+                                           ("[0,", "--heads must be"),
+                                           # a TypeError (unhashable) before: lists nested deeper, a dict
+                                           ("[[[0]],[[0]],[[0]]]", "--heads must be"),
+                                           ('[[0],[1],[{"a":1}]]', "--heads must be"),
+                                           ('[[0],[1],["2"]]', "--heads must be")])
 def test_bad_heads_on_the_command_line(src, tmp_path, capsys, heads, message):
     assert message in cli_error(["convert", str(src), str(tmp_path / "dst"), "--heads", heads], capsys)
     assert not (tmp_path / "dst").exists()
@@ -482,11 +487,17 @@ def test_broken_config_json(src, tmp_path, capsys, config_text, message):
         (dict(pad_token_id=300), "pad_token_id must be None, -1 or a token id in [0, 300), got 300"),
         (dict(model_type="gpt2"), "model_type must be one of"),
         (dict(hidden_size="64"), "hidden_size"),
+        # convert exited 0, but the output did not load with dtype="auto" ("not a floating-point dtype")
+        (dict(dtype="int8"), "config.json in {src!r}: dtype must be float32, float16 or bfloat16"),
+        (dict(dtype=None, torch_dtype="int8"), "config.json in {src!r}: torch_dtype must be float32, float16 or "
+                                               "bfloat16"),
+        (dict(dtype="float8_e4m3fn"), "dtype must be float32, float16 or bfloat16 (what the output loads in"),
     ],
 )
 def test_bad_source_configs(src, tmp_path, capsys, fields, message):
     _edit_config(src, **fields)
-    assert message in cli_error(["convert", str(src), str(tmp_path / "dst"), "--heads", "all"], capsys)
+    assert message.format(src=str(src)) in cli_error(["convert", str(src), str(tmp_path / "dst"), "--heads", "all"],
+                                                     capsys)
     assert not (tmp_path / "dst").exists()
 
 
@@ -806,3 +817,195 @@ def test_head_fraction_is_refused_before_the_calibration(src, tmp_path, capsys, 
     line = cli_error(["convert", str(src), str(tmp_path / "dst"), "--head-fraction", fraction,
                       "--calibration-file", str(tmp_path / "sonnet.txt")], capsys)
     assert "head_fraction must be in (0, 1]" in line and not (tmp_path / "dst").exists()
+
+
+@pytest.fixture
+def never_opened(monkeypatch):
+    """`never_opened(path)`: opening `path` (built-in open or os.open) fails the test instead of blocking on it."""
+    import builtins
+
+    refused, real_open, real_os_open = set(), builtins.open, os.open
+
+    def guard(path):
+        if isinstance(path, (str, bytes, os.PathLike)) and os.fsdecode(path) in refused:
+            raise AssertionError(f"{path} was opened before it was checked")
+
+    def open_(file, *args, **kwargs):
+        guard(file)
+        return real_open(file, *args, **kwargs)
+
+    def os_open(path, *args, **kwargs):
+        guard(path)
+        return real_os_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", open_)
+    monkeypatch.setattr(os, "open", os_open)
+    return lambda path: refused.add(os.fsdecode(path))
+
+
+@pytest.mark.parametrize("name,rule", [("/proc/kmsg", "reports no size"), ("/proc/self/mem", "reports no size"),
+                                       ("empty.txt", "is empty")])
+def test_a_calibration_file_that_is_no_regular_file_with_a_size_is_refused_before_it_is_opened(
+        src, tmp_path, capsys, never_opened, name, rule):
+    """procfs files pass `is_file()` with a size of 0: reading /proc/kmsg blocked for ever, /proc/self/mem was an
+    OSError traceback (EIO). A calibration file is a regular file of text: one line naming --calibration-file."""
+    path = Path(name) if name.startswith("/") else tmp_path / name
+    if name == "empty.txt":
+        path.touch()
+    never_opened(path)
+    line = cli_error(["convert", str(src), str(tmp_path / "dst"), "--calibration-file", str(path)], capsys)
+    assert f"--calibration-file {str(path)!r}" in line and "must be a regular file of text" in line and rule in line
+    assert not (tmp_path / "dst").exists()
+
+
+def test_a_calibration_file_that_cannot_be_read_is_one_line(src, tmp_path, capsys, monkeypatch):
+    """An OSError while reading (a disk error, EIO) was a traceback: only UnicodeDecodeError was caught."""
+    import modeling_diff.conversion.cli as cli_module
+
+    (tmp_path / "sonnet.txt").write_text(TEXT)
+
+    class FailingRead:  # the file opened as the command line opens it, whose read fails as a bad disk's does
+        def __init__(self, *args, **kwargs):
+            self.file = open(*args, **kwargs)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc_info):
+            self.file.close()
+
+        def fileno(self):
+            return self.file.fileno()
+
+        def read(self, *args):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(cli_module, "open", FailingRead, raising=False)
+    line = cli_error(["convert", str(src), str(tmp_path / "dst"), "--calibration-file", str(tmp_path / "sonnet.txt")],
+                     capsys)
+    assert "--calibration-file" in line and "cannot be read" in line and "Input/output error" in line
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 9. A config.json at odds with the tensors is refused before any model is built from it.
+# ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["convert", "export"])
+@pytest.mark.parametrize("layers,held", [(1_000_000, "3 layers (model.layers.0 to model.layers.2)"),
+                                         (2, "3 layers (model.layers.0 to model.layers.2)"),
+                                         (0, "3 layers (model.layers.0 to model.layers.2)"),
+                                         (1_000_000, "4 layers, numbered up to 999999 (no model.layers.3.* tensor)")])
+def test_num_hidden_layers_other_than_the_checkpoints_is_refused_before_anything_is_built(
+        pristine, tmp_path, capsys, monkeypatch, command, layers, held):
+    """1,000,000 layers: convert built the model on the meta device before comparing the shard headers with the
+    config (many minutes, tens of GiB; 20,000 layers took 20 s and 1.5 GiB before being refused as "missing"
+    tensors), and export loaded it. The layer indices in the shard headers are compared with num_hidden_layers first;
+    a shard naming one tensor of the last layer claimed does not make up the layers in between."""
+    from safetensors.torch import save_file
+
+    src = tmp_path / "src"
+    if command == "convert":
+        shutil.copytree(pristine, src)
+    else:
+        convert_checkpoint(pristine, src, heads="all", progress=False)
+    _edit_config(src, num_hidden_layers=layers)
+    if "999999" in held:
+        name = "model.layers.999999.input_layernorm.weight"
+        save_file({name: torch.ones(64)}, src / "model-extra.safetensors")
+        index = json.loads((src / INDEX).read_text())
+        index["weight_map"][name] = "model-extra.safetensors"
+        (src / INDEX).write_text(json.dumps(index))
+
+    def never(*args, **kwargs):
+        raise AssertionError("a model or config was built before the layers were compared with the checkpoint's")
+
+    monkeypatch.setattr(convert_module, "AutoConfig", never)
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", never)
+    before = tree_hash(src)
+    line = cli_error([command, str(src), str(tmp_path / "dst"), *(["--heads", "all"] if command == "convert" else [])],
+                     capsys, quiet=command == "convert")
+    assert f"config.json in {str(src)!r}: num_hidden_layers is {layers}, but its tensors hold {held}" in line
+    assert tree_hash(src) == before and sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 10. The demo (`make demo`): its flags are checked before the model loads; it replaces an output only when told.
+# ----------------------------------------------------------------------------------------------------------
+
+
+def demo_error(argv: list[str], capsys) -> str:
+    """Run the demo, which must exit with status 2 and a one-line error before it loads anything; return the line."""
+    from modeling_diff.conversion import demo
+
+    with pytest.raises(SystemExit) as exit_info:
+        demo.main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith(("usage:", " "))]
+    assert len(lines) == 1 and ": error: " in lines[0], err
+    return lines[0]
+
+
+@pytest.fixture
+def demo_never_loads(monkeypatch):
+    from modeling_diff.conversion import demo
+
+    def never():
+        raise AssertionError("the demo loaded its model before its flags were checked")
+
+    monkeypatch.setattr(demo, "load_smollm2", never)
+
+
+@pytest.mark.parametrize("flag,value,message", [
+    ("--head-fraction", "0", "--head-fraction must be in (0, 1], got 0.0"),
+    ("--head-fraction", "nan", "--head-fraction must be in (0, 1], got nan"),
+    ("--seq-len", "0", "--seq-len must be an integer >= 2, got 0"),
+    ("--seq-len", "1", "--seq-len must be an integer >= 2, got 1"),
+    ("--steps", "0", "--steps must be an integer >= 1, got 0"),
+    ("--batch-size", "-1", "--batch-size must be an integer >= 1, got -1"),
+    ("--eval-blocks", "0", "--eval-blocks must be an integer >= 1, got 0"),
+    ("--new-tokens", "0", "--new-tokens must be an integer >= 1, got 0"),
+    ("--anneal-steps", "-1", "--anneal-steps must be an integer in [0, 2**31), got -1"),
+    ("--anneal-steps", str(2**31), f"--anneal-steps must be an integer in [0, 2**31), got {2**31}"),
+    ("--lr", "0", "--lr must be a finite number > 0, got 0.0"),
+    ("--lr", "inf", "--lr must be a finite number > 0, got inf"),
+    ("--seq-len", "100000", "--steps x --batch-size x --seq-len = 3200000 tokens of training text"),
+    ("--eval-blocks", "100000", "--eval-blocks x --seq-len = 6400000 tokens of held-out text"),
+])
+def test_the_demos_flags_are_checked_before_the_model_loads(capsys, demo_never_loads, flag, value, message):
+    """--head-fraction 0 and --seq-len 0 were ValueError tracebacks after the model loaded."""
+    assert message in demo_error([flag, value], capsys)
+
+
+def _tiny_smollm2():
+    """The demo's model and tokenizer, tiny: a random 3-layer Llama and a byte-level tokenizer (ids < 300)."""
+    return tiny_llama(), byte_tokenizer()
+
+
+def test_the_demo_replaces_an_existing_output_only_with_overwrite(tmp_path, capsys, monkeypatch, demo_never_loads):
+    """`--output precious_ckpt` silently replaced an existing checkpoint folder (its NOTES.txt was gone, rc 0). As
+    convert's DST: refused up front in one line; one --overwrite replaces an earlier output (a config.json in it),
+    twice any folder."""
+    from modeling_diff.conversion import demo
+
+    precious, other = tmp_path / "precious_ckpt", tmp_path / "thesis"
+    for folder, file in ((precious, "config.json"), (precious, "NOTES.txt"), (other, "thesis.tex")):
+        folder.mkdir(exist_ok=True)
+        (folder / file).write_text("{}" if file == "config.json" else "precious")
+    before = tree_hash(tmp_path)
+    line = demo_error(["--output", str(precious)], capsys)
+    assert f"--output {str(precious)!r} exists and is not empty; pass overwrite=True (--overwrite)" in line
+    line = demo_error(["--output", str(other), "--overwrite"], capsys)
+    assert "holds no config.json" in line and "--overwrite twice" in line
+    assert "is not a directory" in demo_error(["--output", str(other / "thesis.tex" / "x")], capsys)
+    assert tree_hash(tmp_path) == before
+
+    # --overwrite: the demo runs (tiny) and replaces the earlier output with its model
+    monkeypatch.setattr(demo, "load_smollm2", _tiny_smollm2)
+    small = ["--steps", "1", "--anneal-steps", "1", "--batch-size", "1", "--seq-len", "16", "--eval-blocks", "1",
+             "--new-tokens", "2"]
+    result = demo.main([*small, "--output", str(precious), "--overwrite"])
+    assert result["same_tokens"] and not (precious / "NOTES.txt").exists()
+    assert AutoConfig.from_pretrained(precious).model_type == "diff_llama"
+    assert hidden_leftovers(tmp_path) == []
