@@ -33,6 +33,21 @@ def get_lora_model(model: nn.Module, config: LoraConfig | None = None) -> PeftMo
     return get_peft_model(model, config if config is not None else lora_config())
 
 
+def check_adapter_name(name) -> None:
+    """A ValueError naming the adapter unless `name` is a plain folder name: PEFT saves an adapter other than
+    "default" in `save_directory/<name>`, so an absolute name would be written outside `save_directory` (and outside
+    its staging folder), a name with `/` or `\\` in a sub-folder, one that is not UTF-8 where safetensors cannot
+    open it."""
+    rule = ("must be a plain folder name (PEFT saves an adapter other than 'default' in save_directory/<name>): "
+            "not empty, '.' or '..', without '/', '\\' or NUL, valid UTF-8")
+    if not isinstance(name, str) or name in ("", ".", "..") or any(c in name for c in "/\\\0"):
+        raise ValueError(f"adapter name {name!r} {rule}")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError as error:  # a surrogate-escaped byte of a file name
+        raise ValueError(f"adapter name {name!r} {rule}") from error
+
+
 def save_lora(peft_model: PeftModel, save_directory: str | os.PathLike, overwrite: bool | str = False,
               protect: tuple = (), **kwargs) -> Path:
     """`peft_model.save_pretrained(save_directory, **kwargs)`, never half-written. An existing non-empty folder is
@@ -40,7 +55,11 @@ def save_lora(peft_model: PeftModel, save_directory: str | os.PathLike, overwrit
     `overwrite="force"`; `save_directory` may not be, contain or lie inside the base model's local folder nor a path
     of `protect`. With `is_main_process=False` (another rank of a distributed run) nothing is written, as PEFT
     writes nothing then. Load with `PeftModel.from_pretrained(base_model, save_directory)`, which opens UTF-8 paths
-    only (safetensors): another is refused (`check_destination`)."""
+    only (safetensors): another is refused (`check_destination`). Every adapter saved (`selected_adapters`, by
+    default all) must have a plain folder name (`check_adapter_name`): PEFT writes it in a folder of that name."""
+    selected = kwargs.get("selected_adapters")
+    for name in (list(peft_model.peft_config) if selected is None else selected):
+        check_adapter_name(name)
     if not kwargs.get("is_main_process", True):
         return Path(save_directory).resolve()
     base = getattr(peft_model.get_base_model(), "name_or_path", "") or ""
@@ -51,4 +70,5 @@ def save_lora(peft_model: PeftModel, save_directory: str | os.PathLike, overwrit
     return Path(save_directory).resolve()
 
 
-__all__ = ["DIFFERENTIAL_MODULES", "LORA_TARGET_MODULES", "get_lora_model", "lora_config", "save_lora"]
+__all__ = ["DIFFERENTIAL_MODULES", "LORA_TARGET_MODULES", "check_adapter_name", "get_lora_model", "lora_config",
+           "save_lora"]

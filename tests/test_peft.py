@@ -127,6 +127,27 @@ def test_save_lora_refuses_a_folder_whose_path_is_not_utf8(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("name", ["absolute", "a/b", "a\\b", "a\0b", "\udcff"])
+def test_save_lora_refuses_an_adapter_name_that_is_not_a_plain_folder_name(tmp_path, name):
+    """PEFT saves an adapter other than "default" in `save_directory/<name>`: one named by an absolute path was
+    written there (adapter_config.json and weights outside save_directory, unstaged), one with a `/` in a sub-folder.
+    Refused before anything is written, naming the adapter and the rule; a plain name still goes in its folder."""
+    outside = tmp_path / "escape"
+    name = str(outside) if name == "absolute" else name
+    model = get_lora_model(base_model("v2"), lora_config(r=2))
+    model.add_adapter(name, lora_config(r=2))
+    for kwargs in ({}, {"selected_adapters": [name]}):
+        with pytest.raises(ValueError, match=r"^adapter name .* must be a plain folder name"):
+            save_lora(model, tmp_path / "adapter", **kwargs)
+        assert list(tmp_path.iterdir()) == []
+    save_lora(model, tmp_path / "adapter", selected_adapters=["default"])  # the bad one left out: saved
+    plain = get_lora_model(base_model("v2"), lora_config(r=2))
+    plain.add_adapter("extra", lora_config(r=2))
+    adapter = save_lora(plain, tmp_path / "plain")
+    assert (adapter / "adapter_config.json").is_file() and (adapter / "extra" / "adapter_config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "plain"]
+
+
 def test_differential_parameters_can_stay_frozen():
     model = get_lora_model(base_model("v1"), lora_config(modules_to_save=None))
     assert all("lora_" in name for name, p in model.named_parameters() if p.requires_grad)
