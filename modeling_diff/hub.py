@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 
 from huggingface_hub import HfApi, ModelCard, ModelCardData
+from huggingface_hub.utils import HFValidationError, validate_repo_id
 from transformers.models.auto import modeling_auto
 
 from .atomic import atomic_directory
@@ -205,7 +206,25 @@ def auto_map(model) -> dict[str, str]:
     return {auto: f"{_flat_name(cls.__module__)}.{cls.__name__}" for auto, cls in classes.items()}
 
 
+def check_repo_id(repo_id, name: str = "repo_id") -> None:
+    """A ValueError naming the argument `name` unless `repo_id` is a Hub repository id, as `huggingface_hub`'s
+    `validate_repo_id` checks it: the model card pastes it into its title and loading snippet (a quote or a newline
+    would break the snippet or inject YAML front matter)."""
+    try:
+        if not isinstance(repo_id, str):
+            raise HFValidationError("not a string")
+        validate_repo_id(repo_id)
+    except HFValidationError as error:
+        raise ValueError(
+            f"{name} must be a Hub repository id ('name' or 'namespace/name' of at most 96 ASCII letters, digits, "
+            f"'-', '_' and '.', neither starting nor ending with '-' or '.', without '--' or '..', not ending in "
+            f"'.git'), got {repo_id!r}"
+        ) from error
+
+
 def model_card(model, repo_id: str | None = None) -> ModelCard:
+    if repo_id is not None:
+        check_repo_id(repo_id)
     config = model.config
     variant = {
         "v1": "DIFF Transformer V1 (Ye et al., 2024, arXiv 2410.05258)",
@@ -257,7 +276,10 @@ def save_for_hub(model, save_directory: str | os.PathLike, tokenizer=None, repo_
     through `atomic_directory`: never half-written; an existing non-empty folder is replaced only with
     `overwrite=True` and only if it is an earlier output (holds a config.json), any folder with `overwrite="force"`;
     `save_directory` may not be, contain or lie inside a path of `protect` (the checkpoint it was loaded from), and
-    must be valid UTF-8 (`check_destination`)."""
+    must be valid UTF-8 (`check_destination`). `repo_id`, named in the model card, must be a Hub repository id
+    (`check_repo_id`)."""
+    if repo_id is not None:
+        check_repo_id(repo_id)
     classes = registered_classes(type(model.config))
     if type(model) not in classes.values():
         registered = sorted(cls.__name__ for cls in classes.values())
@@ -288,8 +310,7 @@ def push_to_hub(model, repo_id: str, tokenizer=None, *, private: bool | None = N
     """Upload `model` (and `tokenizer`) to the Hub repository `repo_id` as a self-contained remote-code repository:
     the folder of `save_for_hub`, uploaded in one commit by `huggingface_hub`'s `upload_folder`.
     Returns the `CommitInfo` of that commit."""
-    if not isinstance(repo_id, str) or repo_id.count("/") > 1 or not repo_id.strip("/"):
-        raise ValueError(f"repo_id must be 'name' or 'owner/name', got {repo_id!r}")
+    check_repo_id(repo_id)
     api = api if api is not None else HfApi(token=token)
     with tempfile.TemporaryDirectory(prefix="diffllama-hub-") as tmp:
         folder = save_for_hub(model, Path(tmp) / "export", tokenizer=tokenizer, repo_id=repo_id)
@@ -304,4 +325,5 @@ def push_to_hub(model, repo_id: str, tokenizer=None, *, private: bool | None = N
         )
 
 
-__all__ = ["auto_map", "flatten_modules", "model_card", "push_to_hub", "registered_classes", "save_for_hub"]
+__all__ = ["auto_map", "check_repo_id", "flatten_modules", "model_card", "push_to_hub", "registered_classes",
+           "save_for_hub"]

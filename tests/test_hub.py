@@ -163,6 +163,18 @@ def test_save_for_hub_refuses_a_folder_whose_path_is_not_utf8(tmp_path, with_tok
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("repo_id", ['a"b\n---\nlicense: evil', "org/name\n", "a/b/c", "", "-name", "a..b", "caf\u00e9",
+                                     "x" * 97, 7])
+def test_save_for_hub_refuses_a_repo_id_that_is_no_hub_repository_id(tmp_path, repo_id):
+    """`repo_id` was pasted verbatim into the model card: a quote broke its `from_pretrained("...")` snippet and a
+    newline injected YAML front matter (`license: evil`). Refused as the Hub refuses it, before anything is written."""
+    with pytest.raises(ValueError, match=r"^repo_id must be a Hub repository id \('name' or 'namespace/name'"):
+        save_for_hub(trained_looking_model("v2"), tmp_path / "export", repo_id=repo_id)
+    assert list(tmp_path.iterdir()) == []
+    card = (save_for_hub(trained_looking_model("v2"), tmp_path / "ok", repo_id="me/tiny.diff-2_b") / "README.md")
+    assert 'from_pretrained("me/tiny.diff-2_b", trust_remote_code=True)' in card.read_text()
+
+
 def test_push_to_hub_uploads_the_export_folder(tmp_path):
     """No network: a recording HfApi stands in; its calls must bind to the real HfApi signatures."""
 
