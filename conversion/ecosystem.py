@@ -26,7 +26,7 @@ def add_commands(commands) -> None:
     export.add_argument("src", type=Path, help="DiffLlama checkpoint directory (only read)")
     export.add_argument("dst", type=Path, help="output folder (written to a temporary directory, then renamed); "
                         "not SRC, inside it or containing it")
-    export.add_argument("--repo-id", help="owner/name named in the model card's loading snippet")
+    export.add_argument("--repo-id", help="the Hub repository id (name or namespace/name) named in the model card")
     export.add_argument("--overwrite", action="count", default=0,
                         help="replace DST if it holds an earlier output (a config.json); twice: replace any directory")
 
@@ -39,18 +39,49 @@ def run_eval(argv: list[str]) -> int:
     return 0
 
 
+def _names(keys, limit: int = 5) -> str:
+    keys = sorted(keys)
+    return ", ".join(keys[:limit]) + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
+def check_loading_info(src: Path, info: dict) -> None:
+    """A ValueError naming SRC and the tensors unless its weights are exactly the model's (`output_loading_info` of
+    `from_pretrained`): a tensor missing from them would be exported as transformers' random initialization, an
+    unexpected one left out of DST, one of another shape than config.json's re-initialized."""
+    problems = []
+    if info["missing_keys"]:
+        problems.append(f"tensors missing in its weights: {_names(info['missing_keys'])} (they would be exported "
+                        "as random ones)")
+    if info["unexpected_keys"]:
+        problems.append(f"tensors unexpected in its weights: {_names(info['unexpected_keys'])} (no part of the model, "
+                        "they would be left out)")
+    if info["mismatched_keys"]:
+        shapes = {f"{key} {list(ckpt)} in the checkpoint, {list(model)} by the config"
+                  for key, ckpt, model in info["mismatched_keys"]}
+        problems.append(f"tensors of shapes other than the config's: {_names(shapes, 3)}")
+    if problems:
+        raise ValueError(f"src {str(src)!r} does not hold the weights its config.json describes, so it is not exported: "
+                         f"{'; '.join(problems)}")
+
+
 def run_export(args: argparse.Namespace) -> str:
-    """`modeling-diff export SRC DST`; returns the summary to print. ValueError for every refused input (a source
-    that is not ours, a DST that is SRC or inside it, or not an earlier output without --overwrite twice), checked
-    before the model loads."""
+    """`modeling-diff export SRC DST`; returns the summary to print. ValueError for every refused input (a --repo-id
+    that is no Hub repository id, a source that is not ours, a DST that is SRC or inside it, or not an earlier output
+    without --overwrite twice) checked before the model loads; for a model or tokenizer that does not load, and for
+    weights that are not exactly the model's (a tensor missing, unexpected or of another shape), after."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as transformers_logging
 
     from modeling_diff.atomic import check_destination, overwrite_from_flags
     from modeling_diff.checkpoint_files import check_side_files
     from modeling_diff.configuration import DiffLlamaConfig
-    from modeling_diff.hub import save_for_hub
+    from modeling_diff.hub import check_repo_id, save_for_hub
+    from modeling_diff.needle import LOADING_ERRORS
 
     from .sources import CheckpointDir
+
+    if args.repo_id is not None:  # pasted into the model card's title and loading snippet
+        check_repo_id(args.repo_id, "--repo-id")
 
     # The converter's checks of a source (its config, index and shards: regular files inside it), read once
     source = CheckpointDir(args.src)
@@ -63,8 +94,17 @@ def run_export(args: argparse.Namespace) -> str:
                          f"`modeling-diff convert`), got model_type {model_type!r} in {str(args.src / 'config.json')}")
     check_side_files(args.src)  # the tokenizer and generation config transformers reads whole, inside SRC
     has_tokenizer = any((args.src / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
-    model = AutoModelForCausalLM.from_pretrained(args.src, dtype="auto", local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(args.src, local_files_only=True) if has_tokenizer else None
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()  # its load report: the refusal below names what it would list
+    try:  # the tokenizer first: it loads in a moment
+        tokenizer = AutoTokenizer.from_pretrained(args.src, local_files_only=True) if has_tokenizer else None
+        model, info = AutoModelForCausalLM.from_pretrained(args.src, dtype="auto", local_files_only=True,
+                                                           output_loading_info=True, ignore_mismatched_sizes=True)
+    except LOADING_ERRORS as error:  # what broken files raise inside transformers, a corrupt shard's included
+        raise ValueError(f"src {str(args.src)!r} could not be loaded: {type(error).__name__}: {error}") from error
+    finally:
+        transformers_logging.set_verbosity(verbosity)
+    check_loading_info(args.src, info)
     dst = save_for_hub(model, args.dst, tokenizer=tokenizer, repo_id=args.repo_id, overwrite=overwrite,
                        protect=protect)
     files = sorted(path.name for path in dst.iterdir())
@@ -77,4 +117,4 @@ def run_export(args: argparse.Namespace) -> str:
     ])
 
 
-__all__ = ["EVAL", "EXPORT", "add_commands", "run_eval", "run_export"]
+__all__ = ["EVAL", "EXPORT", "add_commands", "check_loading_info", "run_eval", "run_export"]

@@ -24,6 +24,7 @@ import json
 import os
 import random
 import shutil
+import stat
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,7 +33,8 @@ import torch
 from safetensors import SafetensorError
 from tqdm.auto import tqdm
 
-from .checkpoint_files import CONFIG_FILES, SIDE_FILES, check_side_files, check_weight_files
+from .checkpoint_files import (CONFIG_FILES, MAX_WHOLE_READ_BYTES, SIDE_FILES, check_side_files,
+                               check_weight_files)
 from .data import shakespeare
 from .extras import require
 
@@ -270,6 +272,46 @@ def plot_needle_heatmap(result: NeedleResult, ax=None, title: str | None = None)
 
 
 RESULT_FILES = ("needle.json", "needle.png")
+# What the haystack may be (it is read whole): a text of some MB at most; Hamlet is 0.2 MB.
+MAX_HAYSTACK_BYTES = MAX_WHOLE_READ_BYTES
+# transformers raises these, besides OSError and ValueError, for broken files (a tokenizer_config.json mapping an id
+# to a number is a TypeError, a field of the wrong kind an AttributeError or a KeyError)
+LOADING_ERRORS = (OSError, ValueError, RuntimeError, SafetensorError, TypeError, KeyError, AttributeError)
+
+
+def read_haystack(path: Path, name: str = "--haystack") -> str:
+    """The UTF-8 text of file `path`; a ValueError naming `name` unless it is a regular file of at most
+    MAX_HAYSTACK_BYTES (a FIFO would be waited on forever, /dev/zero read without end) -- refused by its type before
+    it is opened, and opened without blocking in case it was swapped since."""
+    rule = f"{name} {str(path)!r} must be a regular file of at most {MAX_HAYSTACK_BYTES} bytes (it is read whole)"
+    try:
+        info = path.stat()
+        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_HAYSTACK_BYTES:
+            what = "not a regular file" if not stat.S_ISREG(info.st_mode) else f"{info.st_size} bytes"
+            raise ValueError(f"{rule}, got {what}")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as file:
+            if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
+                raise ValueError(f"{rule}, got not a regular file")
+            data = file.read(MAX_HAYSTACK_BYTES + 1)
+    except OSError as error:
+        raise ValueError(f"{name} {str(path)!r} cannot be read: {error.strerror or error}") from error
+    if len(data) > MAX_HAYSTACK_BYTES:
+        raise ValueError(f"{rule}, got more than that (it grew while read)")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{name} {str(path)!r} is not UTF-8 text: {error}") from error
+
+
+def _keep_results(staging: Path, out: Path) -> Path:
+    """`staging` renamed to a visible `<out name>.needle-XXXX` beside it (as it is if that fails)."""
+    kept = staging.with_name(out.name + staging.name)
+    try:
+        staging.rename(kept)
+        return kept
+    except OSError:
+        return staging
 
 
 def main(argv: list[str] | None = None) -> NeedleResult:
@@ -323,8 +365,8 @@ def main(argv: list[str] | None = None) -> NeedleResult:
             parser.error(f"--out {str(args.out)!r} cannot be written: {' '.join(str(error).split())}")
     try:
         check_grid(args.lengths, args.depths, args.needles, args.queries, args.trials)
-        haystack = args.haystack.read_text(encoding="utf-8") if args.haystack else None
-    except (ValueError, OSError) as error:  # UnicodeDecodeError is a ValueError
+        haystack = read_haystack(args.haystack) if args.haystack else None
+    except ValueError as error:
         parser.error(" ".join(str(error).split()))
 
     matplotlib = require("matplotlib", "python -m modeling_diff.needle (it draws the heatmap)")
@@ -340,7 +382,7 @@ def main(argv: list[str] | None = None) -> NeedleResult:
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, **kwargs)
-    except (OSError, ValueError, RuntimeError, SafetensorError) as error:  # a corrupt shard, a broken tokenizer
+    except LOADING_ERRORS as error:  # a corrupt shard, a broken tokenizer
         parser.error(f"model {args.model!r} could not be loaded: {' '.join(str(error).split())}")
     try:
         result = evaluate_needles(model, tokenizer, args.lengths, args.depths, args.needles, args.queries,
@@ -349,19 +391,35 @@ def main(argv: list[str] | None = None) -> NeedleResult:
         parser.error(" ".join(str(error).split()))
 
     # Written to a temporary directory next to --out, then renamed: never a half-written result, no leftovers.
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".needle-", dir=args.out.parent))
+    # --out (or a folder above it) may have become a file while the evaluation ran: the results are then staged in
+    # the nearest folder that is still one, and kept there under a visible name, which the error names.
+    try:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        staging_parent = args.out.parent
+    except OSError:
+        staging_parent = next(p for p in args.out.parents if p.is_dir())
+    staging = Path(tempfile.mkdtemp(prefix=".needle-", dir=staging_parent))
+    kept = None
     try:
         (staging / "needle.json").write_text(json.dumps(result.to_dict(), indent=2))
         plot_needle_heatmap(result).figure.savefig(staging / "needle.png", dpi=120, bbox_inches="tight")
         plt.close("all")
-        if args.out.exists():
-            for name in RESULT_FILES:
-                (staging / name).replace(args.out / name)
-        else:
-            staging.rename(args.out)
+        try:
+            if args.out.exists():
+                for name in RESULT_FILES:
+                    (staging / name).replace(args.out / name)
+            else:
+                staging.rename(args.out)
+        except OSError as error:
+            kept = _keep_results(staging, args.out)
+            blocker = next((p for p in [args.out, *args.out.parents] if p.exists() and not p.is_dir()), None)
+            why = (f"is no longer a directory ({str(blocker)!r} became a file during the evaluation)"
+                   if blocker is not None else f"could not take the results ({' '.join(str(error).split())})")
+            print(result.summary())
+            parser.error(f"--out {str(args.out)!r} {why}; the results are kept in {str(kept)!r}")
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        if kept is None:
+            shutil.rmtree(staging, ignore_errors=True)
     print(result.summary())
     print(f"wrote {args.out / 'needle.json'} and {args.out / 'needle.png'}")
     return result

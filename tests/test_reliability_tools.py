@@ -398,3 +398,116 @@ def test_export_refuses_a_side_file_transformers_would_read_whole(model_dir, tmp
     plant_side_file(src, name, kind)
     assert_side_file_refused(export_error([str(src), str(tmp_path / "out")], capsys), src, name, kind)
     assert not (tmp_path / "out").exists()
+
+
+def rewrite_weights(model: Path, drop: tuple = (), add: dict | None = None) -> None:
+    """`model`'s model.safetensors without the tensors `drop` and with the tensors `add`."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = {k: v for k, v in load_file(model / "model.safetensors").items() if k not in drop}
+    save_file({**tensors, **(add or {})}, model / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("attack", ["missing", "unexpected"])
+def test_export_refuses_a_checkpoint_missing_a_tensor_or_holding_an_unexpected_one(model_dir, tmp_path, capsys,
+                                                                                   attack):
+    """A tensor missing from SRC's model.safetensors was exported as random weights with exit status 0 (transformers
+    only prints a "MISSING ... newly initialized" report); an unexpected tensor was silently left out of DST. Refused
+    in one line naming the tensor, nothing written."""
+    src = Path(shutil.copytree(model_dir, tmp_path / "src"))
+    name = "model.layers.0.self_attn.q_proj.weight" if attack == "missing" else "model.layers.0.extra.weight"
+    rewrite_weights(src, drop=(name,), add={} if attack == "missing" else {name: torch.zeros(2)})
+    line = export_error([str(src), str(tmp_path / "out")], capsys)
+    assert f"{attack} in its weights: {name}" in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_export_refuses_weights_whose_shapes_differ_from_the_config_in_one_line(model_dir, tmp_path, capsys):
+    """intermediate_size changed in config.json ended in a RuntimeError traceback ("You set ignore_mismatched_sizes
+    to False ... look at the above report"). One line naming the tensors and both shapes."""
+    src = Path(shutil.copytree(model_dir, tmp_path / "src"))
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "intermediate_size": config["intermediate_size"] + 8}))
+    line = export_error([str(src), str(tmp_path / "out")], capsys)
+    assert "shapes other than the config's" in line and "model.layers.0.mlp.up_proj.weight" in line, line
+    assert f"[{config['intermediate_size']}, 64] in the checkpoint, [{config['intermediate_size'] + 8}, 64]" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def broken_tokenizer_source(model_dir: Path, tmp_path: Path) -> Path:
+    """`model_dir` copied with a tokenizer_config.json whose `added_tokens_decoder` maps an id to a number: a
+    TypeError inside transformers."""
+    src = Path(shutil.copytree(model_dir, tmp_path / "src"))
+    config = json.loads((src / "tokenizer_config.json").read_text())
+    (src / "tokenizer_config.json").write_text(json.dumps({**config, "added_tokens_decoder": {"0": 5}}))
+    return src
+
+
+def test_export_and_needle_report_a_broken_tokenizer_in_one_line(model_dir, tmp_path, capsys):
+    """`"added_tokens_decoder": {"0": 5}` in tokenizer_config.json was a TypeError traceback in both (what broken
+    files raise inside transformers is not only OSError and ValueError)."""
+    src = broken_tokenizer_source(model_dir, tmp_path)
+    assert "could not be loaded" in export_error([str(src), str(tmp_path / "out")], capsys)
+    assert "could not be loaded" in needle_error([str(src), "--out", str(tmp_path / "out")], capsys)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+@pytest.mark.parametrize("repo_id", ['a"b\n---\nlicense: evil', "org/team/name", "org/name\n", "café"])
+def test_export_refuses_a_repo_id_that_is_no_hub_repository_id(model_dir, tmp_path, capsys, no_model_loading,
+                                                               repo_id):
+    """--repo-id was pasted verbatim into the model card: a quote broke its loading snippet, a newline injected YAML
+    front matter (`license: evil`). One line before the model loads."""
+    line = export_error([str(model_dir), str(tmp_path / "out"), "--repo-id", repo_id], capsys)
+    assert "--repo-id must be a Hub repository id ('name' or 'namespace/name'" in line, line
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("kind", ["FIFO", "/dev/zero", "80 MiB", "folder"])
+def test_needle_refuses_a_haystack_that_is_not_a_bounded_regular_file(model_dir, tmp_path, capsys, no_model_loading,
+                                                                      kind):
+    """A FIFO as --haystack was waited on forever, /dev/zero read without end. Refused in one line before anything
+    is opened or loaded (the FIFO is refused by its type, never opened)."""
+    haystack = tmp_path / "haystack.txt"
+    if kind == "FIFO":
+        os.mkfifo(haystack)
+    elif kind == "/dev/zero":
+        haystack.symlink_to("/dev/zero")
+    elif kind == "folder":
+        haystack.mkdir()
+    else:
+        with open(haystack, "wb") as file:
+            file.truncate(80 << 20)  # sparse: no disk used
+    line = needle_error([str(model_dir), "--out", str(tmp_path / "out"), "--haystack", str(haystack)], capsys)
+    assert f"--haystack {str(haystack)!r} must be a regular file of at most 67108864 bytes" in line, line
+    assert "got " + ("80 MiB" if kind == "80 MiB" else "not a regular file") in line or f"got {80 << 20}" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["haystack.txt"]
+
+
+@pytest.mark.parametrize("what", ["--out", "its parent"])
+def test_needle_keeps_its_results_when_out_becomes_a_file_during_the_run(model_dir, tmp_path, capsys, monkeypatch,
+                                                                         what):
+    """A file created at --out (or in place of its parent folder) while the evaluation ran ended in a raw
+    NotADirectoryError at the final move, the results lost. One line naming the folder that keeps them."""
+    out = tmp_path / "results" / "out"
+    blocker = out if what == "--out" else out.parent
+    evaluate = needle.evaluate_needles
+
+    def evaluate_then_block(*args, **kwargs):
+        result = evaluate(*args, **kwargs)
+        shutil.rmtree(blocker, ignore_errors=True)
+        blocker.parent.mkdir(parents=True, exist_ok=True)
+        blocker.write_text("someone else's")
+        return result
+
+    monkeypatch.setattr(needle, "evaluate_needles", evaluate_then_block)
+    (tmp_path / "haystack.txt").write_text(HAYSTACK)
+    if what == "--out":
+        out.mkdir(parents=True)
+    line = needle_error([str(model_dir), "--lengths", "256", "--depths", "0.5", "--haystack",
+                         str(tmp_path / "haystack.txt"), "--out", str(out)], capsys)
+    assert f"--out {str(out)!r} is no longer a directory" in line, line
+    kept = Path(line.split("the results are kept in ")[1].split("'")[1])
+    assert sorted(p.name for p in kept.iterdir()) == ["needle.json", "needle.png"]
+    assert json.loads((kept / "needle.json").read_text())["lengths"] == [256]
+    assert blocker.read_text() == "someone else's"
+    assert not [p for p in tmp_path.rglob(".needle-*")]  # no hidden staging left
