@@ -15,6 +15,7 @@ config gathers a full state dict).
 """
 
 import argparse
+import math
 from pathlib import Path
 
 import torch
@@ -26,6 +27,9 @@ from modeling_diff.annealing import AnnealingCallback
 from modeling_diff.atomic import check_destination, overwrite_from_flags
 from modeling_diff.checkpoint_files import CONFIG_FILES, SIDE_FILES, check_side_files, check_weight_files
 from modeling_diff.data import shakespeare
+from modeling_diff.needle import LOADING_ERRORS
+
+MAX_SEED = 2**32 - 1  # numpy's legacy seeding, which Trainer's set_seed calls, takes no more
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -48,6 +52,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     for field in ("seq_len", "batch_size", "gradient_accumulation_steps", "max_steps"):
         if getattr(args, field) < 1:
             parser.error(f"--{field.replace('_', '-')} must be >= 1, got {getattr(args, field)}")
+    if not (math.isfinite(args.learning_rate) and args.learning_rate > 0):  # inf trained to NaN; nan, -1 torch refused
+        parser.error(f"--learning-rate must be a finite number > 0, got {args.learning_rate}")
+    if not 0 <= args.seed <= MAX_SEED:
+        parser.error(f"--seed must be in [0, {MAX_SEED}], got {args.seed}")
     # transformers reads a folder's config, tokenizer and generation config whole, and wherever a name leads: the
     # converter's rule (a Hub id given as --tokenizer is no folder here; transformers resolves it)
     folders = [args.tokenizer] + ([] if args.model in modeling_diff.PRESETS else [args.model])
@@ -62,13 +70,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.model not in modeling_diff.PRESETS and not Path(args.model, "config.json").is_file():
         parser.error(f"--model must be a preset ({', '.join(sorted(modeling_diff.PRESETS))}) or a folder with a "
                      f"config.json, got {args.model!r}")
-    config = (modeling_diff.preset_config(args.model) if args.model in modeling_diff.PRESETS
-              else AutoConfig.from_pretrained(args.model))
+    try:
+        config = (modeling_diff.preset_config(args.model) if args.model in modeling_diff.PRESETS
+                  else AutoConfig.from_pretrained(args.model))
+    except LOADING_ERRORS as error:  # a config.json transformers cannot read
+        parser.error(f"--model {args.model!r} could not be loaded: {' '.join(str(error).split())}")
+    if not isinstance(config, modeling_diff.DiffLlamaConfig):  # a Llama's config has no anneal_steps, diff_mode, ...
+        parser.error(f"--model must be a DiffLlama checkpoint or preset, got model_type "
+                     f"{getattr(config, 'model_type', None)!r} in {args.model!r}: convert a Llama first with "
+                     f"`modeling-diff convert`")
     if args.seq_len > config.max_position_embeddings:
         parser.error(f"--seq-len {args.seq_len} is longer than the model's max_position_embeddings "
                      f"{config.max_position_embeddings}")
     if args.text_file is not None and not args.text_file.is_file():  # a FIFO would be waited on forever
         parser.error(f"--text-file {str(args.text_file)!r} is not a regular file")
+    try:  # read here, once: text that is not UTF-8 is refused before the model is built
+        args.text = args.text_file.read_text(encoding="utf-8") if args.text_file is not None else None
+    except UnicodeDecodeError as error:
+        parser.error(f"--text-file {str(args.text_file)!r} is not UTF-8 text: {error}")
+    except OSError as error:
+        parser.error(f"--text-file {str(args.text_file)!r} cannot be read: {error.strerror or error}")
     # Trainer writes into --output-dir as it goes: refused up front what the converter refuses as its DST (the
     # checkpoint being trained among them: its weights would be overwritten in place)
     source = (args.model,) if args.model not in modeling_diff.PRESETS else ()
@@ -77,6 +98,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                           name="--output-dir", expected=("config.json",))
     except ValueError as error:
         parser.error(str(error))
+    args.output_dir_existed = args.output_dir.exists()  # Trainer makes it when it is created
     return args
 
 
@@ -89,7 +111,7 @@ def build_model(args: argparse.Namespace):
 
 def token_blocks(args: argparse.Namespace, vocab_size: int) -> torch.Tensor:
     """(blocks, seq_len) of consecutive token ids of the training text."""
-    text = args.text_file.read_text(encoding="utf-8") if args.text_file else shakespeare("hamlet")
+    text = args.text if args.text is not None else shakespeare("hamlet")
     tokenizer_dir = args.tokenizer or (args.model if Path(args.model, "tokenizer_config.json").is_file() else None)
     if tokenizer_dir is not None:
         ids = AutoTokenizer.from_pretrained(tokenizer_dir)(text, add_special_tokens=False)["input_ids"]
@@ -101,6 +123,14 @@ def token_blocks(args: argparse.Namespace, vocab_size: int) -> torch.Tensor:
     if blocks == 0:
         raise SystemExit(f"the text has {len(ids)} tokens, fewer than --seq-len {args.seq_len}")
     return torch.tensor(ids[: blocks * args.seq_len]).view(blocks, args.seq_len)
+
+
+def weights_finite(trainer: Trainer) -> bool:
+    """Whether every weight of the trained model is finite on every process (a process's own shard under FSDP2)."""
+    bad = sum(int(not torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all())
+              for p in trainer.model.parameters())
+    bad = torch.tensor([bad], device=trainer.args.device)
+    return int(trainer.accelerator.reduce(bad, reduction="sum").item()) == 0
 
 
 def main(argv=None) -> None:
@@ -117,6 +147,14 @@ def main(argv=None) -> None:
     trainer = Trainer(model=model, args=training_args, callbacks=callbacks, data_collator=default_data_collator,
                       train_dataset=[{"input_ids": b, "labels": b} for b in blocks])
     result = trainer.train()
+    if not weights_finite(trainer):  # decided on every rank alike: none saves, none waits on the others
+        if trainer.is_world_process_zero() and not args.output_dir_existed:
+            try:
+                args.output_dir.rmdir()  # the empty folder Trainer made
+            except OSError:
+                pass
+        raise SystemExit(f"training diverged: the weights hold NaN or inf after {result.global_step} steps "
+                         f"(--learning-rate {args.learning_rate} too high?); nothing saved to {args.output_dir}")
     trainer.save_model()
     if trainer.is_world_process_zero():
         engine = "FSDP2" if trainer.is_fsdp_enabled else type(trainer.model_wrapped).__name__

@@ -275,3 +275,59 @@ def test_training_script_refuses_a_tokenizer_or_config_read_whole_or_outside_its
     rule = "leads to" if kind == "link out" else "must be a regular file of at most 67108864 bytes"
     assert out.returncode == 2 and f"{name} in {str(target)!r} {rule}" in out.stderr, out.stderr[-2000:]
     assert not (tmp_path / "out").exists()
+
+
+def training_script_error(tmp_path, *extra) -> str:
+    """The one error line of examples/train.py run with `extra` (exit status 2, no traceback, no --output-dir)."""
+    out = subprocess.run([PYTHON, str(REPO / "examples" / "train.py"), "--max-steps", "3", "--seq-len", "16",
+                          "--batch-size", "2", "--output-dir", str(tmp_path / "out"), *extra],
+                         env=offline_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, (out.returncode, out.stderr[-3000:])
+    errors = [line for line in out.stderr.splitlines() if ": error: " in line]
+    assert len(errors) == 1, out.stderr[-3000:]
+    assert not (tmp_path / "out").exists()
+    return errors[0]
+
+
+@pytest.mark.parametrize("flag,value,message", [
+    ("--learning-rate", "inf", "--learning-rate must be a finite number > 0, got inf"),  # trained to NaN, saved
+    ("--learning-rate", "nan", "--learning-rate must be a finite number > 0, got nan"),  # torch's traceback
+    ("--learning-rate", "-1", "--learning-rate must be a finite number > 0, got -1.0"),  # ... and an empty folder
+    ("--seed", "-1", "--seed must be in [0, 4294967295], got -1"),  # "Seed must be between 0 and 2**32 - 1"
+    ("--seed", str(2**32), f"--seed must be in [0, 4294967295], got {2**32}"),
+])
+def test_training_script_refuses_numbers_torch_rejects_or_trains_to_nan_before_training(tmp_path, flag, value,
+                                                                                        message):
+    """--learning-rate inf exited 0 with NaN weights saved; nan and -1 ended in torch's ValueError traceback with an
+    empty --output-dir left behind; --seed -1 in a traceback. One line before the model is built."""
+    assert message in training_script_error(tmp_path, "--model", "tiny-v1", flag, value)
+
+
+def test_training_script_refuses_a_text_file_that_is_not_utf8_before_training(tmp_path):
+    """A Latin-1 --text-file ended in a UnicodeDecodeError traceback after the model was built."""
+    (tmp_path / "latin1.txt").write_bytes("café au lait ".encode("latin-1") * 50)
+    line = training_script_error(tmp_path, "--model", "tiny-v1", "--text-file", str(tmp_path / "latin1.txt"))
+    assert f"--text-file {str(tmp_path / 'latin1.txt')!r} is not UTF-8 text" in line, line
+
+
+def test_training_script_refuses_a_plain_llama_checkpoint(tmp_path):
+    """--model naming a plain Llama folder (model_type llama) ended in `AttributeError: 'LlamaConfig' object has no
+    attribute 'anneal_steps'`, after the model was loaded. One line saying how to convert it, before it loads."""
+    from ecosystem_helpers import save_byte_llama
+
+    llama = save_byte_llama(tmp_path / "llama")
+    line = training_script_error(tmp_path, "--model", str(llama))
+    assert "--model must be a DiffLlama checkpoint or preset, got model_type 'llama'" in line, line
+    assert "convert a Llama first with `modeling-diff convert`" in line
+
+
+def test_training_script_saves_nothing_when_training_diverges(tmp_path):
+    """A learning rate that is finite but far too high trained the weights to NaN and saved them with exit status 0.
+    Ends with an error naming the divergence; nothing is saved, no --output-dir left behind."""
+    out = subprocess.run([PYTHON, str(REPO / "examples" / "train.py"), "--model", "tiny-v1", "--max-steps", "3",
+                          "--seq-len", "16", "--batch-size", "2", "--learning-rate", "1e30",
+                          "--output-dir", str(tmp_path / "out")],
+                         env=offline_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, (out.returncode, out.stderr[-3000:])
+    assert "training diverged: the weights hold NaN or inf" in out.stderr and "nothing saved" in out.stderr
+    assert not (tmp_path / "out").exists()
