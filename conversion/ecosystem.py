@@ -73,11 +73,10 @@ def run_export(args: argparse.Namespace) -> str:
     from transformers.utils import logging as transformers_logging
 
     from modeling_diff.atomic import check_destination, overwrite_from_flags
-    from modeling_diff.checkpoint_files import check_side_files
+    from modeling_diff.checkpoint_files import LOADING_ERRORS, check_side_files
     from modeling_diff.configuration import DiffLlamaConfig
     from modeling_diff.hub import check_repo_id, save_for_hub
-    from modeling_diff.needle import LOADING_ERRORS
-
+    
     from .sources import CheckpointDir
 
     if args.repo_id is not None:  # pasted into the model card's title and loading snippet

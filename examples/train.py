@@ -25,9 +25,9 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Train
 import modeling_diff
 from modeling_diff.annealing import AnnealingCallback
 from modeling_diff.atomic import check_destination, overwrite_from_flags
-from modeling_diff.checkpoint_files import CONFIG_FILES, SIDE_FILES, check_side_files, check_weight_files
+from modeling_diff.checkpoint_files import (CONFIG_FILES, LOADING_ERRORS, SIDE_FILES, check_side_files,
+                                            check_weight_files)
 from modeling_diff.data import shakespeare
-from modeling_diff.needle import LOADING_ERRORS
 
 MAX_SEED = 2**32 - 1  # numpy's legacy seeding, which Trainer's set_seed calls, takes no more
 

@@ -17,6 +17,8 @@ import json
 import stat
 from pathlib import Path
 
+from safetensors import SafetensorError
+
 TOKENIZER_CONFIG = "tokenizer_config.json"
 CHAT_TEMPLATE_DIR = "additional_chat_templates"
 # What transformers' AutoTokenizer reads from a checkpoint folder, as patterns (a folder, then an fnmatch pattern of
@@ -34,6 +36,11 @@ PT_INDEX_FILE = "pytorch_model.bin.index.json"
 CONFIG_FILES = ("config.json", INDEX_FILE, PT_INDEX_FILE)
 # The weights from_pretrained reads from a local folder (without `variant`): one file, or the shards of an index.
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+
+# What loading a checkpoint that passed these rules may still raise from inside transformers, for broken contents:
+# besides OSError and ValueError, a corrupt shard's SafetensorError, a tokenizer_config.json mapping an id to a
+# number a TypeError, a field of the wrong kind an AttributeError or a KeyError. Loaders report them in one line.
+LOADING_ERRORS = (OSError, ValueError, RuntimeError, SafetensorError, TypeError, KeyError, AttributeError)
 
 # transformers (and this package) read a config, an index, a tokenizer or a generation config whole. The largest of
 # real checkpoints are far smaller: an index of thousands of tensors takes a few MiB, Gemma 3's tokenizer.json about 33 MB.

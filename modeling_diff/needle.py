@@ -30,10 +30,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
 from tqdm.auto import tqdm
 
-from .checkpoint_files import (CONFIG_FILES, MAX_WHOLE_READ_BYTES, SIDE_FILES, check_side_files,
+from .checkpoint_files import (CONFIG_FILES, LOADING_ERRORS, MAX_WHOLE_READ_BYTES, SIDE_FILES, check_side_files,
                                check_weight_files)
 from .data import shakespeare
 from .extras import require
@@ -274,9 +273,6 @@ def plot_needle_heatmap(result: NeedleResult, ax=None, title: str | None = None)
 RESULT_FILES = ("needle.json", "needle.png")
 # What the haystack may be (it is read whole): a text of some MB at most; Hamlet is 0.2 MB.
 MAX_HAYSTACK_BYTES = MAX_WHOLE_READ_BYTES
-# transformers raises these, besides OSError and ValueError, for broken files (a tokenizer_config.json mapping an id
-# to a number is a TypeError, a field of the wrong kind an AttributeError or a KeyError)
-LOADING_ERRORS = (OSError, ValueError, RuntimeError, SafetensorError, TypeError, KeyError, AttributeError)
 
 
 def read_haystack(path: Path, name: str = "--haystack") -> str:
