@@ -16,6 +16,7 @@ config gathers a full state dict).
 
 import argparse
 import math
+import sys
 from pathlib import Path
 
 import torch
@@ -25,8 +26,8 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Train
 import modeling_diff
 from modeling_diff.annealing import AnnealingCallback
 from modeling_diff.atomic import check_destination, overwrite_from_flags
-from modeling_diff.checkpoint_files import (CONFIG_FILES, LOADING_ERRORS, SIDE_FILES, check_side_files,
-                                            check_weight_files)
+from modeling_diff.checkpoint_files import (CONFIG_FILES, LOADING_ERRORS, SIDE_FILES, check_loading_info,
+                                            check_side_files, check_weight_files)
 from modeling_diff.data import shakespeare
 
 MAX_SEED = 2**32 - 1  # numpy's legacy seeding, which Trainer's set_seed calls, takes no more
@@ -106,7 +107,10 @@ def build_model(args: argparse.Namespace):
     if args.model in modeling_diff.PRESETS:
         torch.manual_seed(args.seed)  # the same initial weights on every rank
         return modeling_diff.DiffLlamaForCausalLM(modeling_diff.preset_config(args.model))
-    return AutoModelForCausalLM.from_pretrained(args.model)
+    model, info = AutoModelForCausalLM.from_pretrained(args.model, output_loading_info=True,
+                                                       ignore_mismatched_sizes=True)
+    check_loading_info(Path(args.model), info)  # a tensor missing would be trained from its random start
+    return model
 
 
 def token_blocks(args: argparse.Namespace, vocab_size: int) -> torch.Tensor:
@@ -135,7 +139,12 @@ def weights_finite(trainer: Trainer) -> bool:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    model = build_model(args)
+    try:
+        model = build_model(args)
+    except LOADING_ERRORS as error:  # weights that are not the config's, a corrupt shard: one line, as parse_args
+        print(f"{Path(sys.argv[0]).name}: error: --model {args.model!r} could not be loaded: "
+              f"{' '.join(str(error).split())}", file=sys.stderr)
+        sys.exit(2)
     blocks = token_blocks(args, model.config.vocab_size)
     training_args = TrainingArguments(
         output_dir=str(args.output_dir), max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,

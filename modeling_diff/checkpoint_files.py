@@ -129,6 +129,31 @@ def check_side_files(path: Path, patterns: tuple[str, ...] = SIDE_FILES) -> None
                 _check_side_file(path, name, root)
 
 
+def check_loading_info(path: Path, info: dict) -> None:
+    """After `from_pretrained(path, output_loading_info=True, ignore_mismatched_sizes=True)` (so that a shape other
+    than the config's is reported in `info`, not raised): a ValueError naming the checkpoint and the tensors unless
+    its weights are exactly the model's. transformers only prints a report, and the model would be evaluated, trained
+    or exported as the checkpoint with a missing tensor at its random start, an unexpected one dropped, one of
+    another shape re-initialized."""
+    def names(keys, limit: int) -> str:
+        keys = sorted(keys)
+        return ", ".join(keys[:limit]) + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+
+    problems = []
+    if info["missing_keys"]:
+        problems.append(f"tensors missing in its weights: {names(info['missing_keys'], 5)} (they would start at "
+                        f"random)")
+    if info["unexpected_keys"]:
+        problems.append(f"tensors unexpected in its weights: {names(info['unexpected_keys'], 5)} (no part of the "
+                        f"model, they would be dropped)")
+    if info["mismatched_keys"]:
+        shapes = {f"{key} {list(ckpt)} in the checkpoint, {list(model)} by the config"
+                  for key, ckpt, model in info["mismatched_keys"]}
+        problems.append(f"tensors of shapes other than the config's: {names(shapes, 3)}")
+    if problems:
+        raise ValueError(f"{str(path)!r} does not hold the weights its config describes: {'; '.join(problems)}")
+
+
 def weight_files(path: Path, gguf_file: str | None = None) -> list[str]:
     """The names, relative to checkpoint `path`, of the weight files from_pretrained would read: `gguf_file`, or
     those of WEIGHT_FILES that are there and the shards the indexes there name (checked whole first)."""

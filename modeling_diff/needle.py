@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .checkpoint_files import (CONFIG_FILES, LOADING_ERRORS, MAX_WHOLE_READ_BYTES, SIDE_FILES, check_side_files,
-                               check_weight_files)
+from .checkpoint_files import (CONFIG_FILES, LOADING_ERRORS, MAX_WHOLE_READ_BYTES, SIDE_FILES, check_loading_info,
+                               check_side_files, check_weight_files)
 from .data import shakespeare
 from .extras import require
 
@@ -377,8 +377,10 @@ def main(argv: list[str] | None = None) -> NeedleResult:
     kwargs = {"gguf_file": args.gguf_file} if args.gguf_file else {}
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, **kwargs)
-    except LOADING_ERRORS as error:  # a corrupt shard, a broken tokenizer
+        model, info = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, output_loading_info=True,
+                                                           ignore_mismatched_sizes=True, **kwargs)
+        check_loading_info(model_dir, info)  # a tensor missing would be evaluated at its random start
+    except LOADING_ERRORS as error:  # a corrupt shard, a broken tokenizer, weights that are not the config's
         parser.error(f"model {args.model!r} could not be loaded: {' '.join(str(error).split())}")
     try:
         result = evaluate_needles(model, tokenizer, args.lengths, args.depths, args.needles, args.queries,

@@ -321,6 +321,26 @@ def test_training_script_refuses_a_plain_llama_checkpoint(tmp_path):
     assert "convert a Llama first with `modeling-diff convert`" in line
 
 
+@pytest.mark.parametrize("attack", ["missing", "of another shape"])
+def test_training_script_refuses_a_checkpoint_whose_weights_are_not_its_configs(tmp_path, attack):
+    """A tensor missing from --model's weights was trained from transformers' random start (it only prints a load
+    report), and saved as the checkpoint fine-tuned. One line naming the tensor, before training."""
+    from safetensors.torch import load_file, save_file
+
+    checkpoint = tmp_path / "checkpoint"
+    DiffLlamaForCausalLM(preset_config("tiny-v1")).save_pretrained(checkpoint)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    tensors = load_file(checkpoint / "model.safetensors")
+    if attack == "missing":
+        del tensors[name]
+    else:
+        tensors[name] = tensors[name][:-2]
+    save_file(tensors, checkpoint / "model.safetensors", metadata={"format": "pt"})
+    line = training_script_error(tmp_path, "--model", str(checkpoint))
+    assert f"--model {str(checkpoint)!r} could not be loaded" in line and name in line, line
+    assert ("tensors missing in its weights" if attack == "missing" else "shapes other than the config's") in line
+
+
 def test_training_script_saves_nothing_when_training_diverges(tmp_path):
     """A learning rate that is finite but far too high trained the weights to NaN and saved them with exit status 0.
     Ends with an error naming the divergence; nothing is saved, no --output-dir left behind."""

@@ -422,6 +422,18 @@ def test_export_refuses_a_checkpoint_missing_a_tensor_or_holding_an_unexpected_o
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
+@pytest.mark.parametrize("attack", ["missing", "unexpected"])
+def test_needle_refuses_a_model_missing_a_tensor_or_holding_an_unexpected_one(model_dir, tmp_path, capsys, attack):
+    """A tensor missing from the model's weights was evaluated at transformers' random start (it only prints a load
+    report), and its score reported as the model's. One line naming the tensor, no result written."""
+    model = Path(shutil.copytree(model_dir, tmp_path / "model"))
+    name = "model.layers.0.self_attn.q_proj.weight" if attack == "missing" else "model.layers.0.extra.weight"
+    rewrite_weights(model, drop=(name,), add={} if attack == "missing" else {name: torch.zeros(2)})
+    line = needle_error([str(model), "--out", str(tmp_path / "out"), "--lengths", "128"], capsys)
+    assert f"model {str(model)!r} could not be loaded" in line and f"{attack} in its weights: {name}" in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
 def test_export_refuses_weights_whose_shapes_differ_from_the_config_in_one_line(model_dir, tmp_path, capsys):
     """intermediate_size changed in config.json ended in a RuntimeError traceback ("You set ignore_mismatched_sizes
     to False ... look at the above report"). One line naming the tensors and both shapes."""
