@@ -39,7 +39,7 @@ DEFAULT_ANNEAL_STEPS = 1000
 # Files of a checkpoint directory that are rewritten, not copied: weights and config.
 _REWRITTEN = ("config.json", INDEX_FILE)
 # An output directory that `overwrite` may replace holds one of these (an earlier conversion, a checkpoint).
-_EXPECTED = ("config.json",)
+EARLIER_OUTPUT_FILES = ("config.json",)
 # A tokenizer's vocabulary lives in one of these (tokenizer_config.json alone holds none).
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 # AutoTokenizer reads these files next to a .gguf file (the tokenizer itself comes from the .gguf).
@@ -53,7 +53,7 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", 
 
 def save_model(model: PreTrainedModel, dst: str | Path, tokenizer=None, overwrite: bool = False) -> Path:
     """`model.save_pretrained(dst)` (and the tokenizer's), written to a temporary directory and renamed."""
-    with atomic_directory(dst, overwrite, expected=_EXPECTED) as tmp:
+    with atomic_directory(dst, overwrite, expected=EARLIER_OUTPUT_FILES) as tmp:
         model.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
@@ -244,8 +244,9 @@ def convert_checkpoint(
         require("gguf", f"converting the .gguf file {src.name}")
         _check_gguf(src)
         check_side_files(src.parent, _GGUF_SIDE_FILES)
-        dst = check_destination(dst, overwrite, protect=protect, expected=_EXPECTED)  # before loading the model
-        with atomic_directory(dst, overwrite, protect=protect, expected=_EXPECTED) as tmp:
+        # before loading the model
+        dst = check_destination(dst, overwrite, protect=protect, expected=EARLIER_OUTPUT_FILES)
+        with atomic_directory(dst, overwrite, protect=protect, expected=EARLIER_OUTPUT_FILES) as tmp:
             try:  # a file gguf's reader parses whose tensors do not match its metadata fails in transformers
                 model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32,
                                                              local_files_only=True)
@@ -274,9 +275,9 @@ def convert_checkpoint(
     carried = _carried_files(source)
     tokenizer_config, versioned = _versioned_tokenizers(source, carried)
     carried += versioned
-    dst = check_destination(dst, overwrite, protect=protect, expected=_EXPECTED)
+    dst = check_destination(dst, overwrite, protect=protect, expected=EARLIER_OUTPUT_FILES)
 
-    with atomic_directory(dst, overwrite, protect=protect, expected=_EXPECTED) as tmp:
+    with atomic_directory(dst, overwrite, protect=protect, expected=EARLIER_OUTPUT_FILES) as tmp:
         mapping = plan.mapping(source.get, progress)
         _convert_directory(source, tmp, mapping, progress)
         # Our class's name, and transformers' own (the to="diffllama" target): loaders such as TRL's read it.

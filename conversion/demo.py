@@ -27,7 +27,7 @@ from modeling_diff.annealing import AnnealingCallback, anneal_state
 from modeling_diff.atomic import check_destination, overwrite_from_flags
 from modeling_diff.data import SMOLLM2_GGUF, load_smollm2, shakespeare, text_blocks
 
-from .convert import _EXPECTED, convert_model, save_model
+from .convert import EARLIER_OUTPUT_FILES, convert_model, save_model
 from .heads import check_head_fraction
 
 TRAIN_PLAYS = ("twelfth-night", "as-you-like-it", "much-ado-about-nothing")
@@ -119,7 +119,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error(f"--head-fraction must be in (0, 1], got {args.head_fraction}")
     if args.output is not None:
         try:
-            check_destination(args.output, overwrite_from_flags(args.overwrite), name="--output", expected=_EXPECTED)
+            check_destination(args.output, overwrite_from_flags(args.overwrite), name="--output",
+                              expected=EARLIER_OUTPUT_FILES)
         except ValueError as error:
             parser.error(" ".join(str(error).split()))
 
