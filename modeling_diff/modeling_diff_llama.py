@@ -37,10 +37,10 @@ from .decode_graphs import decode_step
 from .generation import graphed_greedy_generate
 from .diff_attention import ATTENTION_CLASSES, DexAttention, DexLambda, DifferentialLambda, DiffAttentionV1, DiffAttentionV2
 from .kernels import (
-    add_rms_norm, add_rms_norm_applies, gated_projection, gated_projection_applies, keep_own_forward, resolve,
-    rms_norm, rms_norm_kernel_applies, rope_cos_sin, rope_cos_sin_applies, runs_own_forward, silu_mul,
-    silu_mul_applies, split_linear, split_linear_applies, static_step_mask, swiglu_mlp, swiglu_mlp_applies,
-    uses_fast_kernels,
+    add_rms_norm, add_rms_norm_applies, check_not_overrun, gated_projection, gated_projection_applies,
+    keep_own_forward, resolve, rms_norm, rms_norm_kernel_applies, rope_cos_sin, rope_cos_sin_applies,
+    runs_own_forward, silu_mul, silu_mul_applies, split_linear, split_linear_applies, static_step_mask, swiglu_mlp,
+    swiglu_mlp_applies, uses_fast_kernels,
 )
 
 # "cache" (transformers > 5.17) or "past_key_values" (5.17): the keyword of masks and model outputs.
@@ -498,11 +498,16 @@ class DiffLlamaForCausalLM(DiffLlamaPreTrainedModel, GenerationMixin):
         """transformers' `generate`. Plain greedy decoding with `cache_implementation="static"` on CUDA replays each
         step as one CUDA graph (`modeling_diff.generation`): the same tokens, without the per-token Python of the
         decoding loop; `disable_compile=True` or anything else (sampling, beams, processors, a streamer...) takes
-        transformers' loop."""
+        transformers' loop. A StaticCache passed in that was too short is a ValueError at the end (the kernels'
+        cache writes cannot raise on the device: `kernels.cache_write.check_not_overrun`)."""
         output = graphed_greedy_generate(self, inputs, generation_config, kwargs)
         if output is not None:
             return output
-        return super().generate(inputs, generation_config, **kwargs)
+        output = super().generate(inputs, generation_config, **kwargs)
+        cache = _pick_cache(kwargs.get("cache"), kwargs.get("past_key_values"))
+        if isinstance(cache, Cache):
+            check_not_overrun(cache)
+        return output
 
 
 class DiffLlamaForSequenceClassification(GenericForSequenceClassification, DiffLlamaPreTrainedModel):

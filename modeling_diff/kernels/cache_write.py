@@ -136,6 +136,22 @@ def written_layer(cache: Cache, layer_idx: int, key: torch.Tensor) -> StaticLaye
     return layer
 
 
+def check_not_overrun(cache: Cache) -> None:
+    """A ValueError when a step wrote past the end of a StaticCache layer: the kernels leave such positions unwritten
+    and advance the length beyond `max_cache_len` (they cannot raise on the device), so what followed was computed
+    without those keys, where transformers' own update raises an IndexError. Reads the lengths: one synchronisation,
+    for the end of a generation."""
+    for layer_idx in range(len(cache.layers)):
+        layer = plain_static_layer(cache, layer_idx)
+        if layer is not None and isinstance(layer.cumulative_length, torch.Tensor):
+            needed = int(layer.cumulative_length)
+            if needed > layer.max_cache_len:
+                raise ValueError(f"past_key_values: its StaticCache holds {layer.max_cache_len} positions, this "
+                                 f"generation needed {needed} (the prompt and the new tokens but the last); the "
+                                 f"tokens after position {layer.max_cache_len} were computed without their keys. Pass "
+                                 f"a StaticCache of max_cache_len >= {needed}, or fewer new tokens")
+
+
 def update_cache(cache: Cache, layer_idx: int, key: torch.Tensor, value: torch.Tensor):
     """cache.update(key, value, layer_idx), through the kernel where it applies (see the module docstring)."""
     layer = plain_static_layer(cache, layer_idx)
