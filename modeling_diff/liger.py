@@ -75,11 +75,28 @@ def fused_loss_chunk_budget(tokens: int, hidden_size: int, vocab_size: int) -> i
     return max(1, -(-vocab_size * FUSED_LOSS_CHUNK_TOKENS // (hidden_size * max(tokens, 1))))
 
 
+def _check_labels(name: str, labels: torch.Tensor, rows: torch.Size, vocab_size: int, ignore_index: int) -> None:
+    """Liger's fused loss reads the labels by flat row unchecked, where transformers' loss raises: a shape other
+    than the hidden states' rows (labels of another batch, the whole sequence beside logits_to_keep) crashed the
+    process or gave a loss of the wrong rows, an id outside the vocabulary a loss of -1e13. The shape is checked
+    here, the ids asserted on the device (no synchronisation in a training step)."""
+    if labels.shape != rows:
+        raise ValueError(f"{name} of shape {tuple(labels.shape)} must match the {tuple(rows)} positions whose logits "
+                         f"the loss takes (batch x sequence, after logits_to_keep)")
+    in_vocabulary = (labels >= 0) & (labels < vocab_size)
+    torch._assert_async((in_vocabulary | (labels == ignore_index)).all(),
+                        f"{name} must be token ids in [0, {vocab_size}) or ignore_index ({ignore_index})")
+
+
 def liger_fused_linear_loss(self: DiffLlamaForCausalLM, hidden_states, labels, **loss_kwargs) -> torch.Tensor:
     """`DiffLlamaForCausalLM.fused_linear_loss`: the shifted causal-LM loss of lm_head(hidden_states) (B, L, hidden)
     against `labels` (B, L), through Liger's fused linear cross-entropy (which unwraps a PEFT `modules_to_save`
     lm_head and gathers an FSDP-sharded one, as for Llama)."""
     shift_labels = loss_kwargs.pop("shift_labels", None)
+    for name, value in (("labels", labels), ("shift_labels", shift_labels)):
+        if value is not None:
+            _check_labels(name, value, hidden_states.shape[:-1], self.config.vocab_size,
+                          loss_kwargs.get("ignore_index", -100))
     if LIGER_TAKES_CHUNK_BUDGET:
         loss_kwargs.setdefault("chunk_mem_const", fused_loss_chunk_budget(
             hidden_states.shape[:-1].numel(), self.config.hidden_size, self.config.vocab_size))

@@ -206,6 +206,35 @@ def test_logits_to_keep_and_shift_labels():
     assert rel_err(got, want) < TOL
 
 
+@pytest.mark.parametrize("attack", ["another batch", "longer", "logits_to_keep", "id = vocab_size", "id -5"])
+def test_labels_the_plain_path_refuses_are_refused_by_the_fused_loss(attack):
+    """Liger's fused loss reads labels by flat row unchecked: labels of another batch crashed the process
+    (SIGSEGV), longer ones or the whole sequence beside logits_to_keep gave a loss of the wrong rows, an id outside
+    the vocabulary a loss like -1e13. transformers' loss (the plain path) raises on each; so does the fused one."""
+    plain, liger = plain_and_liger("v2")
+    input_ids, labels = masked_batch(plain.config.vocab_size)
+    vocab = plain.config.vocab_size
+    extra = {}
+    if attack == "another batch":
+        labels = labels[:1]
+    elif attack == "longer":
+        labels = torch.cat([labels, labels], dim=1)
+    elif attack == "logits_to_keep":
+        extra = dict(logits_to_keep=3)
+    else:
+        labels = labels.clone()
+        labels[0, 3] = vocab if attack == "id = vocab_size" else -5
+    with pytest.raises((ValueError, IndexError, RuntimeError)):  # transformers' own loss refuses them
+        plain(input_ids=input_ids, labels=labels, **extra)
+    if attack.startswith("id"):
+        message = rf"labels must be token ids in \[0, {vocab}\) or ignore_index \(-100\)"
+        with pytest.raises(RuntimeError, match=message):  # asserted on the device: raised at once on the CPU
+            liger(input_ids=input_ids, labels=labels, **extra)
+    else:
+        with pytest.raises(ValueError, match=r"labels of shape .* must match the .* positions whose logits the loss"):
+            liger(input_ids=input_ids, labels=labels, **extra)
+
+
 def test_eval_and_skip_logits():
     plain, liger = plain_and_liger("dex")
     input_ids, labels = masked_batch(plain.config.vocab_size)
