@@ -30,7 +30,8 @@ here. V1 and V2 call the attention interface once per layer with 2h query heads,
 (2i, 2i+1) = (A1, A2); Llama and DEX call it with h heads.
 """
 
-from collections.abc import Callable
+import numbers
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -46,6 +47,28 @@ from .extras import require
 PROBE_ATTENTION = "modeling_diff_probe"
 OUTLIER_STATS = ("top1", "top100", "median")
 _PROBES: dict[int, "AttentionProbe"] = {}  # id(attention module) -> the probe watching it
+# The attention logits are quantized in float32 (`probe_attention_forward` computes them so), whose significand has
+# 24 bits. At 24 bits the absmax grid's step, max|x| / (2^23 - 1), is already float32's own spacing at max|x|
+# (2^-23 max|x|): more bits simulate nothing, and past 2^24 levels the ratios x / s are no longer exact integers in
+# float32 (at 100 bits 2^99 did not even fit the int64 torch divides by, and 2**40 bits never finished computing
+# 2^(bits-1)). Fewer than 2 bits leave no level but 0.
+MIN_LOGIT_BITS, MAX_LOGIT_BITS = 2, 24
+# noise_correlation correlates A1 and A2 over the keys other than the num_salient most salient ones, and needs at
+# least this many keys left for a query to count.
+MIN_CORRELATED_KEYS = 3
+
+
+def _is_integer(value) -> bool:
+    """An int (or a NumPy integer), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_logit_bits(value) -> bool:
+    return _is_integer(value) and MIN_LOGIT_BITS <= value <= MAX_LOGIT_BITS
+
+
+_BITS_RULE = (f"in [{MIN_LOGIT_BITS}, {MAX_LOGIT_BITS}] (the attention logits are float32: {MAX_LOGIT_BITS} bits "
+              f"already give float32's own resolution, and fewer than {MIN_LOGIT_BITS} leave no level but 0)")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -83,8 +106,9 @@ def noise_correlation(
     that are not salient, the salient ones being the `num_salient` keys with the largest differential weight
     (`maps`). The cancellation argument needs this correlation to be high. Queries with fewer than 3 such keys,
     or a constant map over them, are left out."""
-    if num_salient < 0:
-        raise ValueError(f"num_salient must be >= 0, got {num_salient}")
+    if not _is_integer(num_salient) or num_salient < 0:
+        raise ValueError(f"num_salient must be an integer >= 0, got {num_salient!r}")
+    num_salient = int(num_salient)
     keep = valid.expand_as(maps).clone()
     if num_salient > 0:
         salience = torch.where(keep, maps, -torch.inf)
@@ -101,7 +125,7 @@ def noise_correlation(
     def varies(variance, mean):
         return variance > (1e-6 * mean).square() * count
 
-    usable = rows & (count >= 3) & varies(var_1, mean_1) & varies(var_2, mean_2)
+    usable = rows & (count >= MIN_CORRELATED_KEYS) & varies(var_1, mean_1) & varies(var_2, mean_2)
     return _mean_over_rows(correlation, usable)
 
 
@@ -120,9 +144,9 @@ def outlier_stats(magnitudes: torch.Tensor) -> dict[str, torch.Tensor]:
 def absmax_quantize(logits: torch.Tensor, bits: int, valid: torch.Tensor) -> torch.Tensor:
     """Symmetric absmax quantization to `bits` bits, one scale per (batch, head) over the valid entries:
     x -> round(x / s) * s with s = max|x| / (2^(bits-1) - 1)."""
-    if not isinstance(bits, int) or bits < 2:
-        raise ValueError(f"bits must be an integer >= 2, got {bits!r}")
-    levels = 2 ** (bits - 1) - 1
+    if not _is_logit_bits(bits):
+        raise ValueError(f"bits must be an integer {_BITS_RULE}, got {bits!r}")
+    levels = 2 ** (int(bits) - 1) - 1
     absmax = torch.where(valid, logits.abs(), 0.0).amax(dim=(-2, -1), keepdim=True)  # (B, H, 1, 1)
     scale = absmax.clamp_min(torch.finfo(logits.dtype).tiny) / levels
     return (logits / scale).round().clamp(-levels, levels) * scale
@@ -213,6 +237,15 @@ def register_probe_attention() -> None:
     AttentionMaskInterface.register(PROBE_ATTENTION, eager_mask)
 
 
+def check_no_probe(model: nn.Module) -> None:
+    """A ValueError unless no AttentionProbe is attached to `model`. Probes do not nest: a second one would take
+    the model's attention over from the first (whose hooks would then find nothing recorded) and, on leaving,
+    detach the first and restore the probe attention as the model's own."""
+    if any(id(layer.self_attn) in _PROBES for layer in decoder_layers(model)):
+        raise ValueError("an AttentionProbe is already attached to this model: AttentionProbe, lm_loss and diagnose "
+                         "do not nest; run this after the probe's `with` block has ended")
+
+
 class AttentionProbe:
     """Inside `with AttentionProbe(model, on_layer) :`, every forward of `model` runs the probing eager
     attention and hands each layer's `LayerAttention` to `on_layer` as soon as the layer has run, so only one
@@ -220,6 +253,8 @@ class AttentionProbe:
 
     logit_bits: absmax-quantize the attention logits to this many bits.
     clamp_negative: clamp the negative weights of the differential maps to zero (V1 and V2 only).
+
+    One probe at a time per model: entering a second one (or `lm_loss`, `diagnose`) inside raises a ValueError.
     """
 
     def __init__(
@@ -229,8 +264,8 @@ class AttentionProbe:
         logit_bits: int | None = None,
         clamp_negative: bool = False,
     ):
-        if logit_bits is not None and (not isinstance(logit_bits, int) or logit_bits < 2):
-            raise ValueError(f"logit_bits must be None or an integer >= 2, got {logit_bits!r}")
+        if logit_bits is not None and not _is_logit_bits(logit_bits):
+            raise ValueError(f"logit_bits must be None or an integer {_BITS_RULE}, got {logit_bits!r}")
         if clamp_negative and not is_differential(model):
             raise ValueError("clamp_negative needs differential maps (a DiffLlama with diff_mode 'v1' or 'v2'), "
                              f"got {type(decoder_layers(model)[0].self_attn).__name__}")
@@ -243,14 +278,19 @@ class AttentionProbe:
         self._hooks = []
 
     def __enter__(self) -> "AttentionProbe":
+        check_no_probe(self.model)  # before anything is changed: the probe already there keeps the model
         register_probe_attention()
         self._previous = self.model.config._attn_implementation
-        self.model.set_attn_implementation(PROBE_ATTENTION)
-        for layer_idx, layer in enumerate(decoder_layers(self.model)):
-            attention = layer.self_attn
-            _PROBES[id(attention)] = self
-            self._hooks.append(attention.register_forward_pre_hook(self._keep_input, with_kwargs=True))
-            self._hooks.append(attention.register_forward_hook(self._make_layer_hook(layer_idx)))
+        try:
+            self.model.set_attn_implementation(PROBE_ATTENTION)
+            for layer_idx, layer in enumerate(decoder_layers(self.model)):
+                attention = layer.self_attn
+                _PROBES[id(attention)] = self
+                self._hooks.append(attention.register_forward_pre_hook(self._keep_input, with_kwargs=True))
+                self._hooks.append(attention.register_forward_hook(self._make_layer_hook(layer_idx)))
+        except BaseException:  # half attached: undo what was done
+            self.__exit__(None, None, None)
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
@@ -258,7 +298,8 @@ class AttentionProbe:
             hook.remove()
         self._hooks.clear()
         for layer in decoder_layers(self.model):
-            _PROBES.pop(id(layer.self_attn), None)
+            if _PROBES.get(id(layer.self_attn)) is self:
+                del _PROBES[id(layer.self_attn)]
         self.calls.clear()
         self.hidden_states.clear()
         self.model.set_attn_implementation(self._previous)
@@ -378,7 +419,12 @@ def diagnose(
     progress: bool = True,
 ) -> NoiseReport:
     """All measures of the module docstring on one batch: one probed forward pass, one per entry of `bits`,
-    and one with negative weights clamped (V1, V2)."""
+    and one with negative weights clamped (V1, V2).
+
+    bits: distinct integers in [2, 24] (see MAX_LOGIT_BITS), one quantized loss each.
+    num_salient: an integer in [0, n - 3], n the real tokens of the batch's longest row: the keys left out of
+    noise_correlation (which needs 3 keys left), checked for every model kind."""
+    bits = _checked_bits(bits)
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
     if attention_mask is not None and attention_mask.shape != input_ids.shape:
@@ -392,6 +438,8 @@ def diagnose(
     if not real[:, 1:].any():  # the loss predicts token t + 1 from tokens <= t: there must be a token to predict
         raise ValueError(f"input_ids must hold a token to predict (a real token after the first position) for the "
                          f"losses, got shape {tuple(input_ids.shape)} with {int(real.sum())} real token(s)")
+    _check_num_salient(num_salient, longest=int(real.sum(dim=1).max()))
+    check_no_probe(model)
     attention_mask = None if attention_mask is None else attention_mask.to(device)
     was_training = model.training
     model.eval()
@@ -399,6 +447,33 @@ def diagnose(
         return _diagnose(model, input_ids, attention_mask, real, bits, num_salient, progress)
     finally:  # also when a measure fails: the model is left as it was found
         model.train(was_training)
+
+
+def _checked_bits(bits) -> tuple[int, ...]:
+    """`bits` of `diagnose` as a tuple of ints; a ValueError before any forward pass unless it is a sequence of
+    distinct integers in [MIN_LOGIT_BITS, MAX_LOGIT_BITS]."""
+    rule = f"bits must be a sequence of distinct integers {_BITS_RULE}, one quantized loss each"
+    if isinstance(bits, (str, bytes)) or not isinstance(bits, Iterable):
+        raise ValueError(f"{rule}, got {bits!r}")
+    values = tuple(bits)
+    if not all(_is_logit_bits(value) for value in values) or len(set(values)) != len(values):
+        raise ValueError(f"{rule}, got {bits!r}")
+    return tuple(int(value) for value in values)
+
+
+def _check_num_salient(num_salient, longest: int) -> None:
+    """A ValueError unless `num_salient` leaves noise_correlation MIN_CORRELATED_KEYS keys for at least one query:
+    the last real query of the longest row sees `longest` keys. (Past that every query was left out and the
+    correlation came back NaN without a word; a float was a TypeError from topk.)"""
+    limit = longest - MIN_CORRELATED_KEYS
+    why = (f"noise_correlation leaves out the num_salient most salient keys of each query and needs "
+           f"{MIN_CORRELATED_KEYS} keys left")
+    if limit < 0:
+        raise ValueError(f"num_salient: {why}, and the longest row of this batch has only {longest} real tokens; "
+                         f"pass a batch with a row of at least {MIN_CORRELATED_KEYS} + num_salient real tokens")
+    if not _is_integer(num_salient) or not 0 <= num_salient <= limit:
+        raise ValueError(f"num_salient must be an integer in [0, {limit}] for this batch, whose longest row has "
+                         f"{longest} real tokens: {why}, got {num_salient!r}")
 
 
 def _diagnose(model, input_ids, attention_mask, real, bits, num_salient, progress) -> NoiseReport:
@@ -558,12 +633,15 @@ def plot_report(reports: dict[str, NoiseReport]):
 
 
 __all__ = [
+    "MAX_LOGIT_BITS",
+    "MIN_LOGIT_BITS",
     "PROBE_ATTENTION",
     "AttentionProbe",
     "LayerAttention",
     "NoiseReport",
     "absmax_quantize",
     "attention_entropy",
+    "check_no_probe",
     "diagnose",
     "lm_loss",
     "needle_attention_share",

@@ -268,6 +268,108 @@ def test_diagnose_rejects_bad_inputs():
         D.diagnose(model, torch.ones(2, 5, dtype=torch.long), torch.ones(2, 4), progress=False)
 
 
+def _forward_counter(model):
+    """A list that grows by one on every forward of `model`, and the hook to remove."""
+    calls = []
+    return calls, model.register_forward_pre_hook(lambda module, args: calls.append(1))
+
+
+# bits=(100,) was a raw OverflowError after the first forward, bits=(2**40,) hung computing 2**(2**40 - 1).
+@pytest.mark.parametrize("bits", [(100,), (2**40,), (25,), (1,), (0,), (-3,), (8, 8), (4.0,), (True,), ("8",), 8, "84"], ids=repr)
+def test_diagnose_refuses_bits_outside_its_range_before_any_forward(bits):
+    model = tiny_model("v1").train()
+    ids, mask = _batch()
+    calls, hook = _forward_counter(model)
+    with pytest.raises(ValueError, match=r"bits must be a (tuple|sequence) of distinct integers in \[2, 24\]"):
+        D.diagnose(model, ids, mask, bits=bits, progress=False)
+    hook.remove()
+    assert calls == [] and model.training and model.config._attn_implementation == "eager"
+
+
+def test_bits_range_ends_are_accepted_and_the_probe_refuses_the_same_values():
+    model = tiny_model("v1")
+    ids, mask = _batch()
+    report = D.diagnose(model, ids, mask, bits=(24, 2), progress=False)
+    assert list(report.quantized_loss) == [24, 2]
+    assert report.quantized_loss[24] == pytest.approx(report.loss, abs=1e-5)  # float32's own resolution
+    for bits in (100, 25, 2**40, 1, 4.0, True):
+        with pytest.raises(ValueError, match=r"logit_bits must be None or an integer in \[2, 24\]"):
+            D.AttentionProbe(model, logit_bits=bits)
+        with pytest.raises(ValueError, match=r"bits must be an integer in \[2, 24\]"):
+            D.absmax_quantize(torch.ones(1, 1, 1, 2), bits, _all((1, 1, 1, 2)))
+    assert model.config._attn_implementation == "eager"
+
+
+# 1.5 was a raw TypeError from topk (V1, V2); 10 and 100 left fewer than 3 non-salient keys to every query, and
+# noise_correlation came back all NaN; Llama and DEX took -1 without a look.
+@pytest.mark.parametrize("mode", ["v1", "v2", "dex", "llama"])
+@pytest.mark.parametrize("num_salient", [1.5, -1, 10, 100, True, None, "1"])
+def test_diagnose_refuses_num_salient_outside_its_range_before_any_forward(mode, num_salient):
+    model = (_llama() if mode == "llama" else tiny_model(mode)).train()
+    ids, mask = _batch()  # the longest row has 12 real tokens: at most 12 - 3 = 9 salient keys leave 3
+    calls, hook = _forward_counter(model)
+    with pytest.raises(ValueError, match=r"num_salient must be an integer in \[0, 9\] .*12 real tokens"):
+        D.diagnose(model, ids, mask, num_salient=num_salient, progress=False)
+    hook.remove()
+    assert calls == [] and model.training
+
+
+def test_num_salient_at_its_upper_end_leaves_a_correlation():
+    model = tiny_model("v1")
+    ids, mask = _batch()
+    report = D.diagnose(model, ids, mask, bits=(), num_salient=9, progress=False)
+    assert not report.noise_correlation.isnan().any()  # the last query of the full row keeps 3 keys
+    with pytest.raises(ValueError, match=r"num_salient must be an integer in \[0, 1\] .*4 real tokens"):
+        D.diagnose(model, ids[:, :4], num_salient=2, progress=False)
+    with pytest.raises(ValueError, match=r"num_salient: .*needs 3 keys left.* only 2 real tokens"):
+        D.diagnose(model, ids[:, :2], num_salient=0, progress=False)
+
+
+def _assert_unprobed(model):
+    assert model.config._attn_implementation == "eager" and D._PROBES == {}
+    for layer in D.decoder_layers(model):
+        assert not layer.self_attn._forward_hooks and not layer.self_attn._forward_pre_hooks
+        assert not layer._forward_hooks
+
+
+# A probe inside a probe was a bare KeyError: <id> from the outer probe's hook, after the inner one had taken the
+# model's attention over and, on its exit, removed the outer one's registration.
+def test_a_second_probe_on_the_same_model_is_refused_and_the_first_keeps_working():
+    model = tiny_model("v1")
+    ids, mask = _batch()
+    layers = []
+    with D.AttentionProbe(model, layers.append):
+        with pytest.raises(ValueError, match="an AttentionProbe is already attached to this model"):
+            with D.AttentionProbe(model, logit_bits=4):
+                model(input_ids=ids, attention_mask=mask)
+        with pytest.raises(ValueError, match="an AttentionProbe is already attached to this model"):
+            D.lm_loss(model, ids, mask)
+        model.train()
+        with pytest.raises(ValueError, match="an AttentionProbe is already attached to this model"):
+            D.diagnose(model, ids, mask, progress=False)
+        assert model.training
+        model.eval()
+        model(input_ids=ids, attention_mask=mask)  # the outer probe still records, unquantized
+    assert [layer.layer_idx for layer in layers] == [0, 1]
+    _assert_unprobed(model)
+    with torch.no_grad():
+        loss = float(model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss)
+    assert D.lm_loss(model, ids, mask) == pytest.approx(loss, rel=1e-5)
+
+
+def test_a_probe_that_fails_half_attached_leaves_the_model_as_it_was(monkeypatch):
+    model = tiny_model("v2")
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("hook refused")
+
+    monkeypatch.setattr(D.decoder_layers(model)[1].self_attn, "register_forward_hook", failing)  # after layer 0
+    with pytest.raises(RuntimeError, match="hook refused"):
+        with D.AttentionProbe(model):
+            pass
+    _assert_unprobed(model)
+
+
 # ---------------------------------------------------------------------------------------------- README
 
 
