@@ -10,6 +10,8 @@ and outputs carry the cache under the name the installed transformers expects.
 
 import functools
 import inspect
+import math
+import threading
 from contextlib import contextmanager
 
 import torch
@@ -277,23 +279,34 @@ class _LegacyConverter(_LegacyLayout, WeightConverter):
     __slots__ = ()
 
 
+# Loads under way in this process (of any thread): the legacy transforms stay registered while one is.
+_LEGACY_LOADS = {"count": 0, "lock": threading.Lock()}
+
+
 @contextmanager
 def _legacy_layout_readable():
     """While a checkpoint loads, checkpoints of `LEGACY_ATTENTION_NAMES` load unchanged (a scalar lambda_learn
-    becomes a vector). Registered for the load only: the model type's mapping is what transformers reverses on
-    save, and these transforms are one-way."""
+    becomes a vector). Registered for loads only: the model type's mapping is what transformers reverses on save,
+    and these transforms are one-way. The registry is the process's: it is removed when the last load under way
+    ends (a load ending in one thread removed it under another's, which then lost its legacy weights)."""
     model_type = DiffLlamaConfig.model_type
-    transforms = [
-        _LegacyConverter(rf"self_attn\.{old}", f"self_attn.{new}", operations=[_AsVector()]) if old == "lambda_learn"
-        else _LegacyRenaming(rf"self_attn\.{old}", f"self_attn.{new}")
-        for old, new in LEGACY_ATTENTION_NAMES.items()
-    ]
-    register_checkpoint_conversion_mapping(model_type, transforms, overwrite=True)
+    with _LEGACY_LOADS["lock"]:
+        if _LEGACY_LOADS["count"] == 0:
+            transforms = [
+                _LegacyConverter(rf"self_attn\.{old}", f"self_attn.{new}", operations=[_AsVector()])
+                if old == "lambda_learn" else _LegacyRenaming(rf"self_attn\.{old}", f"self_attn.{new}")
+                for old, new in LEGACY_ATTENTION_NAMES.items()
+            ]
+            register_checkpoint_conversion_mapping(model_type, transforms, overwrite=True)
+        _LEGACY_LOADS["count"] += 1
     try:
         yield
     finally:
-        conversion_mapping._checkpoint_conversion_mapping_cache.pop(model_type, None)
-        conversion_mapping.USER_REGISTERED_MAPPINGS.discard(model_type)
+        with _LEGACY_LOADS["lock"]:
+            _LEGACY_LOADS["count"] -= 1
+            if _LEGACY_LOADS["count"] == 0:
+                conversion_mapping._checkpoint_conversion_mapping_cache.pop(model_type, None)
+                conversion_mapping.USER_REGISTERED_MAPPINGS.discard(model_type)
 
 
 class DiffLlamaPreTrainedModel(PreTrainedModel):
@@ -321,7 +334,9 @@ class DiffLlamaPreTrainedModel(PreTrainedModel):
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
         with _legacy_layout_readable():
-            return super().from_pretrained(*args, **kwargs)
+            loaded = super().from_pretrained(*args, **kwargs)
+        _check_anneal_steps(loaded[0] if isinstance(loaded, tuple) else loaded)  # (with output_loading_info)
+        return loaded
 
     def _init_weights(self, module):
         super()._init_weights(module)
@@ -514,11 +529,32 @@ class DiffLlamaForSequenceClassification(GenericForSequenceClassification, DiffL
     pass
 
 
+# Annealing steps t stop here: far beyond any training, and an int64 that counts on from it never wraps.
+MAX_ANNEAL_STEP = 2**62
+
+
+def _check_anneal_steps(model: nn.Module) -> None:
+    """After a load: every attention's step t (its `anneal_step` buffer) a whole number in [0, MAX_ANNEAL_STEP). A
+    crafted or corrupt checkpoint's NaN or inf became -2**63 as an integer, and lambda -1.7e33 made every logit 0,
+    silently."""
+    for name, module in model.named_modules():
+        step = getattr(module, "anneal_step", None)
+        if isinstance(step, torch.Tensor) and step.device.type != "meta":
+            value = int(step)
+            if not 0 <= value < MAX_ANNEAL_STEP:
+                raise ValueError(f"{name}.anneal_step is {value} in the checkpoint: the annealing step t must be a "
+                                 f"whole number of optimizer steps in [0, 2**62) (NaN and inf read as -2**63)")
+
+
 def set_anneal_step(model: nn.Module, step: int) -> None:
     """Set the annealing step t (the number of optimizer steps taken) of every V2 / DEX attention in `model`,
     stored exactly in its integer `anneal_step` buffer."""
-    if isinstance(step, bool) or int(step) != step or step < 0:
-        raise ValueError(f"step must be a non-negative whole number of optimizer steps, got {step!r}")
+    try:
+        whole = not isinstance(step, bool) and math.isfinite(step) and int(step) == step
+    except (TypeError, ValueError, OverflowError, RuntimeError):  # not a number
+        whole = False
+    if not whole or not 0 <= step < MAX_ANNEAL_STEP:
+        raise ValueError(f"step must be a non-negative whole number of optimizer steps below 2**62, got {step!r}")
     for module in model.modules():
         if isinstance(module, (DiffAttentionV2, DexAttention)):
             module.anneal_step.fill_(int(step))

@@ -66,3 +66,55 @@ def test_old_lora_adapter_with_bare_differential_parameters_loads_them(mode, tmp
     assert trained
     for name, value in trained.items():
         torch.testing.assert_close(parameters[name], value)
+
+
+def save_legacy(model, folder, anneal_step=None) -> None:
+    """`model` saved in the old layout, its `anneal_step` (float32 then) replaced by `anneal_step` where given."""
+    model.config.save_pretrained(folder)
+    state = {legacy_key(n): legacy_tensor(legacy_key(n), t).contiguous() for n, t in model.state_dict().items()}
+    if anneal_step is not None:
+        state = {n: torch.tensor(anneal_step) if n.endswith("anneal_step") else t for n, t in state.items()}
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("step", [float("nan"), float("inf"), -50.0, -1])
+def test_an_anneal_step_no_training_reaches_is_refused_when_the_checkpoint_loads(step, tmp_path):
+    """A crafted (or corrupt) anneal_step loaded unchecked: NaN and inf read as -2**63, and lambda -1.7e33 made every
+    logit 0, silently; -50 gave t/T = -0.5. A ValueError naming the buffer (set_anneal_step's rule)."""
+    save_legacy(tiny_model("dex", anneal_steps=100), tmp_path, anneal_step=step)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.anneal_step is -\d+ in the checkpoint: the "
+                                         r"annealing step t must be a whole number of optimizer steps in \[0, 2\*\*62\)"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("step", [float("nan"), float("inf"), 10**30, 2**63, -1, 2.5, "3", True])
+def test_set_anneal_step_refuses_what_is_no_step_naming_it(step):
+    """NaN was "cannot convert float NaN to integer", inf and 10**30 an OverflowError, 2**63 torch's RuntimeError."""
+    with pytest.raises(ValueError, match=r"step must be a non-negative whole number of optimizer steps below 2\*\*62"):
+        set_anneal_step(tiny_model("v2", anneal_steps=10), step)
+
+
+def test_legacy_checkpoints_loading_in_two_threads_at_once_keep_their_weights(tmp_path):
+    """The legacy layout's mapping was registered around each load and removed at its end for the whole process: a
+    load ending in one thread removed it under another's, which loaded its old-layout lambdas at random (only
+    transformers' load report said so)."""
+    import threading
+
+    for name, layers in (("big", 24), ("small", 1)):
+        save_legacy(tiny_model("v1", num_hidden_layers=layers), tmp_path / name)
+    reports, errors = [], []
+
+    def load(name, times):
+        try:
+            for _ in range(times):
+                reports.append(AutoModelForCausalLM.from_pretrained(tmp_path / name, output_loading_info=True)[1])
+        except Exception as error:  # noqa: BLE001  (reported below, in the test's thread)
+            errors.append(error)
+
+    threads = [threading.Thread(target=load, args=("big", 3)), threading.Thread(target=load, args=("small", 30))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    assert len(reports) == 33 and all(not r["missing_keys"] and not r["unexpected_keys"] for r in reports), reports
