@@ -37,7 +37,7 @@ import torch
 
 from . import modeling_diff_llama
 from .configuration import DiffLlamaConfig
-from .modeling_diff_llama import DiffLlamaForCausalLM, DiffLlamaRMSNorm
+from .modeling_diff_llama import DiffLlamaForCausalLM, DiffLlamaPreTrainedModel, DiffLlamaRMSNorm
 
 try:
     from liger_kernel.transformers.functional import liger_cross_entropy, liger_fused_linear_cross_entropy
@@ -137,6 +137,11 @@ def apply_liger_kernel_to_diff_llama(
             DiffLlamaForCausalLM.fused_linear_loss = liger_fused_linear_loss
         return
 
+    if callable(getattr(model, "get_base_model", None)):  # a PEFT model: its modules are the wrapped model's
+        model = model.get_base_model()
+    if not isinstance(model, DiffLlamaPreTrainedModel):  # (it patched nothing, silently)
+        raise ValueError(f"model must be a DiffLlama model (or a PEFT model of one), got {type(model).__name__}; "
+                         f"Liger's apply_liger_kernel_to_llama and its siblings patch other models")
     base_model = getattr(model, model.base_model_prefix, model)
     if rms_norm:
         for module in base_model.modules():

@@ -16,11 +16,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import MODES, tiny_model
-from transformers import Trainer, TrainingArguments
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 from modeling_diff import DiffLlamaConfig, DiffLlamaForCausalLM, apply_liger_kernel_to_diff_llama, modeling_diff_llama
 from modeling_diff.diff_attention import SublnRMSNorm
-from modeling_diff.liger import fused_loss_chunk_budget
+from modeling_diff.liger import fused_loss_chunk_budget, liger_fused_linear_loss
 
 pytest.importorskip("liger_kernel", reason="liger-kernel (the [liger] extra) is not installed")
 from liger_kernel.transformers.rms_norm import LigerRMSNorm  # noqa: E402
@@ -298,6 +298,26 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="cross_entropy and fused_linear_cross_entropy cannot both be True"):
         apply_liger_kernel_to_diff_llama(cross_entropy=True, fused_linear_cross_entropy=True)
     apply_liger_kernel_to_diff_llama(model=tiny_model("v2", hidden_act="gelu"))  # the MLP is the project's: any act
+    # another model patched nothing, silently
+    with pytest.raises(ValueError, match="model must be a DiffLlama model .*, got LlamaForCausalLM"):
+        apply_liger_kernel_to_diff_llama(model=LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)))
+
+
+TINY_LLAMA = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2)
+
+
+def test_a_peft_model_is_patched_through_the_model_it_wraps():
+    """A PEFT-wrapped DiffLlama was left unpatched, silently: its modules are the wrapped model's."""
+    from peft import get_peft_model
+
+    from modeling_diff.lora import lora_config
+
+    peft_model = get_peft_model(tiny_model("v1"), lora_config(r=4))
+    apply_liger_kernel_to_diff_llama(model=peft_model, rms_norm=True)
+    wrapped = peft_model.get_base_model()
+    assert wrapped.fused_linear_loss is not None and wrapped.fused_linear_loss.__func__ is liger_fused_linear_loss
+    norms = [m for m in wrapped.modules() if type(m) is modeling_diff_llama.DiffLlamaRMSNorm]
+    assert norms and all(m.forward.__func__ is LigerRMSNorm.forward for m in norms)
 
 
 def liger_chunk_rows(tokens: int, hidden: int, vocab: int, budget: int) -> int:
