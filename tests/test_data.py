@@ -2,12 +2,15 @@
 diagnostics tests)."""
 
 import os
+import re
+from pathlib import Path
 
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from modeling_diff import data
 from modeling_diff.data import package_dir, shakespeare, text_blocks
 
 
@@ -90,3 +93,116 @@ def test_load_smollm2_keeps_a_folder_in_its_copys_place_that_is_not_a_copy(tmp_p
     with pytest.raises(ValueError, match="holds a folder that is not its copy .* set MODELING_DIFF_CACHE"):
         load_smollm2(tmp_path)
     assert [p.name for p in theirs.iterdir()] == ["notes.txt"]
+
+
+# ------------------------------------------------------------------------------------------- the SmolLM2 cache
+# A tiny stand-in for the copy, where load_smollm2 keeps it: read in a second, and no test here converts the GGUF.
+
+
+def _fake_copy(folder: Path) -> None:
+    """A tiny LlamaForCausalLM and a word tokenizer saved as load_smollm2's copy (hidden size 16)."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    word_tokenizer([f"w{i}" for i in range(16)]).save_pretrained(folder)
+
+
+@pytest.fixture
+def no_conversion(monkeypatch):
+    """Fail any test that would dequantize the GGUF file (15 s to a minute)."""
+    def never(*args, **kwargs):
+        raise AssertionError("load_smollm2 converted the GGUF file")
+
+    monkeypatch.setattr(data, "_save_smollm2_copy", never)
+
+
+def test_load_smollm2_reads_a_complete_copy_from_a_read_only_cache(tmp_path, monkeypatch, no_conversion):
+    """The lock was taken before looking: a read-only cache holding a complete copy was refused
+    ("the SmolLM2 cache cannot be written: [Errno 30] Read-only file system: '.../.smollm2.lock'")."""
+    cache = tmp_path / "cache"
+    _fake_copy(cache / data.SMOLLM2_COPY)
+
+    def read_only(path, what):  # what a read-only filesystem answers (root, running the tests, ignores the mode)
+        raise ValueError(f"{what} cannot be written: [Errno 30] Read-only file system: {str(path)!r}")
+
+    monkeypatch.setattr(data, "open_lock_file", read_only)
+    cache.chmod(0o555)
+    try:
+        model, tokenizer = data.load_smollm2(cache)
+    finally:
+        cache.chmod(0o755)
+    assert type(model) is LlamaForCausalLM and model.config.hidden_size == 16 and not model.training
+    assert tokenizer("w3 w5").input_ids == [3, 5]
+    assert sorted(p.name for p in cache.iterdir()) == [data.SMOLLM2_COPY]  # no lock file made
+    # Without a copy the lock is needed, and its refusal stands.
+    with pytest.raises(ValueError, match="Read-only file system"):
+        data.load_smollm2(tmp_path / "empty")
+
+
+def test_load_smollm2_takes_an_empty_modeling_diff_cache_as_unset(tmp_path, monkeypatch, no_conversion):
+    """MODELING_DIFF_CACHE="" put the cache (and its lock file) in the working directory."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    _fake_copy(home / ".cache" / "modeling_diff" / data.SMOLLM2_COPY)
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("MODELING_DIFF_CACHE", "")
+    monkeypatch.chdir(work)
+    model, _ = data.load_smollm2()
+    assert model.config.hidden_size == 16  # the copy under ~/.cache/modeling_diff
+    assert list(work.iterdir()) == []
+
+
+@pytest.mark.parametrize("kind", ["file", "link to nothing"])
+@pytest.mark.parametrize("where", ["cache", "above the cache", "copy"])
+def test_load_smollm2_refuses_a_cache_path_that_is_no_folder_before_converting(tmp_path, monkeypatch, no_conversion,
+                                                                               kind, where):
+    """A file or a link to nothing as the cache folder was a raw FileExistsError from mkdir; as the copy's folder it
+    was found only after the conversion."""
+    planted = {"cache": tmp_path / "cache", "above the cache": tmp_path / "cache",
+               "copy": tmp_path / "cache" / data.SMOLLM2_COPY}[where]
+    cache = tmp_path / "cache" / "sub" if where == "above the cache" else tmp_path / "cache"
+    planted.parent.mkdir(parents=True, exist_ok=True)
+    if kind == "file":
+        planted.write_text("precious")
+    else:
+        planted.symlink_to(tmp_path / "nowhere")
+    monkeypatch.setenv("MODELING_DIFF_CACHE", str(cache))
+    rule = "exists and is not a folder" if kind == "file" else "is a link to nothing"
+    with pytest.raises(ValueError, match=rf"MODELING_DIFF_CACHE {re.escape(repr(str(cache)))}: "
+                                         rf"{re.escape(repr(str(planted)))} {rule}"):
+        data.load_smollm2()
+    with pytest.raises(ValueError, match=rf"cache_dir {re.escape(repr(str(cache)))}: .* {rule}"):
+        data.load_smollm2(cache)
+    assert planted.read_text() == "precious" if kind == "file" else not (tmp_path / "nowhere").exists()
+
+
+@pytest.mark.parametrize("damage", ["truncated weights", "no weights", "a tensor missing", "no tokenizer",
+                                    "a DiffLlama"])
+def test_load_smollm2_names_a_damaged_copy_and_says_to_delete_it(tmp_path, no_conversion, damage):
+    """Truncated or missing weights were a raw SafetensorError ("incomplete metadata") or OSError ("no file named
+    model.safetensors"); a tensor missing from them started at random without a word."""
+    from safetensors.torch import load_file, save_file
+
+    copy = tmp_path / data.SMOLLM2_COPY
+    _fake_copy(copy)
+    weights = copy / "model.safetensors"
+    if damage == "truncated weights":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif damage == "no weights":
+        weights.unlink()
+    elif damage == "a tensor missing":
+        tensors = load_file(weights)
+        del tensors["model.norm.weight"]
+        save_file(tensors, weights, metadata={"format": "pt"})
+    elif damage == "no tokenizer":
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            (copy / name).unlink()
+    else:  # another model saved there: not the plain Llama load_smollm2 promises
+        from conftest import tiny_model
+
+        tiny_model("v1").save_pretrained(copy)
+    with pytest.raises(ValueError, match=rf"the SmolLM2 cache {re.escape(repr(str(copy)))} holds an incomplete or "
+                                         rf"damaged copy \(.+\): delete that folder"):
+        data.load_smollm2(tmp_path)
+

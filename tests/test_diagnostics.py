@@ -275,7 +275,8 @@ def _forward_counter(model):
 
 
 # bits=(100,) was a raw OverflowError after the first forward, bits=(2**40,) hung computing 2**(2**40 - 1).
-@pytest.mark.parametrize("bits", [(100,), (2**40,), (25,), (1,), (0,), (-3,), (8, 8), (4.0,), (True,), ("8",), 8, "84"], ids=repr)
+@pytest.mark.parametrize("bits", [(100,), (2**40,), (25,), (1,), (0,), (-3,), (8, 8), (4.0,), (True,), ("8",), 8, "84"],
+                         ids=repr)
 def test_diagnose_refuses_bits_outside_its_range_before_any_forward(bits):
     model = tiny_model("v1").train()
     ids, mask = _batch()
