@@ -225,6 +225,9 @@ def graphed_greedy_generate(model, inputs, generation_config, kwargs: dict, capt
     eos = config.eos_token_id
     eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
     pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
+    if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor)
+                                       or attention_mask.shape != input_ids.shape):
+        return None  # transformers' generate refuses it (a 3-D mask was a RuntimeError inside the graph's prefill)
     if attention_mask is None:
         if config.pad_token_id is not None and config.pad_token_id not in eos and (input_ids == pad).any():
             return None  # transformers infers a padding mask here

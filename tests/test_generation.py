@@ -88,6 +88,7 @@ def test_lengths_and_eos_lists_as_transformers_reads_them():
     dict(do_sample=True), dict(num_beams=2), dict(repetition_penalty=1.3), dict(return_dict_in_generate=True),
     dict(output_scores=True), dict(cache_implementation=None), dict(logits_processor=LogitsProcessorList()),
     dict(streamer=TextStreamer(tokenizer=None)), dict(disable_compile=True), dict(no_repeat_ngram_size=2),
+    dict(attention_mask=torch.ones(1, 5, 5, dtype=torch.long)),  # 3-D: a RuntimeError in the graph's prefill
 ])
 def test_everything_else_takes_transformers_generate(request_):
     model = tiny_model("dex", attn_implementation="sdpa")
