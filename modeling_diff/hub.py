@@ -282,8 +282,13 @@ def save_for_hub(model, save_directory: str | os.PathLike, tokenizer=None, repo_
         check_repo_id(repo_id)
     classes = registered_classes(type(model.config))
     if type(model) not in classes.values():
-        registered = sorted(cls.__name__ for cls in classes.values())
-        raise ValueError(f"model must be of a class registered with an Auto class {registered}, got {type(model).__name__}")
+        if type(model).__module__.startswith("transformers_modules."):  # the copy of an exported folder's code
+            raise ValueError(f"model is a {type(model).__name__} of remote code ({type(model).__module__}), loaded "
+                             f"from an exported folder with trust_remote_code=True: load it with modeling_diff's "
+                             f"class (modeling_diff.DiffLlamaForCausalLM.from_pretrained(folder)) to export it again")
+        registered = sorted(cls.__name__ for name, cls in classes.items() if name != "AutoConfig")
+        raise ValueError(f"model must be of a class registered with an Auto class {registered}, got "
+                         f"{type(model).__module__}.{type(model).__name__}")
     sources = flatten_modules(sorted({cls.__module__ for cls in classes.values()}))
 
     with atomic_directory(save_directory, overwrite, protect, name="save_directory",

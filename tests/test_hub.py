@@ -272,3 +272,17 @@ def test_readme_hub_snippet(tmp_path, monkeypatch):
     assert json.loads((folder / "config.json").read_text())["auto_map"]["AutoConfig"].startswith("configuration_")
     assert (folder / "modeling_diff_llama.py").exists()
     assert modeling_diff.__name__ == "modeling_diff"
+
+
+def test_a_model_of_an_exported_folders_remote_code_is_refused_saying_how_to_export_it(tmp_path):
+    """A model loaded from an exported folder with trust_remote_code=True (before modeling_diff was imported) is of
+    the folder's copy of the class: save_for_hub refused it as "must be of a class registered with an Auto class
+    ['DiffLlamaConfig'], got DiffLlamaForCausalLM", naming a config class and the model's own class name. The error
+    now says where the class comes from and how to export it."""
+    remote = type(DiffLlamaForCausalLM.__name__, (DiffLlamaForCausalLM,),
+                  {"__module__": "transformers_modules.export.modeling_diff_llama"})
+    with pytest.raises(ValueError, match=r"model is a DiffLlamaForCausalLM of remote code \(transformers_modules\."
+                                         r"export\.modeling_diff_llama\), loaded from an exported folder .*"
+                                         r"modeling_diff\.DiffLlamaForCausalLM\.from_pretrained\(folder\)"):
+        save_for_hub(remote(tiny_config("v1")), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
