@@ -3,7 +3,12 @@
 `from_pretrained`, LoRA adapter files (the old `save_lora` wrote the bare parameters into them) through
 `PeftModel.from_pretrained`. Saving always writes the current layout."""
 
+import json
+import os
 import re
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -97,24 +102,36 @@ def test_set_anneal_step_refuses_what_is_no_step_naming_it(step):
 def test_legacy_checkpoints_loading_in_two_threads_at_once_keep_their_weights(tmp_path):
     """The legacy layout's mapping was registered around each load and removed at its end for the whole process: a
     load ending in one thread removed it under another's, which loaded its old-layout lambdas at random (only
-    transformers' load report said so)."""
-    import threading
-
+    transformers' load report said so). Run in a process of its own: transformers' from_pretrained swaps
+    process-wide functions while it loads (`no_tie_weights`, `no_init_weights`), which loads in two threads can
+    leave swapped, and later tests of the process would build models without tied weights."""
     for name, layers in (("big", 24), ("small", 1)):
         save_legacy(tiny_model("v1", num_hidden_layers=layers), tmp_path / name)
-    reports, errors = [], []
+    script = textwrap.dedent(f"""
+        import json, threading
+        from transformers import AutoModelForCausalLM
+        import modeling_diff  # noqa: F401
+        reports, errors = [], []
 
-    def load(name, times):
-        try:
-            for _ in range(times):
-                reports.append(AutoModelForCausalLM.from_pretrained(tmp_path / name, output_loading_info=True)[1])
-        except Exception as error:  # noqa: BLE001  (reported below, in the test's thread)
-            errors.append(error)
+        def load(name, times):
+            try:
+                for _ in range(times):
+                    info = AutoModelForCausalLM.from_pretrained({str(tmp_path)!r} + "/" + name,
+                                                                output_loading_info=True)[1]
+                    reports.append(sorted(info["missing_keys"]) + sorted(info["unexpected_keys"]))
+            except Exception as error:
+                errors.append(repr(error))
 
-    threads = [threading.Thread(target=load, args=("big", 3)), threading.Thread(target=load, args=("small", 30))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors, errors
-    assert len(reports) == 33 and all(not r["missing_keys"] and not r["unexpected_keys"] for r in reports), reports
+        threads = [threading.Thread(target=load, args=("big", 3)), threading.Thread(target=load, args=("small", 30))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        print(json.dumps({{"reports": reports, "errors": errors}}))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert not result["errors"], result["errors"]
+    assert len(result["reports"]) == 33 and not any(result["reports"]), result["reports"]
