@@ -301,7 +301,8 @@ def read_haystack(path: Path, name: str = "--haystack") -> str:
 
 
 def _keep_results(staging: Path, out: Path) -> Path:
-    """`staging` renamed to a visible `<out name>.needle-XXXX` beside it (as it is if that fails)."""
+    """Where the results stay when they cannot be moved into --out: `staging` renamed to `<out name>.needle-XXXX`
+    beside it (visible: no leading dot), or `staging` itself if even that rename fails. Returns the folder."""
     kept = staging.with_name(out.name + staging.name)
     try:
         staging.rename(kept)
