@@ -3,14 +3,13 @@
 
 import argparse
 import json
-import os
-import stat
 import sys
 from pathlib import Path
 
 from safetensors import SafetensorError
 
 from modeling_diff.atomic import overwrite_from_flags
+from modeling_diff.text_files import read_text_file
 
 from . import diffllama, ecosystem
 from .convert import CHARS_PER_TOKEN_AT_MOST, DEFAULT_ANNEAL_STEPS, convert_checkpoint
@@ -35,43 +34,6 @@ def _heads(value: str):
             for item in heads):
         raise argparse.ArgumentTypeError(f"{_HEADS_RULE}, got {value!r}")
     return heads
-
-
-def _read_calibration(parser: argparse.ArgumentParser, path: Path | None) -> str | None:
-    """The opening of the calibration text: what the first 512 tokens can take (a file of gigabytes is not read whole).
-    It must be a regular file with a size: a FIFO or a device is never opened, and neither is a file such as those
-    of /proc, which report a size of 0 and may block when read (/proc/kmsg) or fail (/proc/self/mem). The file is
-    opened without blocking and checked again through its descriptor (it may have been replaced meanwhile)."""
-    if path is None:
-        return None
-    name = f"--calibration-file {str(path)!r}"
-    rule = "must be a regular file of text"
-
-    def check(info: os.stat_result) -> None:
-        if not stat.S_ISREG(info.st_mode):
-            parser.error(f"{name} {rule}, got {_file_kind(info.st_mode)}")
-        if info.st_size == 0:
-            parser.error(f"{name} {rule}: it is empty, or a file that reports no size (such as those of /proc), which "
-                         f"is not read")
-
-    try:
-        check(path.stat())
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
-        with open(fd, encoding="utf-8") as file:
-            check(os.fstat(file.fileno()))
-            return file.read(512 * CHARS_PER_TOKEN_AT_MOST)
-    except UnicodeDecodeError as error:
-        parser.error(f"{name} is not UTF-8 text: {error}")
-    except FileNotFoundError:
-        parser.error(f"{name} is not a file: it does not exist")
-    except OSError as error:  # permissions, a loop of links, a disk error (EIO)
-        parser.error(f"{name} cannot be read: {error.strerror or error}")
-
-
-def _file_kind(mode: int) -> str:
-    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
-    return next((kind for test, kind in kinds if test(mode)), "not a regular file")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -147,7 +109,11 @@ def _main(argv: list[str] | None) -> int:
         except (ValueError, OSError, SafetensorError) as error:  # a refused input (a source without weights or
             parser.error(" ".join(str(error).split()))  # with a corrupt shard included), the disk; one line, exit 2
         return 0
-    calibration = _read_calibration(parser, args.calibration_file)
+    try:  # the opening only: what the first 512 tokens can take
+        calibration = (read_text_file(args.calibration_file, "--calibration-file",
+                                      max_chars=512 * CHARS_PER_TOKEN_AT_MOST) if args.calibration_file is not None else None)
+    except ValueError as error:
+        parser.error(str(error))
     try:
         dst = convert_checkpoint(
             args.src, args.dst, method=args.method, heads=args.heads, head_fraction=args.head_fraction,

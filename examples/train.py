@@ -29,6 +29,7 @@ from modeling_diff.atomic import check_destination, overwrite_from_flags
 from modeling_diff.checkpoint_files import (CONFIG_FILES, LOADING_ERRORS, SIDE_FILES, check_loading_info,
                                             check_side_files, check_weight_files)
 from modeling_diff.data import shakespeare
+from modeling_diff.text_files import read_text_file
 
 MAX_SEED = 2**32 - 1  # numpy's legacy seeding, which Trainer's set_seed calls, takes no more
 
@@ -83,14 +84,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.seq_len > config.max_position_embeddings:
         parser.error(f"--seq-len {args.seq_len} is longer than the model's max_position_embeddings "
                      f"{config.max_position_embeddings}")
-    if args.text_file is not None and not args.text_file.is_file():  # a FIFO would be waited on forever
-        parser.error(f"--text-file {str(args.text_file)!r} is not a regular file")
-    try:  # read here, once: text that is not UTF-8 is refused before the model is built
-        args.text = args.text_file.read_text(encoding="utf-8") if args.text_file is not None else None
-    except UnicodeDecodeError as error:
-        parser.error(f"--text-file {str(args.text_file)!r} is not UTF-8 text: {error}")
-    except OSError as error:
-        parser.error(f"--text-file {str(args.text_file)!r} cannot be read: {error.strerror or error}")
+    try:  # read here, once: a file that is not text (or not UTF-8) is refused before the model is built
+        args.text = read_text_file(args.text_file, "--text-file") if args.text_file is not None else None
+    except ValueError as error:
+        parser.error(str(error))
     # Trainer writes into --output-dir as it goes: refused up front what the converter refuses as its DST (the
     # checkpoint being trained among them: its weights would be overwritten in place)
     source = (args.model,) if args.model not in modeling_diff.PRESETS else ()

@@ -24,7 +24,6 @@ import json
 import os
 import random
 import shutil
-import stat
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,6 +35,7 @@ from .checkpoint_files import (CONFIG_FILES, LOADING_ERRORS, MAX_WHOLE_READ_BYTE
                                check_side_files, check_weight_files)
 from .data import shakespeare
 from .extras import require
+from .text_files import read_text_file
 
 # A needle is NEEDLE_HEAD + " <value>." and a question ends with NEEDLE_HEAD, so the answer " <value>" is
 # tokenized the same way in the context and after the question.
@@ -275,31 +275,6 @@ RESULT_FILES = ("needle.json", "needle.png")
 MAX_HAYSTACK_BYTES = MAX_WHOLE_READ_BYTES
 
 
-def read_haystack(path: Path, name: str = "--haystack") -> str:
-    """The UTF-8 text of file `path`; a ValueError naming `name` unless it is a regular file of at most
-    MAX_HAYSTACK_BYTES (a FIFO would be waited on forever, /dev/zero read without end) -- refused by its type before
-    it is opened, and opened without blocking in case it was swapped since."""
-    rule = f"{name} {str(path)!r} must be a regular file of at most {MAX_HAYSTACK_BYTES} bytes (it is read whole)"
-    try:
-        info = path.stat()
-        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_HAYSTACK_BYTES:
-            what = "not a regular file" if not stat.S_ISREG(info.st_mode) else f"{info.st_size} bytes"
-            raise ValueError(f"{rule}, got {what}")
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-        with os.fdopen(fd, "rb") as file:
-            if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
-                raise ValueError(f"{rule}, got not a regular file")
-            data = file.read(MAX_HAYSTACK_BYTES + 1)
-    except OSError as error:
-        raise ValueError(f"{name} {str(path)!r} cannot be read: {error.strerror or error}") from error
-    if len(data) > MAX_HAYSTACK_BYTES:
-        raise ValueError(f"{rule}, got more than that (it grew while read)")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as error:
-        raise ValueError(f"{name} {str(path)!r} is not UTF-8 text: {error}") from error
-
-
 def _keep_results(staging: Path, out: Path) -> Path:
     """Where the results stay when they cannot be moved into --out: `staging` renamed to `<out name>.needle-XXXX`
     beside it (visible: no leading dot), or `staging` itself if even that rename fails. Returns the folder."""
@@ -362,7 +337,8 @@ def main(argv: list[str] | None = None) -> NeedleResult:
             parser.error(f"--out {str(args.out)!r} cannot be written: {' '.join(str(error).split())}")
     try:
         check_grid(args.lengths, args.depths, args.needles, args.queries, args.trials)
-        haystack = read_haystack(args.haystack) if args.haystack else None
+        haystack = (read_text_file(args.haystack, "--haystack", max_bytes=MAX_HAYSTACK_BYTES)
+                    if args.haystack else None)
     except ValueError as error:
         parser.error(" ".join(str(error).split()))
 

@@ -237,7 +237,7 @@ def test_training_script_refuses_bad_arguments(tmp_path):
         (["--model", str(checkpoint), "--output-dir", str(checkpoint), "--overwrite"], "must not be, contain or lie"),
         (["--model", "tiny-v1", "--output-dir", str(tmp_path / "notes"), "--overwrite"], "holds no config.json"),
         (["--model", "tiny-v1", "--output-dir", str(tmp_path / "out"), "--text-file", str(tmp_path / "fifo.txt")],
-         "is not a regular file"),
+         "must be a regular file of text, got a FIFO"),
         (["--model", str(checkpoint), "--output-dir", str(tmp_path / "out"), "--seq-len", "100000"],
          "is longer than the model's max_position_embeddings"),
     ):

@@ -860,7 +860,7 @@ def test_a_calibration_file_that_is_no_regular_file_with_a_size_is_refused_befor
 
 def test_a_calibration_file_that_cannot_be_read_is_one_line(src, tmp_path, capsys, monkeypatch):
     """An OSError while reading (a disk error, EIO) was a traceback: only UnicodeDecodeError was caught."""
-    import modeling_diff.conversion.cli as cli_module
+    import modeling_diff.text_files as text_files
 
     (tmp_path / "sonnet.txt").write_text(TEXT)
 
@@ -880,7 +880,7 @@ def test_a_calibration_file_that_cannot_be_read_is_one_line(src, tmp_path, capsy
         def read(self, *args):
             raise OSError(errno.EIO, os.strerror(errno.EIO))
 
-    monkeypatch.setattr(cli_module, "open", FailingRead, raising=False)
+    monkeypatch.setattr(text_files, "open", FailingRead, raising=False)
     line = cli_error(["convert", str(src), str(tmp_path / "dst"), "--calibration-file", str(tmp_path / "sonnet.txt")],
                      capsys)
     assert "--calibration-file" in line and "cannot be read" in line and "Input/output error" in line
