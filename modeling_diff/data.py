@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .atomic import atomic_directory, open_lock_file
+from .atomic import atomic_directory, check_destination, open_lock_file
 from .checkpoint_files import LOADING_ERRORS, check_loading_info
 from .extras import require
 
@@ -75,7 +75,11 @@ def load_smollm2(cache_dir: str | Path | None = None):
     nothing, and for a copy that cannot be loaded whole (delete it; the next call makes it again)."""
     cache_dir, what = _cache_location(cache_dir)
     target = cache_dir / SMOLLM2_COPY
-    _check_cache_paths(cache_dir, target, what)
+    try:  # before any work: a file or a link to nothing where the copy or its folders go (mkdir's raw
+        # FileExistsError, or a copy written where the link leads, only after the conversion)
+        check_destination(target, overwrite=True, name=f"{what} {str(cache_dir)!r}: the SmolLM2 copy")
+    except ValueError as error:
+        raise ValueError(f"{error}; or set MODELING_DIFF_CACHE to another folder") from None
     # A copy is renamed into place whole (atomic_directory), so one with its config.json is complete and is read
     # without the lock: the lock, and a writable cache, are only needed to make one.
     if not (target / "config.json").is_file():
@@ -102,21 +106,6 @@ def _cache_location(cache_dir: str | Path | None) -> tuple[Path, str]:
     if os.environ.get("MODELING_DIFF_CACHE"):
         return Path(os.environ["MODELING_DIFF_CACHE"]), "MODELING_DIFF_CACHE"
     return Path.home() / ".cache" / "modeling_diff", "the default cache folder"
-
-
-def _check_cache_paths(cache_dir: Path, target: Path, what: str) -> None:
-    """Before any work: the copy's folder, the cache folder and the parents up to the first that exists must each be
-    a folder or not exist yet. A file there was a raw FileExistsError from mkdir, a link to nothing one too (or a
-    copy written where it leads), only after the conversion."""
-    for path in (target, cache_dir, *cache_dir.parents):
-        if path.is_symlink() and not path.exists():
-            raise ValueError(f"{what} {str(cache_dir)!r}: {str(path)!r} is a link to nothing "
-                             f"({os.readlink(path)!r}); remove it, or set MODELING_DIFF_CACHE to another folder")
-        if path.exists():
-            if not path.is_dir():
-                raise ValueError(f"{what} {str(cache_dir)!r}: {str(path)!r} exists and is not a folder; remove it, "
-                                 f"or set MODELING_DIFF_CACHE to another folder")
-            return  # a folder: the ones above it are folders too
 
 
 def _load_smollm2_copy(target: Path):
