@@ -1,16 +1,20 @@
 """modeling_diff: differential attention (DIFF Transformer V1, V2, DEX retrofit) as a transformers model.
 
 Importing the package registers `DiffLlamaConfig` (model_type "diff_llama") with `AutoConfig` and the
-models with `AutoModel`, `AutoModelForCausalLM` and `AutoModelForSequenceClassification`.
+models with `AutoModel`, `AutoModelForCausalLM`, `AutoModelForSequenceClassification`,
+`AutoModelForTokenClassification` and `AutoModelForQuestionAnswering`.
 transformers' built-in "diffllama" classes are untouched.
 """
 
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
+from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForQuestionAnswering,
+                          AutoModelForSequenceClassification, AutoModelForTokenClassification)
 
 from .configuration import DIFF_MODES, PRESETS, DiffLlamaConfig, preset_config
 from .modeling_diff_llama import (
     DiffLlamaForCausalLM,
+    DiffLlamaForQuestionAnswering,
     DiffLlamaForSequenceClassification,
+    DiffLlamaForTokenClassification,
     DiffLlamaModel,
     DiffLlamaPreTrainedModel,
     set_anneal_step,
@@ -24,6 +28,8 @@ AutoConfig.register(DiffLlamaConfig.model_type, DiffLlamaConfig, exist_ok=True)
 AutoModel.register(DiffLlamaConfig, DiffLlamaModel, exist_ok=True)
 AutoModelForCausalLM.register(DiffLlamaConfig, DiffLlamaForCausalLM, exist_ok=True)
 AutoModelForSequenceClassification.register(DiffLlamaConfig, DiffLlamaForSequenceClassification, exist_ok=True)
+AutoModelForTokenClassification.register(DiffLlamaConfig, DiffLlamaForTokenClassification, exist_ok=True)
+AutoModelForQuestionAnswering.register(DiffLlamaConfig, DiffLlamaForQuestionAnswering, exist_ok=True)
 
 __all__ = [
     "DIFF_MODES",
@@ -31,7 +37,9 @@ __all__ = [
     "apply_liger_kernel_to_diff_llama",
     "DiffLlamaConfig",
     "DiffLlamaForCausalLM",
+    "DiffLlamaForQuestionAnswering",
     "DiffLlamaForSequenceClassification",
+    "DiffLlamaForTokenClassification",
     "DiffLlamaModel",
     "DiffLlamaPreTrainedModel",
     "preset_config",

@@ -16,14 +16,15 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
-from transformers import conversion_mapping
+from transformers import AutoModel, conversion_mapping
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.core_model_loading import ConversionOps, WeightConverter, WeightRenaming
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask
-from transformers.modeling_layers import GenericForSequenceClassification, GradientCheckpointingLayer
+from transformers.modeling_layers import (GenericForQuestionAnswering, GenericForSequenceClassification,
+                                         GenericForTokenClassification, GradientCheckpointingLayer)
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
@@ -525,7 +526,28 @@ class DiffLlamaForCausalLM(DiffLlamaPreTrainedModel, GenerationMixin):
         return output
 
 
-class DiffLlamaForSequenceClassification(GenericForSequenceClassification, DiffLlamaPreTrainedModel):
+class _DiffLlamaHead(DiffLlamaPreTrainedModel):
+    """A head on the base model, as transformers' Llama builds its heads: GenericFor* makes the base model,
+    `self.model`, with `AutoModel.from_config(config)`, so AutoModel must know the config's class first. In an
+    exported folder's remote code it did not (transformers registers only the head being loaded, and loads the config
+    from a module copy of its own), took the class by its name, DiffLlamaConfig, for transformers' built-in DiffLlama's
+    and built that model instead."""
+
+    def __init__(self, config: DiffLlamaConfig):
+        if config.model_type == DiffLlamaConfig.model_type:  # never transformers' own DiffLlama config
+            AutoModel.register(type(config), DiffLlamaModel, exist_ok=True)
+        super().__init__(config)
+
+
+class DiffLlamaForSequenceClassification(GenericForSequenceClassification, _DiffLlamaHead):
+    pass
+
+
+class DiffLlamaForTokenClassification(GenericForTokenClassification, _DiffLlamaHead):
+    pass
+
+
+class DiffLlamaForQuestionAnswering(GenericForQuestionAnswering, _DiffLlamaHead):
     pass
 
 
@@ -564,6 +586,8 @@ __all__ = [
     "DiffLlamaPreTrainedModel",
     "DiffLlamaModel",
     "DiffLlamaForCausalLM",
+    "DiffLlamaForQuestionAnswering",
     "DiffLlamaForSequenceClassification",
+    "DiffLlamaForTokenClassification",
     "set_anneal_step",
 ]

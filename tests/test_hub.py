@@ -37,12 +37,19 @@ sys.path[:] = [p for p in sys.path if "__editable__" not in p and not in_repo(p)
 sys.path_importer_cache.clear()
 result = {"modeling_diff_importable": importlib.util.find_spec("modeling_diff") is not None}
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import (AutoModelForCausalLM, AutoModelForQuestionAnswering, AutoModelForSequenceClassification,
+                          AutoModelForTokenClassification)
 prompt = torch.tensor(json.loads(sys.argv[2]))
 for folder in sys.argv[3:]:
     model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
     tokens = model.generate(prompt, max_new_tokens=8, do_sample=False, attention_mask=torch.ones_like(prompt))
     result[folder] = {"tokens": tokens.tolist(), "class": type(model).__module__ + "." + type(model).__name__}
+    for auto in (AutoModelForSequenceClassification, AutoModelForTokenClassification, AutoModelForQuestionAnswering):
+        head = auto.from_pretrained(folder, trust_remote_code=True).eval()
+        with torch.no_grad():
+            hidden = head.model(prompt).last_hidden_state
+        result[folder][auto.__name__] = {"class": type(head).__name__, "base": type(head.model).__module__ + "." +
+                                         type(head.model).__name__, "hidden": hidden.tolist()}
 result["modeling_diff_loaded"] = any(name.startswith("modeling_diff") for name in sys.modules)
 print("RESULT" + json.dumps(result))
 """
@@ -77,11 +84,16 @@ def greedy(model, prompt) -> list:
 
 
 def test_remote_code_export_loads_without_the_package(tmp_path):
-    expected, folders = {}, []
+    """Every head loads from the folder through its Auto class on the model of the folder's code: the heads built
+    transformers' own DiffLlama (another model, which failed to load the weights) before AutoModel was registered
+    wherever the model's module is imported."""
+    expected, hidden, folders = {}, {}, []
     for mode in ("v1", "v2", "dex"):
         model = trained_looking_model(mode)
         folder = save_for_hub(model, tmp_path / f"export-{mode}")
         expected[str(folder)] = greedy(model, PROMPT)
+        with torch.no_grad():
+            hidden[str(folder)] = model.model(torch.tensor(PROMPT)).last_hidden_state
         folders.append(str(folder))
 
         # Flat: no sub-folders; every file transformers' loader follows from auto_map exists and imports only
@@ -114,6 +126,13 @@ def test_remote_code_export_loads_without_the_package(tmp_path):
         assert result[folder]["class"].startswith("transformers_modules."), result[folder]["class"]
         assert result[folder]["class"].endswith(".modeling_diff_llama.DiffLlamaForCausalLM")
         assert result[folder]["tokens"] == expected[folder]
+        for auto, head in (("AutoModelForSequenceClassification", "DiffLlamaForSequenceClassification"),
+                           ("AutoModelForTokenClassification", "DiffLlamaForTokenClassification"),
+                           ("AutoModelForQuestionAnswering", "DiffLlamaForQuestionAnswering")):
+            assert result[folder][auto]["class"] == head
+            assert result[folder][auto]["base"].startswith("transformers_modules."), result[folder][auto]["base"]
+            assert result[folder][auto]["base"].endswith(".modeling_diff_llama.DiffLlamaModel")
+            torch.testing.assert_close(torch.tensor(result[folder][auto]["hidden"]), hidden[folder])
 
 
 def test_export_loads_with_the_package_classes_when_imported(tmp_path):

@@ -16,7 +16,8 @@ import torch
 import transformers.distributed.utils
 from transformers_testers import tests_dir as transformers_tests_dir  # not `test*`: pytest would collect it
 
-from modeling_diff import DiffLlamaConfig, DiffLlamaForCausalLM, DiffLlamaForSequenceClassification, DiffLlamaModel
+from modeling_diff import (DiffLlamaConfig, DiffLlamaForCausalLM, DiffLlamaForQuestionAnswering,
+                           DiffLlamaForSequenceClassification, DiffLlamaForTokenClassification, DiffLlamaModel)
 
 
 if not transformers_tests_dir().is_dir():  # `make test` fetches them first: missing, the contract is unchecked
@@ -48,7 +49,10 @@ class DiffLlamaModelTester:
     base_model_class = DiffLlamaModel
     causal_lm_class = DiffLlamaForCausalLM
     sequence_classification_class = DiffLlamaForSequenceClassification
-    all_model_classes = (DiffLlamaModel, DiffLlamaForCausalLM, DiffLlamaForSequenceClassification)
+    token_classification_class = DiffLlamaForTokenClassification
+    question_answering_class = DiffLlamaForQuestionAnswering
+    all_model_classes = (DiffLlamaModel, DiffLlamaForCausalLM, DiffLlamaForSequenceClassification,
+                         DiffLlamaForTokenClassification, DiffLlamaForQuestionAnswering)
 
     def __init__(self, parent, diff_mode, dex_heads=None, anneal_steps=0):
         self.parent = parent
