@@ -283,16 +283,21 @@ class DiffLlamaConfig(PreTrainedConfig):
                 _check_range(field, value, -math.inf, math.inf, "a finite number")
 
 
+# The dtypes of a model's weights: torch's matmuls take float8 only through scaled kernels.
+COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
 def _check_dtype(field: str, value) -> None:
     """The dtype of the saved weights (`dtype`, or its legacy name `torch_dtype`), which `from_pretrained(dtype="auto")`
-    loads them in: None, or a floating-point torch dtype or its name. An integer one (`"int8"`) was saved and the
-    output did not load; an unknown name was an AttributeError inside transformers."""
+    loads them in: None, or a torch dtype that the model computes in, or its name. An integer one (`"int8"`) was saved
+    and the output did not load, a float8 one failed in `from_pretrained`; an unknown name was an AttributeError
+    inside transformers."""
     if value is None:
         return
     resolved = getattr(torch, value, None) if isinstance(value, str) else value
-    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
-        raise ValueError(f"{field} must be a floating-point torch dtype (float32, bfloat16, float16, ...), got "
-                         f"{str(value)!r}")
+    if resolved not in COMPUTE_DTYPES:
+        raise ValueError(f"{field} must be a floating-point torch dtype the model computes in (float32, bfloat16, "
+                         f"float16 or float64), got {str(value)!r}")
 
 
 def _check_range(field: str, value, low: float, high: float, rule: str, low_open=False, high_open=False) -> None:

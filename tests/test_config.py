@@ -91,7 +91,10 @@ def test_round_trip_through_dict_and_auto_config(tmp_path):
                                "original_max_position_embeddings": 0}),
          "rope_parameters['original_max_position_embeddings'] must be a positive integer, got 0"),
         # a dtype the saved weights cannot have: the output did not load with dtype="auto"; an AttributeError
-        (dict(dtype="int8"), "dtype must be a floating-point torch dtype (float32, bfloat16, float16, ...), got 'int8'"),
+        (dict(dtype="int8"), "dtype must be a floating-point torch dtype the model computes in (float32, bfloat16, "
+                             "float16 or float64), got 'int8'"),
+        (dict(dtype="float8_e4m3fn"), "dtype must be a floating-point torch dtype the model computes in"),
+        (dict(dtype=torch.float8_e5m2), "dtype must be a floating-point torch dtype the model computes in"),
         (dict(torch_dtype="float99"), "torch_dtype must be a floating-point torch dtype"),
         # t / T overflowed int64 in the first forward
         (dict(diff_mode="v2", anneal_steps=10**23), "anneal_steps must be an integer in [0, 2**31), got 1000000000"),
