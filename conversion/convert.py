@@ -21,9 +21,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from transformers.initialization import no_init_weights
 
 from modeling_diff.atomic import atomic_directory, check_destination
-from modeling_diff.checkpoint_files import (CHAT_TEMPLATE_DIR, TOKENIZER_CONFIG, TOKENIZER_READS, check_side_files,
-                                            check_whole_read, checkpoint_root, fast_tokenizer_files, is_inside,
-                                            read_json_object, side_files)
+from modeling_diff.checkpoint_files import (CHAT_TEMPLATE_DIR, TOKENIZER_CONFIG, TOKENIZER_READS, check_gguf,
+                                            check_side_files, check_whole_read, checkpoint_root, fast_tokenizer_files,
+                                            is_inside, read_json_object, side_files)
 from modeling_diff.extras import require
 from modeling_diff.modeling_diff_llama import DiffLlamaForCausalLM
 
@@ -192,17 +192,6 @@ def _convert_directory(source: CheckpointDir, tmp: Path, mapping: TensorMapping,
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
 
 
-def _check_gguf(src: Path) -> None:
-    """Refuse, in one line and before any work, a .gguf file that gguf's own reader cannot parse (truncated, or
-    not GGUF): loading it would end in a traceback from deep inside the reader."""
-    from gguf import GGUFReader
-
-    try:
-        GGUFReader(src)
-    except Exception as error:  # the reader's own on malformed bytes: struct.error, ValueError, IndexError, ...
-        raise ValueError(f"source {str(src)!r} is not a readable GGUF file ({type(error).__name__}: {error})") from None
-
-
 def convert_checkpoint(
     src: str | Path,
     dst: str | Path,
@@ -242,7 +231,10 @@ def convert_checkpoint(
         check_arguments(method, heads, head_fraction, anneal_steps, noise_init)
     if src.is_file() and src.suffix == ".gguf":
         require("gguf", f"converting the .gguf file {src.name}")
-        _check_gguf(src)
+        try:
+            check_gguf(src)
+        except ValueError as error:
+            raise ValueError(f"source {error}") from None
         check_side_files(src.parent, _GGUF_SIDE_FILES)
         # before loading the model
         dst = check_destination(dst, overwrite, protect=protect, expected=EARLIER_OUTPUT_FILES)

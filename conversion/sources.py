@@ -16,8 +16,8 @@ import torch
 from safetensors import safe_open
 
 from modeling_diff.atomic import check_utf8_path
-from modeling_diff.checkpoint_files import (CONFIG_FILES, INDEX_FILE, check_side_files, checkpoint_root,
-                                            is_inside, read_json_object)
+from modeling_diff.checkpoint_files import (CONFIG_FILES, INDEX_FILE, check_layer_count, check_side_files,
+                                            checkpoint_root, is_inside, read_json_object)
 
 SINGLE_FILE = "model.safetensors"
 _LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\..+")
@@ -69,27 +69,11 @@ class CheckpointDir:
         self._check_layers()
 
     def _check_layers(self) -> None:
-        """config.json's num_hidden_layers must be the number of layers the tensors hold, numbered from 0
-        (`model.layers.<i>.`), compared here, from the shard headers, before any config or model is built from it: a
-        config claiming a million layers made the converter build them (on the meta device: minutes, tens of GiB)
-        before its tensors were compared with them, and export load them. (A header naming one tensor of layer
-        999999 does not make a million layers.) A count that is no number is left to transformers' config check."""
-        layers = self.config.get("num_hidden_layers")
-        if isinstance(layers, bool) or not isinstance(layers, (int, float)):
-            return
+        """config.json's num_hidden_layers against the layers of the shard headers (`model.layers.<i>.`), before
+        any config or model is built from it (also for `export`)."""
         held = {int(match.group(1)) for match in map(_LAYER_TENSOR.fullmatch, self.weight_map) if match}
-        numbered = held == set(range(len(held)))
-        if layers == len(held) and numbered:
-            return
-        if not held:
-            what = "0 layers (no model.layers.<i> tensor)"
-        elif numbered:
-            what = f"{len(held)} layers (model.layers.0 to model.layers.{len(held) - 1})"
-        else:
-            gap = min(set(range(max(held) + 1)) - held)
-            what = f"{len(held)} layers, numbered up to {max(held)} (no model.layers.{gap}.* tensor)"
-        raise ValueError(f"config.json in {str(self.path)!r}: num_hidden_layers is {layers}, but its tensors hold "
-                         f"{what}; num_hidden_layers must be the number of layers of the checkpoint, numbered from 0")
+        check_layer_count(self.config.get("num_hidden_layers"), held, f"config.json in {str(self.path)!r}",
+                          "num_hidden_layers", "model.layers.{}")
 
     def _open(self, file: str):
         if not (self.path / file).is_file():

@@ -14,6 +14,7 @@ model package does not import the converter.
 
 import fnmatch
 import json
+import re
 import stat
 from pathlib import Path
 
@@ -152,6 +153,50 @@ def check_loading_info(path: Path, info: dict) -> None:
         problems.append(f"tensors of shapes other than the config's: {names(shapes, 3)}")
     if problems:
         raise ValueError(f"{str(path)!r} does not hold the weights its config describes: {'; '.join(problems)}")
+
+
+def check_layer_count(layers, held: set[int], where: str, field: str, tensor: str) -> None:
+    """A checkpoint's layer count `layers` (its `field`) must be the number of layers its tensors hold, numbered from
+    0 (`held`, the numbers in its tensor names `tensor.format(i)`), compared before any model is built from it: a
+    count of a million made transformers build a million layers (minutes, tens of GiB) before the tensors were
+    compared with them. (A tensor of layer 999999 does not make a million layers.) A count that is no number is left
+    to transformers' config check."""
+    if isinstance(layers, bool) or not isinstance(layers, (int, float)):
+        return
+    numbered = held == set(range(len(held)))
+    if layers == len(held) and numbered:
+        return
+    if not held:
+        what = f"0 layers (no {tensor.format('<i>')} tensor)"
+    elif numbered:
+        what = f"{len(held)} layers ({tensor.format(0)} to {tensor.format(len(held) - 1)})"
+    else:
+        gap = min(set(range(max(held) + 1)) - held)
+        what = f"{len(held)} layers, numbered up to {max(held)} (no {tensor.format(gap)}.* tensor)"
+    raise ValueError(f"{where}: {field} is {layers}, but its tensors hold {what}; {field} must be the number of "
+                     f"layers of the checkpoint, numbered from 0")
+
+
+_GGUF_LAYER_TENSOR = re.compile(r"blk\.(\d+)\..+")
+
+
+def check_gguf(path: Path) -> None:
+    """Before transformers loads the GGUF file `path` (which it dequantizes into a model whose config comes from the
+    file's metadata): a ValueError naming it unless gguf's own reader parses it (a truncated file, or one that is not
+    GGUF, was a traceback from deep inside the reader) and its `<architecture>.block_count` is the number of layers
+    its tensors hold (`blk.<i>.*`)."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+        architecture = reader.fields["general.architecture"].contents()
+    except Exception as error:  # the reader's own on malformed bytes: struct.error, ValueError, IndexError, ...
+        raise ValueError(f"{str(path)!r} is not a readable GGUF file ({type(error).__name__}: {error})") from None
+    count = reader.fields.get(f"{architecture}.block_count")
+    held = {int(match.group(1)) for match in (_GGUF_LAYER_TENSOR.fullmatch(t.name) for t in reader.tensors) if match}
+    if count is not None:
+        check_layer_count(count.contents(), held, f"GGUF file {str(path)!r}", f"{architecture}.block_count",
+                          "blk.{}")
 
 
 def weight_files(path: Path, gguf_file: str | None = None) -> list[str]:

@@ -32,7 +32,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .checkpoint_files import (CONFIG_FILES, LOADING_ERRORS, MAX_WHOLE_READ_BYTES, SIDE_FILES, check_loading_info,
-                               check_side_files, check_weight_files)
+                               check_gguf, check_side_files, check_weight_files)
 from .data import shakespeare
 from .extras import require
 from .text_files import read_text_file
@@ -345,6 +345,10 @@ def main(argv: list[str] | None = None) -> NeedleResult:
     matplotlib = require("matplotlib", "python -m modeling_diff.needle (it draws the heatmap)")
     if args.gguf_file:
         require("gguf", "--gguf-file")
+        try:  # before transformers builds the model its metadata describes
+            check_gguf(model_dir / args.gguf_file)
+        except ValueError as error:
+            parser.error(f"--gguf-file {error}")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -72,3 +72,20 @@ def offline_env(tmp_path: Path, **extra) -> dict:
 
 
 PYTHON = sys.executable
+
+
+def write_gguf_header(path: Path, block_count: int, layers: range) -> Path:
+    """A GGUF file of architecture llama whose metadata claims `block_count` layers and whose tensors are those of
+    `layers` (one small tensor each, `blk.<i>.attn_norm.weight`): no model, only what the layer count is read from."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(path, "llama")
+    writer.add_block_count(block_count)
+    for layer in layers:
+        writer.add_tensor(f"blk.{layer}.attn_norm.weight", np.ones(4, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from ecosystem_helpers import byte_tokenizer
+from ecosystem_helpers import byte_tokenizer, write_gguf_header
 from safetensors import SafetensorError
 from test_conversion import tiny_llama, token_ids
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -540,6 +540,24 @@ def test_a_gguf_file_that_is_not_one_is_one_line(tmp_path, capsys, content):
     crafted.write_bytes(content)
     line = cli_error(["convert", str(crafted), str(tmp_path / "dst"), "--heads", "all"], capsys)
     assert "is not a readable GGUF file" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]
+
+
+@pytest.mark.parametrize("block_count,layers,held", [
+    (10**6, range(2), "2 layers (blk.0 to blk.1)"),
+    (3, range(2), "2 layers (blk.0 to blk.1)"),
+    (2, [0, 5], "2 layers, numbered up to 5 (no blk.1.* tensor)"),
+])
+def test_a_gguf_file_whose_block_count_is_not_its_layers_is_refused_before_loading(tmp_path, capsys, monkeypatch,
+                                                                                  block_count, layers, held):
+    """transformers builds the model its GGUF metadata describes before reading the tensors: a block_count of a
+    million built a million layers (minutes, tens of GiB). Compared with the tensors first, in one line."""
+    import transformers
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("loaded"))
+    crafted = write_gguf_header(tmp_path / "model.gguf", block_count, layers)
+    line = cli_error(["convert", str(crafted), str(tmp_path / "dst"), "--heads", "all"], capsys)
+    assert f"source GGUF file {str(crafted)!r}: llama.block_count is {block_count}, but its tensors hold {held}" in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]
 
 

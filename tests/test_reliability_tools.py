@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 from safetensors import safe_open
-from ecosystem_helpers import byte_tokenizer, tiny_config
+from ecosystem_helpers import byte_tokenizer, tiny_config, write_gguf_header
 from test_needle import HAYSTACK
 from test_reliability_conversion import tree_hash
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -472,6 +472,14 @@ def test_export_refuses_a_repo_id_that_is_no_hub_repository_id(model_dir, tmp_pa
     line = export_error([str(model_dir), str(tmp_path / "out"), "--repo-id", repo_id], capsys)
     assert "--repo-id must be a Hub repository id ('name' or 'namespace/name'" in line, line
     assert list(tmp_path.iterdir()) == []
+
+
+def test_needle_refuses_a_gguf_file_whose_block_count_is_not_its_layers(tmp_path, capsys, no_model_loading):
+    """As the converter: transformers would build the million layers the metadata claims before reading tensors."""
+    crafted = write_gguf_header(tmp_path / "model.gguf", 10**6, range(2))
+    line = needle_error([str(tmp_path), "--gguf-file", "model.gguf", "--out", str(tmp_path / "out")], capsys)
+    assert f"--gguf-file GGUF file {str(crafted)!r}: llama.block_count is 1000000, but its tensors hold 2 layers" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]
 
 
 @pytest.mark.parametrize("kind", ["FIFO", "/dev/zero", "80 MiB", "folder"])
