@@ -65,23 +65,28 @@ def anneal_step_buffer() -> nn.Buffer:
 _ANNEALED_ATTENTIONS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
-def _is_optimizer_state_initialisation() -> bool:
-    """Whether this `step()` is torch.distributed.checkpoint's initialisation of an empty optimizer before it loads
-    a saved state (`_init_optim_state`: zero gradients at lr 0), which is not a training step."""
-    frame = sys._getframe(2)
-    for _ in range(4):  # the hook <- the optimizer's step wrappers <- the caller
-        if frame is None:
+def _is_training_step() -> bool:
+    """Whether the optimizer step whose post-hook runs (`_advance_annealing`, called by torch's step wrapper) is a
+    step of training. Two are not:
+    - an optimizer stepped inside another optimizer's step: torch's ZeroRedundancyOptimizer steps the optimizer of
+      its rank's shard inside its own step, so t advanced twice, and once only on a rank whose shard held none of a
+      layer's parameters (the ranks then computed different forwards). The outer step counts;
+    - torch.distributed.checkpoint's initialisation of an empty optimizer before it loads a saved state
+      (`_init_optim_state`: zero gradients at lr 0)."""
+    frame = sys._getframe(2)  # this <- _advance_annealing <- the step wrapper
+    step_wrapper, frame, depth = frame.f_code, frame.f_back, 0
+    while frame is not None:
+        if frame.f_code is step_wrapper:
             return False
-        if frame.f_code.co_name == "_init_optim_state" and "torch.distributed.checkpoint" in frame.f_globals.get(
-            "__name__", ""
-        ):
-            return True
-        frame = frame.f_back
-    return False
+        if depth < 4 and frame.f_code.co_name == "_init_optim_state" and "torch.distributed.checkpoint" in (
+                frame.f_globals.get("__name__", "")):
+            return False
+        frame, depth = frame.f_back, depth + 1
+    return True
 
 
 def _advance_annealing(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    if not _ANNEALED_ATTENTIONS or _is_optimizer_state_initialisation():
+    if not _ANNEALED_ATTENTIONS or not _is_training_step():
         return
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
     for module in list(_ANNEALED_ATTENTIONS):

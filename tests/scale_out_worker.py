@@ -9,6 +9,7 @@ the same step in one process, the reference the test compares against:
 - `ddp`: `DistributedDataParallel` (each rank half the batch);
 - `tp`: `from_pretrained(..., tp_plan="auto")` (every rank the whole batch, heads split over the ranks);
 - `fsdp2_bf16`: `fully_shard` of the bfloat16-loaded model (one dtype for every parameter), one step;
+- `zero_anneal_steps`: every rank's annealing steps t after one step of DDP with torch's ZeroRedundancyOptimizer;
 and after the FSDP2 step an optimizer step, the full state dict gathered and saved with `save_pretrained`,
 reloaded with `from_pretrained` (rank 0), its logits written next to the sharded model's.
 """
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoModelForCausalLM
@@ -118,6 +120,20 @@ def run_variant(path: Path, out: Path, batch: torch.Tensor) -> dict:
     with torch.no_grad():
         generated = tp.generate(batch[:1, :4], max_new_tokens=4, do_sample=False)
     results["tp_generate"] = generated.tolist()
+
+    # torch's ZeroRedundancyOptimizer steps its shard's optimizer inside its own step. Only the differential
+    # parameters train, so a layer's may all lie in one rank's shard: t must still advance once, on every rank.
+    zero_model = load(path)
+    for name, parameter in zero_model.named_parameters():
+        parameter.requires_grad_(any(key in name for key in ("lambda_proj", "dex_proj", "dex_lambda", "diff_lambda")))
+    zero = DistributedDataParallel(zero_model, broadcast_buffers=False)  # each rank keeps its own t
+    optimizer = ZeroRedundancyOptimizer([p for p in zero.parameters() if p.requires_grad],
+                                        optimizer_class=torch.optim.AdamW, lr=1e-3)
+    loss_of(zero, local).backward()
+    optimizer.step()
+    steps = [module.anneal_step.item() for module in zero_model.modules() if hasattr(module, "anneal_step")]
+    results["zero_anneal_steps"] = [None] * world
+    dist.all_gather_object(results["zero_anneal_steps"], steps)
 
     bf16 = load(path, dtype=torch.bfloat16)
     shard_layers(bf16, init_device_mesh("cpu", (world,)))

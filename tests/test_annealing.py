@@ -159,3 +159,27 @@ def test_optimizer_state_initialisation_of_a_checkpoint_load_is_not_a_step():
     set_anneal_step(model, 4)
     _init_optim_state(torch.optim.AdamW(model.parameters(), lr=1e-3))
     assert anneal_state(model)["anneal_step"] == 4
+
+
+class Lookahead(torch.optim.Optimizer):
+    """An optimizer that steps another inside its own step, as torch's ZeroRedundancyOptimizer (its rank's shard)
+    and Lookahead-style wrappers do."""
+
+    def __init__(self, inner: torch.optim.Optimizer):
+        self.inner = inner
+        super().__init__([p for group in inner.param_groups for p in group["params"]], {})
+
+    def step(self, closure=None):
+        return self.inner.step(closure)
+
+
+def test_an_optimizer_stepped_inside_another_s_step_counts_once():
+    """t advanced twice per training step (the inner and the outer optimizer's hooks), and with a sharded inner
+    optimizer on some ranks only."""
+    model = dex_model(anneal_steps=10)
+    set_anneal_step(model, 4)
+    optimizer = Lookahead(torch.optim.SGD(model.parameters(), lr=1e-3))
+    for _ in range(3):
+        model.train()(input_ids=torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.backward()
+        optimizer.step()
+    assert anneal_state(model)["anneal_step"] == 7

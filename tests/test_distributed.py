@@ -127,6 +127,17 @@ def test_sharded_training_saves_a_plain_model_and_bf16_shards_in_one_dtype(scale
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
+def test_a_zero_redundancy_optimizer_step_advances_t_once_on_every_rank(scale_out, variant):
+    """ZeroRedundancyOptimizer steps its rank's shard optimizer inside its own step: t advanced by 2, and on a rank
+    whose shard held none of a layer's parameters by 1, so the ranks computed different forwards."""
+    root, batch, results = scale_out
+    model = variant_model(variant)
+    before = [module.anneal_step.item() for module in model.modules() if hasattr(module, "anneal_step")]
+    expected = [t + 1 for t in before] if model.config.anneal_steps else before
+    assert results[variant]["zero_anneal_steps"] == [expected, expected]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_tensor_parallel_generation_equals_one_process(scale_out, variant):
     root, batch, results = scale_out
     with torch.no_grad():
