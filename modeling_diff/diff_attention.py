@@ -175,6 +175,11 @@ class _DiffAttentionBase(nn.Module, metaclass=abc.ABCMeta):
     # `fused_diff` always does.
     flash_diff_max_keys: float = 0
     flash_diff_with_gradients: bool = False
+    # The columns of q_proj and k_proj that must stay on one rank, in head_dim units, and what they are: a rank that
+    # holds part of one (tensor parallelism over ranks that do not divide the kv heads, or transformers' unit_colwise
+    # plan splitting a head in head_dim units) cannot compute its heads.
+    whole_head_widths = (1, 1)
+    whole_heads = "a query head and a kv head"
 
     def __init__(self, config: DiffLlamaConfig, layer_idx: int):
         super().__init__()
@@ -217,9 +222,21 @@ class _DiffAttentionBase(nn.Module, metaclass=abc.ABCMeta):
                 mark_written(layer, outputs[1])
             return outputs
         query, key, value, *side = linear_maps(hidden_states, *linears, fused=fused)
+        self.check_whole_heads(query.shape[-1], key.shape[-1])
         heads = (*hidden_states.shape[:-1], -1, self.head_dim)
         query, key = apply_rope(query.view(heads), key.view(heads), cos, sin, fused)
         return query.flatten(-2), key.flatten(-2), value, *side
+
+    def check_whole_heads(self, query_columns: int, key_columns: int) -> None:
+        """The q_proj and k_proj outputs this rank computes must be whole heads (`whole_head_widths`)."""
+        query_width, key_width = (width * self.head_dim for width in self.whole_head_widths)
+        if query_columns % query_width or key_columns % key_width:
+            raise ValueError(
+                f"{type(self).__name__}: q_proj and k_proj give {query_columns} and {key_columns} columns here, which "
+                f"must be whole heads of {query_width} and {key_width} columns ({self.whole_heads}): under tensor "
+                f"parallelism the ranks must divide num_key_value_heads ({self.num_key_value_heads}), and a plan "
+                f"that splits a head in head_dim units (transformers' unit_colwise) is not supported"
+            )
 
     def flash_diff_applies(self, implementation, pairs, key, value, attention_mask, kwargs) -> bool:
         """Whether both maps and the combine go to the fused flash-diff kernel (`kernels/flash_diff.py`):
@@ -314,6 +331,8 @@ class DiffAttentionV1(_DiffAttentionBase):
     """
 
     flash_diff_max_keys = math.inf
+    whole_head_widths = (2, 2)
+    whole_heads = "a differential head, Q1|Q2, and a kv head, K1|K2"
 
     def __init__(self, config: DiffLlamaConfig, layer_idx: int):
         super().__init__(config, layer_idx)
@@ -347,12 +366,6 @@ class DiffAttentionV1(_DiffAttentionBase):
         query_states, key_states, value_states = self.project_and_rotate(
             implementation, hidden_states, position_embeddings, self.q_proj, self.k_proj, self.v_proj, cache=cache
         )
-        if query_states.shape[-1] % (2 * d) or key_states.shape[-1] % (2 * d):
-            raise ValueError(
-                f"V1 attention: q_proj and k_proj must give whole differential heads of 2 x head_dim = {2 * d} "
-                f"columns (Q1|Q2, K1|K2), got {query_states.shape[-1]} and {key_states.shape[-1]}: a tensor-parallel "
-                "plan that splits a head in head_dim units (transformers' unit_colwise) is not supported"
-            )
         query_states = query_states.view(*input_shape, -1, 2, d)  # (B, L, h, 2, d): (Q1, Q2) per head
         key_states = key_states.view(*input_shape, -1, 2 * d).transpose(1, 2)  # (B, h_kv, L, 2d): K1|K2
         value_states = value_states.view(*input_shape, -1, 2 * d).transpose(1, 2)  # (B, h_kv, L, 2d)
@@ -467,6 +480,8 @@ class DiffAttentionV2(_LlamaLayoutAttention):
     # (RESULTS.md, "V2's attention by length", "Keys and values through TMA").
     flash_diff_max_keys = 4096
     flash_diff_with_gradients = True
+    whole_head_widths = (2, 1)
+    whole_heads = "a pair of signal and noise query heads, and a kv head"
 
     def __init__(self, config: DiffLlamaConfig, layer_idx: int):
         # 2h query heads; 2h / h_kv is even, so the pair (2i, 2i+1) never straddles two GQA groups.

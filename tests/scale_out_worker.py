@@ -10,6 +10,7 @@ the same step in one process, the reference the test compares against:
 - `tp`: `from_pretrained(..., tp_plan="auto")` (every rank the whole batch, heads split over the ranks);
 - `fsdp2_bf16`: `fully_shard` of the bfloat16-loaded model (one dtype for every parameter), one step;
 - `zero_anneal_steps`: every rank's annealing steps t after one step of DDP with torch's ZeroRedundancyOptimizer;
+and, for each model `*-one-kv-head`, the error of a tensor-parallel forward (2 ranks cannot divide one kv head);
 and after the FSDP2 step an optimizer step, the full state dict gathered and saved with `save_pretrained`,
 reloaded with `from_pretrained` (rank 0), its logits written next to the sharded model's.
 """
@@ -144,12 +145,25 @@ def run_variant(path: Path, out: Path, batch: torch.Tensor) -> dict:
     return results
 
 
+def tensor_parallel_refusal(path: Path, batch: torch.Tensor) -> str | None:
+    """The error of a forward of the model at `path` under tensor parallelism (one kv head: 2 ranks cannot divide
+    it), None if there is none."""
+    model = load(path, tp_plan="auto")
+    try:
+        model(input_ids=batch)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
 def main(root: Path) -> None:
     dist.init_process_group("gloo")
     batch = torch.load(root / "batch.pt")
     for variant in json.loads((root / "variants.json").read_text()):
         results = run_variant(root / variant, root / f"{variant}-rank{dist.get_rank()}", batch)
         (root / f"{variant}-rank{dist.get_rank()}.json").write_text(json.dumps(results))
+    refusals = {path.name: tensor_parallel_refusal(path, batch) for path in sorted(root.glob("*-one-kv-head"))}
+    (root / f"refusals-rank{dist.get_rank()}.json").write_text(json.dumps(refusals))
     dist.destroy_process_group()
 
 

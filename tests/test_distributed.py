@@ -73,6 +73,8 @@ def scale_out(tmp_path_factory):
     root = tmp_path_factory.mktemp("scale_out")
     for name in VARIANTS:
         variant_model(name).save_pretrained(root / name)
+    for mode in ("v1", "v2", "dex"):
+        tiny_model(mode, vocab_size=96, num_key_value_heads=1).save_pretrained(root / f"{mode}-one-kv-head")
     (root / "variants.json").write_text(json.dumps(list(VARIANTS)))
     torch.manual_seed(5)
     batch = torch.randint(3, 96, (4, 12))  # (global batch, length): every rank of a data-parallel engine gets 2
@@ -135,6 +137,18 @@ def test_a_zero_redundancy_optimizer_step_advances_t_once_on_every_rank(scale_ou
     before = [module.anneal_step.item() for module in model.modules() if hasattr(module, "anneal_step")]
     expected = [t + 1 for t in before] if model.config.anneal_steps else before
     assert results[variant]["zero_anneal_steps"] == [expected, expected]
+
+
+@pytest.mark.parametrize("mode,heads", [("v1", "a differential head, Q1|Q2, and a kv head, K1|K2"),
+                                        ("v2", "a pair of signal and noise query heads, and a kv head"),
+                                        ("dex", "a query head and a kv head")])
+def test_tensor_parallel_over_ranks_that_do_not_divide_the_kv_heads_names_the_rule(scale_out, mode, heads):
+    """One kv head over 2 ranks: V2 and DEX failed in a view (`shape '[2, 9, -1, 16]' is invalid`, as Llama does), and
+    V1's error blamed transformers' unit sharding."""
+    root, batch, results = scale_out
+    refusal = json.loads((root / "refusals-rank0.json").read_text())[f"{mode}-one-kv-head"]
+    assert refusal is not None and f"({heads})" in refusal, refusal
+    assert "the ranks must divide num_key_value_heads (1)" in refusal, refusal
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

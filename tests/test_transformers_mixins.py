@@ -139,7 +139,7 @@ class RefusesUnitSharding:
 
 class DiffLlamaV1ModelTest(RefusesUnitSharding, DiffLlamaModelTestBase, unittest.TestCase):
     mode_fields = {"diff_mode": "v1"}
-    refusal = r"whole differential heads of 2 x head_dim .* unit_colwise\) is not supported"
+    refusal = r"whole heads of \d+ and \d+ columns \(a differential head, Q1\|Q2, and a kv head, K1\|K2\).*unit_colwise"
 
 
 class DiffLlamaV2ModelTest(StepCounterSaveMixin, DiffLlamaModelTestBase, unittest.TestCase):
