@@ -292,7 +292,7 @@ class _DiffAttentionBase(nn.Module, metaclass=abc.ABCMeta):
             if layer is not None:  # the projections stored key and value into it; the decode kernel advances it
                 key, value, advance = layer.keys, layer.values, layer.cumulative_length
             else:
-                key, value = update_cache(cache, self.layer_idx, key, value)  # one launch into a StaticCache
+                key, value = update_cache(cache, self.layer_idx, key, value, kwargs)  # one launch into a StaticCache
         return combined_decode_attention(
             self.decode_query(query), key, value, attention_mask, self.scaling, self.decode_combine(side), out, advance
         )
@@ -402,7 +402,7 @@ class DiffAttentionV1(_DiffAttentionBase):
         if heads is not None:  # (B, L, h, 2d), combined
             return self.output(heads), None
         if cache is not None:
-            key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
+            key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
         if self.subln_is_plain() and self.flash_diff_applies(
             implementation, query_states, key_states, value_states, attention_mask, kwargs
         ):  # both maps and the combine in one kernel, o_proj in its autograd node: (B, L, hidden)
@@ -519,7 +519,7 @@ class DiffAttentionV2(_LlamaLayoutAttention):
         if heads is not None:  # (B, L, h, d), combined
             return self.output(heads), None
         if cache is not None:
-            key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
+            key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
         weight = self.noise_weight(side[0])  # (B, L, h) from lambda_proj(x)
         # (B, 2h, L, d) -> (B, L, h, 2, d): the pair (signal, noise) of each differential head
         pairs = query_states.unflatten(1, (-1, 2)).permute(0, 3, 1, 2, 4)
@@ -615,7 +615,7 @@ class DexAttention(_LlamaLayoutAttention):
         if heads is not None:  # (B, L, h, d), the operator applied
             return self.output(heads), None
         if cache is not None:
-            key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
+            key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
         attn_output, attn_weights = self.attend(
             implementation, query_states, key_states, value_states, attention_mask, **kwargs
         )  # (B, L, h, d)

@@ -525,6 +525,16 @@ class DiffLlamaForCausalLM(DiffLlamaPreTrainedModel, GenerationMixin):
             check_not_overrun(cache)
         return output
 
+    def init_continuous_batching(self, *args, **kwargs):
+        """transformers' continuous batching (`generate_batch`, `generate(cache_implementation="paged")`, both of
+        which start here). V1 is refused: its cache holds keys and values 2 x head_dim wide, and the paged cache sizes
+        its blocks by head_dim (continuous batching's worker logged an error and returned no tokens)."""
+        if self.config.diff_mode == "v1":
+            raise ValueError("continuous batching (generate_batch, cache_implementation='paged') does not take "
+                             "diff_mode='v1': its cache holds keys and values of 2 x head_dim, and transformers' "
+                             "paged cache sizes them by head_dim; use generate(), or a V2 or DEX model")
+        return super().init_continuous_batching(*args, **kwargs)
+
 
 class _DiffLlamaHead(DiffLlamaPreTrainedModel):
     """A head on the base model, as transformers' Llama builds its heads: GenericFor* makes the base model,

@@ -47,7 +47,7 @@ def test_the_write_equals_transformers_update(batch, heads, length, dk, dv, tran
         key, value = step(batch, heads, length, dk, dv, transposed)
         assert static_cache_write_applies(plain_static_layer(fast, 0), key, value)
         expected = reference.update(key, value, 0)
-        got = update_cache(fast, 0, key, value)
+        got = update_cache(fast, 0, key, value, {})
         assert got[0] is layer.keys and got[1] is layer.values
         torch.testing.assert_close(got[0], expected[0], rtol=0, atol=0)
         torch.testing.assert_close(got[1], expected[1], rtol=0, atol=0)
@@ -73,10 +73,10 @@ def test_a_write_cut_short_leaves_the_length_and_no_ticket(monkeypatch):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(cache_write, "_static_cache_write", TicketTaken())
         with pytest.raises(KeyboardInterrupt):
-            update_cache(fast, 0, key, value)
+            update_cache(fast, 0, key, value, {})
     assert layer.cumulative_length.item() == 5 and _triton._TICKETS[id(layer)][key.device].item() == 0
     expected = reference.update(key, value, 0)
-    got = update_cache(fast, 0, key, value)
+    got = update_cache(fast, 0, key, value, {})
     torch.testing.assert_close(got[0], expected[0], rtol=0, atol=0)
     torch.testing.assert_close(got[1], expected[1], rtol=0, atol=0)
     assert layer.cumulative_length.item() == 7
@@ -94,7 +94,7 @@ def test_positions_beyond_the_cache_are_not_written():
     layer.keys, layer.values = (backing[:, :, :12] for backing in spare)
     keys_before = layer.keys.clone()
     key, value = step(batch=2, length=4)
-    update_cache(fast, 0, key, value)
+    update_cache(fast, 0, key, value, {})
     torch.testing.assert_close(layer.keys[:, :, :10], keys_before[:, :, :10], rtol=0, atol=0)
     torch.testing.assert_close(layer.keys[:, :, 10:], key[:, :, :2], rtol=0, atol=0)
     torch.testing.assert_close(layer.values[:, :, 10:], value[:, :, :2], rtol=0, atol=0)
@@ -138,7 +138,7 @@ def test_other_caches_and_layers_take_cache_update(monkeypatch):
     wide = step(batch=2, length=33)
     assert not static_cache_write_applies(layer, *wide)
     calls.clear()
-    update_cache(fast, 0, *wide)
+    update_cache(fast, 0, *wide, {})
     assert calls == [1]
 
 
@@ -222,7 +222,7 @@ def test_a_length_out_of_range_writes_nothing_outside_the_cache():
     for length in (-6, 12):
         layer.cumulative_length.fill_(length)
         key, value = step(batch=2, heads=2, length=2, dk=8, dv=8)
-        update_cache(fast, 0, key, value)
+        update_cache(fast, 0, key, value, {})
         x, layers, cos, sin = projection_step(batch=2, length=2, cache_width=8)
         projection.rotated_projections(x, layers, cos, sin, 8, (layer.keys, layer.values, layer.cumulative_length))
         assert all(backing[:, :, :12].abs().sum() == 0 and backing[:, :, 24:].abs().sum() == 0 for backing in spare)

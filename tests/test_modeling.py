@@ -210,6 +210,34 @@ def test_beam_search_and_sampling(mode):
     assert sampled.shape == (2, 10)
 
 
+@pytest.mark.parametrize("mode", ["v2", "dex"])
+def test_continuous_batching_generates_each_prompt_s_greedy_tokens(mode):
+    """transformers' continuous batching (`generate_batch`, and `generate(cache_implementation="paged")`, which
+    switches to it): its paged cache takes the attention's kwargs in `cache.update`; without them its worker logged
+    an error and every request came back with no tokens."""
+    from transformers import GenerationConfig
+
+    model = tiny_model(mode, attn_implementation="sdpa")
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    config = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
+    expected = [model.generate(torch.tensor([p]), generation_config=config)[0, len(p):].tolist() for p in prompts]
+    results = model.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
+    assert sorted(r.generated_tokens for r in results.values()) == sorted(expected)
+    paged = model.generate(torch.tensor([prompts[0]]), generation_config=config, cache_implementation="paged")
+    assert torch.as_tensor(paged).flatten().tolist()[-4:] == expected[0]
+
+
+def test_continuous_batching_refuses_v1_whose_cache_is_twice_as_wide():
+    from transformers import GenerationConfig
+
+    model = tiny_model("v1", attn_implementation="sdpa")
+    config = GenerationConfig(max_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with pytest.raises(ValueError, match="continuous batching .* does not take diff_mode='v1'"):
+        model.generate_batch(inputs=[[5, 6, 7]], generation_config=config, progress_bar=False)
+    with pytest.raises(ValueError, match="continuous batching .* does not take diff_mode='v1'"):
+        model.generate(torch.tensor([[5, 6, 7]]), generation_config=config, cache_implementation="paged")
+
+
 # ----------------------------------------------------------------------------------------------- training
 @pytest.mark.parametrize("mode", MODES)
 def test_loss_is_shifted_cross_entropy_and_logits_to_keep(mode):

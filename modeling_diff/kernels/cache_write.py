@@ -1,7 +1,7 @@
 """The cache update of a decoding step: into a StaticCache layer in one launch (`triton_cache_write.py`), through
 `Cache.update` everywhere else.
 
-    update_cache(cache, layer_idx, key (B, H_kv, L, Dk), value (B, H_kv, L, Dv)) -> (keys, values) of the layer
+    update_cache(cache, layer_idx, key (B, H_kv, L, Dk), value (B, H_kv, L, Dv), kwargs) -> (keys, values) of the layer
 
 transformers' `StaticLayer.update` (the reference) issues five kernels a layer and step: an `arange` and an add
 for the positions, the in-place add to the layer's length, and one `index_copy_` each for the keys and the values.
@@ -152,9 +152,11 @@ def check_not_overrun(cache: Cache) -> None:
                                  f"a StaticCache of max_cache_len >= {needed}, or fewer new tokens")
 
 
-def update_cache(cache: Cache, layer_idx: int, key: torch.Tensor, value: torch.Tensor):
-    """cache.update(key, value, layer_idx), through the kernel where it applies (see the module docstring)."""
+def update_cache(cache: Cache, layer_idx: int, key: torch.Tensor, value: torch.Tensor, kwargs: dict):
+    """cache.update(key, value, layer_idx, kwargs=kwargs), through the kernel where it applies (see the module
+    docstring). `kwargs`: the attention's keyword arguments, which transformers' caches may read or fill (the paged
+    cache of continuous batching does)."""
     layer = plain_static_layer(cache, layer_idx)
     if static_cache_write_applies(layer, key, value):
         return write_static_cache(layer, key, value)
-    return cache.update(key, value, layer_idx)
+    return cache.update(key, value, layer_idx, kwargs=kwargs)
