@@ -6,6 +6,8 @@ models with `AutoModel`, `AutoModelForCausalLM`, `AutoModelForSequenceClassifica
 transformers' built-in "diffllama" classes are untouched.
 """
 
+import importlib.util
+
 from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForQuestionAnswering,
                           AutoModelForSequenceClassification, AutoModelForTokenClassification)
 
@@ -20,6 +22,9 @@ from .modeling_diff_llama import (
     set_anneal_step,
 )
 from .liger import apply_liger_kernel_to_diff_llama  # registers "diff_llama" with Liger's dispatch when installed
+
+if importlib.util.find_spec("peft") is not None:
+    from . import lora  # noqa: F401  (gives "diff_llama" PEFT's default target modules of Llama)
 
 __version__ = "0.1.0"
 

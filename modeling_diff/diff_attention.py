@@ -371,6 +371,18 @@ class DiffAttentionV1(_DiffAttentionBase):
         value_states = value_states.view(*input_shape, -1, 2 * d).transpose(1, 2)  # (B, h_kv, L, 2d)
         return query_states, key_states, value_states, ()
 
+    def check_cache_width(self, cache) -> None:
+        """After a cache update failed: a ValueError if the cache holds keys of another width than V1's K1|K2, 2 x
+        head_dim (a cache sized from config.head_dim, as PEFT's prefix tuning sizes its prefix: a size mismatch
+        inside torch.cat)."""
+        keys = getattr(cache.layers[self.layer_idx], "keys", None) if self.layer_idx < len(cache.layers) else None
+        if isinstance(keys, torch.Tensor) and keys.dim() == 4 and keys.shape[-1] != 2 * self.head_dim:
+            raise ValueError(
+                f"layer {self.layer_idx}'s cache holds keys {keys.shape[-1]} wide: V1 caches keys and values "
+                f"2 x head_dim = {2 * self.head_dim} wide (K1|K2), so a cache sized by config.head_dim does not fit "
+                f"(PEFT's prefix tuning sizes its prefix so: with V1, use LoRA or prompt tuning)"
+            )
+
     def decode_applies(self, implementation, pairs, key, value, attention_mask, kwargs) -> bool:
         """subln plain, the decode kernel's shapes, and not flash-diff's (which goes first where it applies)."""
         return (
@@ -402,7 +414,11 @@ class DiffAttentionV1(_DiffAttentionBase):
         if heads is not None:  # (B, L, h, 2d), combined
             return self.output(heads), None
         if cache is not None:
-            key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
+            try:
+                key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
+            except RuntimeError as error:
+                self.check_cache_width(cache)
+                raise
         if self.subln_is_plain() and self.flash_diff_applies(
             implementation, query_states, key_states, value_states, attention_mask, kwargs
         ):  # both maps and the combine in one kernel, o_proj in its autograd node: (B, L, hidden)

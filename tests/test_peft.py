@@ -219,3 +219,38 @@ def test_readme_peft_snippet(tmp_path, monkeypatch):
     assert (tmp_path / "diffllama-lora" / "adapter_model.safetensors").exists()
     assert isinstance(scope["merged"], DiffLlamaForCausalLM)
     assert scope["recommended"].to_dict() == lora_config().to_dict()
+
+
+def test_peft_configs_without_target_modules_adapt_a_diffllama_as_a_llama():
+    """PEFT's default target modules are per model type: "diff_llama" had none ("Please specify `target_modules`")."""
+    from peft import IA3Config, LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    llama = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2)
+    for make in (lambda: LoraConfig(task_type="CAUSAL_LM"), lambda: IA3Config(task_type="CAUSAL_LM")):
+        expected = get_peft_model(LlamaForCausalLM(llama), make()).peft_config["default"].target_modules
+        assert expected  # (a set of module names, as PEFT resolves them)
+        for mode in ("v1", "v2", "dex"):
+            model = get_peft_model(DiffLlamaForCausalLM(tiny_config(mode)), make())
+            assert model.peft_config["default"].target_modules == expected
+            ids = torch.randint(3, 90, (2, 6))
+            model(input_ids=ids, labels=ids).loss.backward()
+
+
+@pytest.mark.parametrize("mode", ["v1", "v2", "dex"])
+def test_prefix_tuning_trains_and_generates_where_the_cache_layout_allows(mode):
+    """PEFT's prefix tuning sizes its prefix keys by config.head_dim: V2 and DEX cache such keys and train; V1 caches
+    K1|K2 (2 x head_dim): a ValueError saying so, where it was a size mismatch inside torch.cat."""
+    from peft import PrefixTuningConfig, get_peft_model
+
+    model = get_peft_model(DiffLlamaForCausalLM(tiny_config(mode)),
+                           PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=5))
+    ids = torch.randint(3, 90, (2, 6))
+    if mode == "v1":
+        with pytest.raises(ValueError, match=r"V1 caches keys and values 2 x head_dim = \d+ wide .* prefix tuning"):
+            model(input_ids=ids, labels=ids)
+        return
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    assert model.generate(input_ids=ids, max_new_tokens=3, do_sample=False).shape == (2, 9)
