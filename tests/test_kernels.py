@@ -1993,8 +1993,8 @@ def test_decoding_steps_on_the_kernel_equal_eager(mode, cache_class, monkeypatch
     written = attention.written_layer
     monkeypatch.setattr(attention, "written_layer", lambda *a: (lambda layer: layer is not None and prewritten.append(
         1) or layer)(written(*a)))
-    monkeypatch.setattr(attention, "update_cache", lambda cache, i, k, v: layouts.append(
-        (k.shape[-2], k.is_contiguous(), v.is_contiguous())) or update(cache, i, k, v))
+    monkeypatch.setattr(attention, "update_cache", lambda cache, i, k, v, kwargs: layouts.append(
+        (k.shape[-2], k.is_contiguous(), v.is_contiguous())) or update(cache, i, k, v, kwargs))
     monkeypatch.setattr(cache_write, "_static_cache_write", CountedKernel(cache_write._static_cache_write, writes))
     eager, fast = model_pair(mode, FAST)
     ids, mask = padded_batch(eager.config.vocab_size, length=40)  # prefill: SDPA (more rows than the kernel's)
