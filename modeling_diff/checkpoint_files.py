@@ -166,13 +166,14 @@ def check_layer_count(layers, held: set[int], where: str, field: str, tensor: st
     numbered = held == set(range(len(held)))
     if layers == len(held) and numbered:
         return
+    count = f"{len(held)} layer{'' if len(held) == 1 else 's'}"
     if not held:
         what = f"0 layers (no {tensor.format('<i>')} tensor)"
     elif numbered:
-        what = f"{len(held)} layers ({tensor.format(0)} to {tensor.format(len(held) - 1)})"
-    else:
-        gap = min(set(range(max(held) + 1)) - held)
-        what = f"{len(held)} layers, numbered up to {max(held)} (no {tensor.format(gap)}.* tensor)"
+        what = f"{count} ({tensor.format(0)} to {tensor.format(len(held) - 1)})"
+    else:  # the first number missing lies within len(held) (a layer numbered 10**12 builds no set of that size)
+        gap = next(i for i in range(len(held) + 1) if i not in held)
+        what = f"{count}, numbered up to {max(held)} (no {tensor.format(gap)}.* tensor)"
     raise ValueError(f"{where}: {field} is {layers}, but its tensors hold {what}; {field} must be the number of "
                      f"layers of the checkpoint, numbered from 0")
 

@@ -547,6 +547,8 @@ def test_a_gguf_file_that_is_not_one_is_one_line(tmp_path, capsys, content):
     (10**6, range(2), "2 layers (blk.0 to blk.1)"),
     (3, range(2), "2 layers (blk.0 to blk.1)"),
     (2, [0, 5], "2 layers, numbered up to 5 (no blk.1.* tensor)"),
+    (1, [0, 10**12], "2 layers, numbered up to 1000000000000 (no blk.1.* tensor)"),  # was a set of 10**12 numbers
+    (2, [0], "1 layer (blk.0 to blk.0)"),
 ])
 def test_a_gguf_file_whose_block_count_is_not_its_layers_is_refused_before_loading(tmp_path, capsys, monkeypatch,
                                                                                   block_count, layers, held):
