@@ -65,32 +65,36 @@ def anneal_step_buffer() -> nn.Buffer:
 _ANNEALED_ATTENTIONS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
-def _is_training_step() -> bool:
-    """Whether the optimizer step whose post-hook runs (`_advance_annealing`, called by torch's step wrapper) is a
-    step of training. Two are not:
-    - an optimizer stepped inside another optimizer's step: torch's ZeroRedundancyOptimizer steps the optimizer of
-      its rank's shard inside its own step, so t advanced twice, and once only on a rank whose shard held none of a
-      layer's parameters (the ranks then computed different forwards). The outer step counts;
-    - torch.distributed.checkpoint's initialisation of an empty optimizer before it loads a saved state
-      (`_init_optim_state`: zero gradients at lr 0)."""
+def _parameters_of_outer_steps() -> set[int] | None:
+    """For the optimizer step whose post-hook runs (`_advance_annealing`, called by torch's step wrapper): the ids of
+    the parameters of the optimizers whose steps enclose it, which count the step themselves when they end (torch's
+    ZeroRedundancyOptimizer steps the optimizer of its rank's shard inside its own step: t advanced twice, and once
+    only on a rank whose shard held none of a layer's parameters, so the ranks computed different forwards). None
+    for torch.distributed.checkpoint's initialisation of an empty optimizer before it loads a saved state
+    (`_init_optim_state`: zero gradients at lr 0), which is no training step."""
     frame = sys._getframe(2)  # this <- _advance_annealing <- the step wrapper
-    step_wrapper, frame, depth = frame.f_code, frame.f_back, 0
+    step_wrapper, frame, depth, outer = frame.f_code, frame.f_back, 0, set()
     while frame is not None:
-        if frame.f_code is step_wrapper:
-            return False
-        if depth < 4 and frame.f_code.co_name == "_init_optim_state" and "torch.distributed.checkpoint" in (
+        if frame.f_code is step_wrapper:  # an enclosing step; the wrapper's first argument is its optimizer
+            optimizer = frame.f_locals.get("self")
+            outer.update(id(p) for group in getattr(optimizer, "param_groups", ()) for p in group["params"])
+        elif depth < 4 and frame.f_code.co_name == "_init_optim_state" and "torch.distributed.checkpoint" in (
                 frame.f_globals.get("__name__", "")):
-            return False
+            return None
         frame, depth = frame.f_back, depth + 1
-    return True
+    return outer
 
 
 def _advance_annealing(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    if not _ANNEALED_ATTENTIONS or not _is_training_step():
+    if not _ANNEALED_ATTENTIONS:
+        return
+    outer = _parameters_of_outer_steps()
+    if outer is None:
         return
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
     for module in list(_ANNEALED_ATTENTIONS):
-        if any(id(p) in stepped for p in module.parameters()):
+        parameters = {id(p) for p in module.parameters()}
+        if parameters & stepped and not parameters & outer:  # an enclosing step of the module counts it
             with torch.no_grad():
                 module.anneal_step.add_(1)
 
@@ -372,15 +376,20 @@ class DiffAttentionV1(_DiffAttentionBase):
         return query_states, key_states, value_states, ()
 
     def check_cache_width(self, cache) -> None:
-        """After a cache update failed: a ValueError if the cache holds keys of another width than V1's K1|K2, 2 x
-        head_dim (a cache sized from config.head_dim, as PEFT's prefix tuning sizes its prefix: a size mismatch
-        inside torch.cat)."""
-        keys = getattr(cache.layers[self.layer_idx], "keys", None) if self.layer_idx < len(cache.layers) else None
+        """Before the cache update: a ValueError if the cache was made with keys of another width than V1's K1|K2,
+        2 x head_dim. Caches sized from config.head_dim do not fit, and failed inside torch (a size mismatch in
+        torch.cat, or index_copy_ while torch.export traced): transformers' ExecuTorch export
+        (`TorchExportableModuleForDecoderOnlyLM`, `convert_and_export_with_cache`) makes its StaticCache so, and PEFT's
+        prefix tuning its prefix. The caches that transformers' generate makes take their width from the first
+        update, and fit."""
+        layers = getattr(cache, "layers", ())
+        keys = getattr(layers[self.layer_idx], "keys", None) if self.layer_idx < len(layers) else None
         if isinstance(keys, torch.Tensor) and keys.dim() == 4 and keys.shape[-1] != 2 * self.head_dim:
             raise ValueError(
                 f"layer {self.layer_idx}'s cache holds keys {keys.shape[-1]} wide: V1 caches keys and values "
                 f"2 x head_dim = {2 * self.head_dim} wide (K1|K2), so a cache sized by config.head_dim does not fit "
-                f"(PEFT's prefix tuning sizes its prefix so: with V1, use LoRA or prompt tuning)"
+                f"(transformers' ExecuTorch export sizes its StaticCache so, and PEFT's prefix tuning its prefix: "
+                f"with V1, export with a dynamic cache, and use LoRA or prompt tuning)"
             )
 
     def decode_applies(self, implementation, pairs, key, value, attention_mask, kwargs) -> bool:
@@ -414,11 +423,8 @@ class DiffAttentionV1(_DiffAttentionBase):
         if heads is not None:  # (B, L, h, 2d), combined
             return self.output(heads), None
         if cache is not None:
-            try:
-                key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
-            except RuntimeError as error:
-                self.check_cache_width(cache)
-                raise
+            self.check_cache_width(cache)
+            key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
         if self.subln_is_plain() and self.flash_diff_applies(
             implementation, query_states, key_states, value_states, attention_mask, kwargs
         ):  # both maps and the combine in one kernel, o_proj in its autograd node: (B, L, hidden)

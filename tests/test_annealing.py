@@ -183,3 +183,22 @@ def test_an_optimizer_stepped_inside_another_s_step_counts_once():
         model.train()(input_ids=torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.backward()
         optimizer.step()
     assert anneal_state(model)["anneal_step"] == 7
+
+
+def test_a_step_of_another_model_inside_an_optimizer_step_counts_for_that_model():
+    """Only an enclosing step over the same parameters counts in place of the inner one: model B's optimizer stepped
+    in model A's step post-hook, or three times in A's closure, advances B's t each time."""
+    a, b = dex_model(anneal_steps=10), dex_model(anneal_steps=10)
+    step_a, step_b = torch.optim.SGD(a.parameters(), lr=1e-3), torch.optim.SGD(b.parameters(), lr=1e-3)
+    ids = torch.tensor([[1, 2, 3]])
+
+    def closure():
+        for _ in range(3):
+            b.train()(input_ids=ids, labels=ids).loss.backward()
+            step_b.step()
+        return a.train()(input_ids=ids, labels=ids).loss
+
+    step_a.step(closure)
+    step_a.register_step_post_hook(lambda *_: step_b.step())
+    step_a.step(closure)
+    assert (anneal_state(a)["anneal_step"], anneal_state(b)["anneal_step"]) == (2, 7)

@@ -238,6 +238,30 @@ def test_continuous_batching_refuses_v1_whose_cache_is_twice_as_wide():
         model.generate(torch.tensor([[5, 6, 7]]), generation_config=config, cache_implementation="paged")
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_executorch_export_with_a_static_cache_gives_the_eager_logits_or_says_why_not(mode):
+    """transformers' ExecuTorch recipe (strict torch.export, a StaticCache it sizes from config.head_dim): V2 and DEX
+    export and decode token by token to the eager logits; V1, whose cache is 2 x head_dim wide, failed in a fake
+    tensor's index_copy_ that never named it, and now fails with the reason."""
+    from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
+
+    model = tiny_model(mode)
+    model.generation_config.cache_implementation = "static"
+    model.generation_config.cache_config = {"batch_size": 1, "max_cache_len": 16}
+    export = lambda: TorchExportableModuleForDecoderOnlyLM(model).export(  # noqa: E731
+        input_ids=torch.tensor([[1]]), cache_position=torch.tensor([0]))
+    if mode == "v1":
+        with pytest.raises(Exception, match=r"(?s)V1 caches keys and values 2 x head_dim .* ExecuTorch export"):
+            export()
+        return
+    exported, ids = export().module(), [5, 6, 7, 8]
+    for position, token in enumerate(ids):
+        logits = exported(input_ids=torch.tensor([[token]]), cache_position=torch.tensor([position]))
+    with torch.no_grad():
+        expected = model(torch.tensor([ids])).logits[:, -1]
+    torch.testing.assert_close(logits[:, -1], expected, rtol=1e-4, atol=1e-5)
+
+
 # ----------------------------------------------------------------------------------------------- training
 @pytest.mark.parametrize("mode", MODES)
 def test_loss_is_shifted_cross_entropy_and_logits_to_keep(mode):
