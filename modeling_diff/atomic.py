@@ -173,8 +173,11 @@ def check_destination(dst: str | os.PathLike, overwrite: bool | str = False, pro
     for path in protect:
         if dst == path or path in dst.parents or dst in path.parents:
             raise ValueError(f"{name} {str(dst)!r} must not be, contain or lie inside the source {str(path)!r}")
-    cwd = Path.cwd().resolve()
-    if dst == cwd or dst in cwd.parents:
+    try:
+        cwd = Path.cwd().resolve()
+    except FileNotFoundError:  # the working directory was deleted: it is nowhere dst could be
+        cwd = None
+    if cwd is not None and (dst == cwd or dst in cwd.parents):
         raise ValueError(f"{name} {str(dst)!r} is (or contains) the current working directory: the output "
                          f"replaces it by a rename, which would leave this shell in a deleted directory; "
                          f"run from another directory")

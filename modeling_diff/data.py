@@ -75,14 +75,14 @@ def load_smollm2(cache_dir: str | Path | None = None):
     nothing, and for a copy that cannot be loaded whole (delete it; the next call makes it again)."""
     cache_dir, what = _cache_location(cache_dir)
     target = cache_dir / SMOLLM2_COPY
-    try:  # before any work: a file or a link to nothing where the copy or its folders go (mkdir's raw
-        # FileExistsError, or a copy written where the link leads, only after the conversion)
-        check_destination(target, overwrite=True, name=f"{what} {str(cache_dir)!r}: the SmolLM2 copy")
-    except ValueError as error:
-        raise ValueError(f"{error}; or set MODELING_DIFF_CACHE to another folder") from None
     # A copy is renamed into place whole (atomic_directory), so one with its config.json is complete and is read
     # without the lock: the lock, and a writable cache, are only needed to make one.
     if not (target / "config.json").is_file():
+        try:  # before any work: a file or a link to nothing where the copy or its folders go (mkdir's raw
+            # FileExistsError, or a copy written where the link leads, only after the conversion)
+            check_destination(target, overwrite=True, name=f"{what} {str(cache_dir)!r}: the SmolLM2 copy")
+        except ValueError as error:
+            raise ValueError(f"{error}; or set MODELING_DIFF_CACHE to another folder") from None
         try:
             cache_dir.mkdir(parents=True, exist_ok=True)
         except OSError as error:

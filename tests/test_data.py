@@ -140,6 +140,24 @@ def test_load_smollm2_reads_a_complete_copy_from_a_read_only_cache(tmp_path, mon
         data.load_smollm2(tmp_path / "empty")
 
 
+@pytest.mark.parametrize("working_directory", ["inside the copy", "deleted"])
+def test_load_smollm2_reads_a_complete_copy_wherever_the_working_directory_is(tmp_path, monkeypatch, no_conversion,
+                                                                               working_directory):
+    """Reading a copy writes nothing: a working directory inside it was refused with the writers' rule ("is (or
+    contains) the current working directory ... replaces it by a rename"), a deleted one was a FileNotFoundError."""
+    cache = tmp_path / "cache"
+    _fake_copy(cache / data.SMOLLM2_COPY)
+    if working_directory == "deleted":
+        gone = tmp_path / "gone"
+        gone.mkdir()
+        monkeypatch.chdir(gone)
+        gone.rmdir()
+    else:
+        monkeypatch.chdir(cache / data.SMOLLM2_COPY)
+    model, _ = data.load_smollm2(cache)
+    assert type(model) is LlamaForCausalLM and model.config.hidden_size == 16
+
+
 def test_load_smollm2_takes_an_empty_modeling_diff_cache_as_unset(tmp_path, monkeypatch, no_conversion):
     """MODELING_DIFF_CACHE="" put the cache (and its lock file) in the working directory."""
     home, work = tmp_path / "home", tmp_path / "work"
