@@ -6,8 +6,6 @@ models with `AutoModel`, `AutoModelForCausalLM`, `AutoModelForSequenceClassifica
 transformers' built-in "diffllama" classes are untouched.
 """
 
-import importlib.util
-
 from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForQuestionAnswering,
                           AutoModelForSequenceClassification, AutoModelForTokenClassification)
 
@@ -23,8 +21,10 @@ from .modeling_diff_llama import (
 )
 from .liger import apply_liger_kernel_to_diff_llama  # registers "diff_llama" with Liger's dispatch when installed
 
-if importlib.util.find_spec("peft") is not None:
-    from . import lora  # noqa: F401  (gives "diff_llama" PEFT's default target modules of Llama)
+try:  # gives "diff_llama" PEFT's default target modules of Llama, where PEFT is installed
+    from . import lora  # noqa: F401
+except ImportError:  # no PEFT, or one that does not import with this transformers: the rest works without it
+    pass
 
 __version__ = "0.1.0"
 

@@ -71,3 +71,18 @@ def test_the_wheel_declares_the_extras_and_ships_the_calibration_text(tmp_path):
         assert f'Requires-Dist: {requirement}; extra == "{extra}"' in metadata
     shipped = (files("modeling_diff.conversion") / "calibration.txt").read_text(encoding="utf-8")
     assert archive.read("modeling_diff/conversion/calibration.txt").decode() == shipped
+
+
+@pytest.mark.parametrize("peft", ["missing", "broken"])
+def test_the_package_imports_without_a_working_peft(tmp_path, peft):
+    """`import modeling_diff` registers PEFT's default targets for "diff_llama" where PEFT imports; a PEFT that does
+    not (absent, or a release that fails with this transformers) must not break the package for users of the rest."""
+    fake = tmp_path / "peft"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ImportError('this peft does not import')\n" if peft == "broken" else
+                                      "raise ModuleNotFoundError(\"No module named 'peft'\", name='peft')\n")
+    code = ("import modeling_diff; from modeling_diff import DiffLlamaForCausalLM, preset_config; "
+            "DiffLlamaForCausalLM(preset_config('tiny-v2')); print('imported')")
+    out = subprocess.run([sys.executable, "-c", code], env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "imported", out.stderr[-2000:]
