@@ -6,14 +6,18 @@ without blocking and checked again through its descriptor, in case it was replac
 
 import codecs
 import os
+import re
 import stat
 from pathlib import Path
+
+_NOT_UTF8 = re.compile("[\udc80-\udcff]")  # what surrogateescape decodes the bytes that are not UTF-8 to
 
 
 def read_text_file(path: Path, name: str, *, max_bytes: int | None = None, max_chars: int | None = None) -> str:
     """The UTF-8 text of the file `path` that option `name` gave: its first `max_chars` characters if given (a file
-    of gigabytes is not read whole), else all of it, refused above `max_bytes` if given. Anything else is a
-    ValueError naming the option, the path and the rule."""
+    of gigabytes is not read whole), else all of it, refused above `max_bytes` if given; newlines as Python's text
+    mode reads them (CR LF and a lone CR are LF). Anything else is a ValueError naming the option, the path and the
+    rule."""
     where = f"{name} {str(path)!r}"
     rule = f"{where} must be a regular file " + (
         f"of at most {max_bytes} bytes of text (it is read whole)" if max_bytes is not None else "of text")
@@ -34,18 +38,22 @@ def read_text_file(path: Path, name: str, *, max_bytes: int | None = None, max_c
             check(os.fstat(file.fileno()))
             # a UTF-8 character takes at most 4 bytes; one byte past max_bytes tells a file that grew
             data = file.read(4 * max_chars if max_chars is not None else max_bytes + 1 if max_bytes is not None else -1)
-        if max_bytes is not None and len(data) > max_bytes:
-            raise ValueError(f"{rule}, got more than that (it grew while it was read)")
-        if max_chars is not None:  # a character cut where the opening ends is left out; one cut by the file's end
-            at_end = len(data) < 4 * max_chars  # is not UTF-8
-            return codecs.getincrementaldecoder("utf-8")().decode(data, final=at_end)[:max_chars]
-        return data.decode("utf-8")
-    except UnicodeDecodeError as error:
-        raise ValueError(f"{where} is not UTF-8 text: {error}") from error
     except FileNotFoundError as error:
         raise ValueError(f"{where} is not a file: it does not exist") from error
     except OSError as error:  # permissions, a loop of links, a disk error (EIO)
         raise ValueError(f"{where} cannot be read: {error.strerror or error}") from error
+    if max_bytes is not None and len(data) > max_bytes:
+        raise ValueError(f"{rule}, got more than that (it grew while it was read)")
+    # Bytes that are not UTF-8 decode to lone surrogates, which UTF-8 text never holds: only those of the text
+    # returned count (the bytes read past the opening may end inside a character, or hold anything).
+    at_end = max_chars is None or len(data) < 4 * max_chars
+    text = codecs.getincrementaldecoder("utf-8")("surrogateescape").decode(data, final=at_end)
+    text = text.replace("\r\n", "\n").replace("\r", "\n")[:max_chars]  # newlines as Python's text mode reads them
+    bad = _NOT_UTF8.search(text)
+    if bad is not None:
+        raise ValueError(f"{where} is not UTF-8 text: character {bad.start()} is the byte "
+                         f"{ord(bad.group()) - 0xDC00:#04x}")
+    return text
 
 
 def _file_kind(mode: int) -> str:

@@ -45,3 +45,13 @@ def test_what_is_not_a_regular_file_of_utf8_text_is_refused_naming_the_option(tm
     with pytest.raises(ValueError) as error:
         read_text_file(path, "--text-file", **({"max_chars": 512} if kind == "latin-1" else {}))
     assert str(error.value).startswith(f"--text-file {str(path)!r} ") and got in str(error.value), error.value
+
+
+def test_only_the_opening_must_be_utf8_and_newlines_read_as_text_mode_reads_them(tmp_path):
+    """A byte that is not UTF-8 past the opening (in the bytes read beyond it) refused a calibration file that the
+    text-mode reader took; and CR LF came back as it is, where text mode (the readers before) gave LF."""
+    path = tmp_path / "text.txt"
+    path.write_bytes(b"a\r\nb\rc" + b"x" * 100 + b"\xe9" + b"y" * 100)
+    assert read_text_file(path, "--x", max_chars=50) == "a\nb\nc" + "x" * 45
+    with pytest.raises(ValueError, match=r"--x .* is not UTF-8 text: character 105 is the byte 0xe9"):
+        read_text_file(path, "--x")
