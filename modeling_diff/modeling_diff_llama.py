@@ -544,7 +544,9 @@ class _DiffLlamaHead(DiffLlamaPreTrainedModel):
     and built that model instead."""
 
     def __init__(self, config: DiffLlamaConfig):
-        if config.model_type == DiffLlamaConfig.model_type:  # never transformers' own DiffLlama config
+        # Ours or the folder's copy of it (its class name is ours, its model_type is not transformers' DiffLlama's);
+        # a subclass is left to AutoModel, as for Llama's heads
+        if type(config).__name__ == DiffLlamaConfig.__name__ and config.model_type == DiffLlamaConfig.model_type:
             AutoModel.register(type(config), DiffLlamaModel, exist_ok=True)
         super().__init__(config)
 
