@@ -109,11 +109,13 @@ def _main(argv: list[str] | None) -> int:
         except (ValueError, OSError, SafetensorError) as error:  # a refused input (a source without weights or
             parser.error(" ".join(str(error).split()))  # with a corrupt shard included), the disk; one line, exit 2
         return 0
-    try:  # the opening only: what the first 512 tokens can take
-        calibration = (read_text_file(args.calibration_file, "--calibration-file",
-                                      max_chars=512 * CHARS_PER_TOKEN_AT_MOST) if args.calibration_file is not None else None)
-    except ValueError as error:
-        parser.error(str(error))
+    calibration = None
+    if args.calibration_file is not None:
+        try:  # the opening only: what the first 512 tokens can take
+            calibration = read_text_file(args.calibration_file, "--calibration-file",
+                                         max_chars=512 * CHARS_PER_TOKEN_AT_MOST)
+        except ValueError as error:
+            parser.error(str(error))
     try:
         dst = convert_checkpoint(
             args.src, args.dst, method=args.method, heads=args.heads, head_fraction=args.head_fraction,
