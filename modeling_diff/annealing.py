@@ -5,8 +5,8 @@ resumes exactly; T is `config.anneal_steps`. t is the number of optimizer steps 
 after every optimizer step that updates the model, t grows by one (an optimizer step hook, `diff_attention.py`),
 whatever runs the loop -- Trainer, TRL, accelerate or a custom loop. Nothing to add:
 
-- with `Trainer`, `callbacks=[AnnealingCallback()]` also pins t to `state.global_step` (after a resume too) and
-  logs the schedule;
+- with `Trainer`, `callbacks=[AnnealingCallback()]` also pins t to the model's t when training began plus
+  `state.global_step` (after a resume too) and logs the schedule;
 - `set_anneal_step(model, step)` sets t by hand (e.g. to evaluate the schedule at a given step).
 
 `anneal_state(model)` reads the schedule back (for logging).
@@ -39,17 +39,24 @@ def anneal_state(model: nn.Module) -> dict[str, float]:
 
 
 class AnnealingCallback(TrainerCallback):
-    """Keeps every attention's `anneal_step` equal to `state.global_step` and logs the schedule.
+    """Keeps every attention's `anneal_step` equal to the model's t when the run began plus the run's optimizer steps
+    (`state.global_step`), and logs the schedule.
 
-    Set at the start of training (so a resumed run continues from its step) and after each optimizer step
-    (before the Trainer saves a checkpoint, so a checkpoint holds the step it was saved at).
+    The start is read at the beginning of training: a resumed run has its checkpoint's t and global step (so it
+    continues from its step), a new run on an adapted model (a second `train()`, a new Trainer, a saved model
+    trained on) the model's t and step 0 -- pinning t to the global step alone set it back to 0 there, and annealed
+    the differential term in again from nothing. t is then set after each optimizer step (before the Trainer saves a
+    checkpoint, so a checkpoint holds the step it was saved at).
     """
 
+    def __init__(self):
+        self.start = 0
+
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        set_anneal_step(model, state.global_step)
+        self.start = max(0, int(anneal_state(model).get("anneal_step", 0)) - state.global_step)
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
-        set_anneal_step(model, state.global_step)
+        set_anneal_step(model, self.start + state.global_step)
 
     def on_log(self, args, state, control, model=None, logs=None, **kwargs):
         # Trainer appends a copy of `logs` to the history before callbacks run: extend both.

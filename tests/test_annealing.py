@@ -202,3 +202,14 @@ def test_a_step_of_another_model_inside_an_optimizer_step_counts_for_that_model(
     step_a.register_step_post_hook(lambda *_: step_b.step())
     step_a.step(closure)
     assert (anneal_state(a)["anneal_step"], anneal_state(b)["anneal_step"]) == (2, 7)
+
+
+def test_the_callback_continues_from_the_model_s_t_in_a_new_run(tmp_path):
+    """A new run (a second train(), a new Trainer, an adapted model saved and trained on) starts at global step 0:
+    the callback set t back to 0 there, and the differential term annealed in again from nothing."""
+    model = dex_model(anneal_steps=3)
+    set_anneal_step(model, 4)  # adapted: past T
+    probe = StepProbe()
+    train(model, tmp_path / "again", callbacks=[AnnealingCallback(), probe])
+    assert probe.steps == [4, 5, 6, 7]  # t at each step's forward
+    assert anneal_state(model)["anneal_step"] == 8
