@@ -61,8 +61,14 @@ def diff_config_from_source(
             f"sliding_window must be None to convert a Mistral model (DiffLlama has no sliding-window attention), "
             f"got {source_config.sliding_window}"
         )
-    if model_type == "qwen2" and source_config.use_sliding_window:
-        raise ValueError("use_sliding_window must be False to convert a Qwen2 model (DiffLlama has no sliding window)")
+    # Qwen2's sliding window applies to the layers from max_window_layers on (transformers' layer_types): with
+    # use_sliding_window and max_window_layers >= num_hidden_layers no layer slides.
+    if model_type == "qwen2" and "sliding_attention" in (getattr(source_config, "layer_types", None) or (
+            ["sliding_attention"] if source_config.use_sliding_window else [])):
+        raise ValueError(f"a Qwen2 model converts only without sliding-window layers (DiffLlama has no sliding window): "
+                         f"use_sliding_window must be False, or max_window_layers >= num_hidden_layers "
+                         f"({source_config.num_hidden_layers}), got max_window_layers "
+                         f"{getattr(source_config, 'max_window_layers', None)}")
     fields = {name: getattr(source_config, name) for name in _SHARED_FIELDS}
     head_dim = getattr(source_config, "head_dim", None)
     head_dim = head_dim or source_config.hidden_size // source_config.num_attention_heads

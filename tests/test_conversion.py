@@ -211,11 +211,21 @@ def test_bad_arguments_raise_value_errors(kwargs, message):
 def test_unsupported_sources_raise_value_errors():
     with pytest.raises(ValueError, match="sliding_window must be None"):
         convert_model(tiny_llama("mistral", sliding_window=16), heads="all", progress=False)
-    with pytest.raises(ValueError, match="use_sliding_window must be False"):
-        convert_model(tiny_llama("qwen2", use_sliding_window=True), heads="all", progress=False)
+    with pytest.raises(ValueError, match=r"use_sliding_window must be False, or max_window_layers >= "
+                                         r"num_hidden_layers \(3\), got max_window_layers 1"):
+        convert_model(tiny_llama("qwen2", use_sliding_window=True, max_window_layers=1), heads="all", progress=False)
     with pytest.raises(ValueError, match="model_type must be one of"):
         convert_model(DiffLlamaForCausalLM(convert_model(tiny_llama(), heads="all", progress=False).config),
                       heads="all", progress=False)
+
+
+def test_a_qwen2_whose_sliding_window_reaches_no_layer_converts_exactly():
+    """use_sliding_window with max_window_layers >= num_hidden_layers: transformers slides no layer, and the
+    conversion was refused all the same."""
+    source, ids = tiny_llama("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=3), token_ids()
+    converted = convert_model(source, heads="all", progress=False)
+    with torch.no_grad():
+        assert (converted(ids).logits - source(ids).logits).abs().max() <= 1e-4
 
 
 def test_readme_dex_section_runs(tmp_path, monkeypatch):
