@@ -216,14 +216,19 @@ def test_continuous_batching_generates_each_prompt_s_greedy_tokens(mode):
     switches to it): its paged cache takes the attention's kwargs in `cache.update`; without them its worker logged
     an error and every request came back with no tokens."""
     from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     model = tiny_model(mode, attn_implementation="sdpa")
     prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
     config = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
     expected = [model.generate(torch.tensor([p]), generation_config=config)[0, len(p):].tolist() for p in prompts]
-    results = model.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
+    # a small paged cache: transformers 5.17 sizes it by default from the machine's memory (21 GB here, killed)
+    small = ContinuousBatchingConfig(block_size=16, num_blocks=8, max_batch_tokens=32)
+    results = model.generate_batch(inputs=prompts, generation_config=config, continuous_batching_config=small,
+                                   progress_bar=False)
     assert sorted(r.generated_tokens for r in results.values()) == sorted(expected)
-    paged = model.generate(torch.tensor([prompts[0]]), generation_config=config, cache_implementation="paged")
+    paged = model.generate(torch.tensor([prompts[0]]), generation_config=config, cache_implementation="paged",
+                           continuous_batching_config=small)
     assert torch.as_tensor(paged).flatten().tolist()[-4:] == expected[0]
 
 
