@@ -3,6 +3,8 @@ tiny configs matching the tokenizer, README snippets. Real text: `modeling_diff.
 
 import os
 import re
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -72,6 +74,21 @@ def offline_env(tmp_path: Path, **extra) -> dict:
 
 
 PYTHON = sys.executable
+
+
+def run_launcher(args: list, timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """`subprocess.run(args, capture_output=True, text=True, timeout=timeout, **kwargs)` for a launcher of worker
+    processes (torchrun): in a session of its own, killed whole when the time is out. subprocess.run kills only the
+    launcher, and its workers, left waiting on each other in gloo, outlived the test run."""
+    with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                          **kwargs) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+            raise
+    return subprocess.CompletedProcess(args, process.returncode, stdout, stderr)
 
 
 def write_gguf_header(path: Path, block_count: int, layers: range) -> Path:

@@ -13,7 +13,7 @@ import torch
 from accelerate import infer_auto_device_map
 from accelerate.commands.config.config_args import load_config_from_file
 from conftest import tiny_model
-from ecosystem_helpers import PYTHON, REPO, byte_tokenizer, offline_env, tiny_config
+from ecosystem_helpers import PYTHON, REPO, byte_tokenizer, offline_env, run_launcher, tiny_config
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -21,11 +21,10 @@ from modeling_diff import DiffLlamaForCausalLM, preset_config, set_anneal_step
 
 
 def test_data_parallel_training_two_processes_end_identical(tmp_path):
-    out = subprocess.run(
+    out = run_launcher(
         [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          str(REPO / "tests" / "ddp_worker.py"), str(tmp_path), "v2"],
-        cwd=tmp_path, env=offline_env(tmp_path, PYTHONPATH=str(REPO / "tests")), capture_output=True, text=True,
-        timeout=180,
+        cwd=tmp_path, env=offline_env(tmp_path, PYTHONPATH=str(REPO / "tests")), timeout=180,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -79,10 +78,10 @@ def scale_out(tmp_path_factory):
     torch.manual_seed(5)
     batch = torch.randint(3, 96, (4, 12))  # (global batch, length): every rank of a data-parallel engine gets 2
     torch.save(batch, root / "batch.pt")
-    out = subprocess.run(
+    out = run_launcher(
         [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          str(REPO / "tests" / "scale_out_worker.py"), str(root)],
-        cwd=root, env=offline_env(root), capture_output=True, text=True, timeout=400,
+        cwd=root, env=offline_env(root), timeout=400,
     )
     assert out.returncode == 0, out.stderr[-4000:]
     return root, batch, {name: json.loads((root / f"{name}-rank0.json").read_text()) for name in VARIANTS}
@@ -219,10 +218,10 @@ def test_shipped_training_script_trains_and_saves_a_loadable_model(tmp_path, lau
     """`examples/train.py` as the README launches it: one process, and DDP on 2 processes (gloo)."""
     prefix = [PYTHON] if launcher == "python" else [
         PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    out = subprocess.run(
+    out = run_launcher(
         [*prefix, str(REPO / "examples" / "train.py"), "--model", "tiny-dex", "--output-dir", str(tmp_path / "out"),
          "--max-steps", "3", "--seq-len", "32", "--batch-size", "2"],
-        cwd=tmp_path, env=offline_env(tmp_path), capture_output=True, text=True, timeout=300,
+        cwd=tmp_path, env=offline_env(tmp_path), timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     engine = "DiffLlamaForCausalLM, 1 process" if launcher == "python" else "DistributedDataParallel, 2 process"
