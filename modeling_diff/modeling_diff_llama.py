@@ -15,6 +15,7 @@ import threading
 from contextlib import contextmanager
 
 import torch
+import transformers
 from torch import nn
 from transformers import AutoModel, conversion_mapping
 from transformers import initialization as init
@@ -529,10 +530,16 @@ class DiffLlamaForCausalLM(DiffLlamaPreTrainedModel, GenerationMixin):
         """transformers' continuous batching (`generate_batch`, `generate(cache_implementation="paged")`, both of
         which start here). V1 is refused: its cache holds keys and values 2 x head_dim wide, and the paged cache sizes
         its blocks by head_dim (continuous batching's worker logged an error and returned no tokens)."""
+        from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
         if self.config.diff_mode == "v1":
             raise ValueError("continuous batching (generate_batch, cache_implementation='paged') does not take "
                              "diff_mode='v1': its cache holds keys and values of 2 x head_dim, and transformers' "
                              "paged cache sizes them by head_dim; use generate(), or a V2 or DEX model")
+        if "kwargs" not in inspect.signature(PagedAttentionCache.update).parameters:
+            # 5.17 and 5.18 hand the paged cache to the attention function as `cache`, the name of our layers' own
+            raise ValueError(f"continuous batching of a DiffLlama needs transformers >= 5.19 (a paged cache updated "
+                             f"through the layers' cache.update), got {transformers.__version__}; use generate()")
         return super().init_continuous_batching(*args, **kwargs)
 
 

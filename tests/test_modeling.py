@@ -1,6 +1,8 @@
 """DiffLlamaForCausalLM as a transformers model: parameter counts against transformers' Llama, backends,
 generation with every cache, loss, dtypes, gradient checkpointing, save/load and the Auto classes."""
 
+import inspect
+
 import pytest
 import torch
 from conftest import MODES, tiny_config, tiny_model
@@ -217,6 +219,7 @@ def test_continuous_batching_generates_each_prompt_s_greedy_tokens(mode):
     an error and every request came back with no tokens."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
 
     model = tiny_model(mode, attn_implementation="sdpa")
     prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
@@ -224,12 +227,29 @@ def test_continuous_batching_generates_each_prompt_s_greedy_tokens(mode):
     expected = [model.generate(torch.tensor([p]), generation_config=config)[0, len(p):].tolist() for p in prompts]
     # a small paged cache: transformers 5.17 sizes it by default from the machine's memory (21 GB here, killed)
     small = ContinuousBatchingConfig(block_size=16, num_blocks=8, max_batch_tokens=32)
+    if "kwargs" not in inspect.signature(PagedAttentionCache.update).parameters:  # transformers 5.17 and 5.18
+        with pytest.raises(ValueError, match="needs transformers >= 5.19"):
+            model.generate_batch(inputs=prompts, generation_config=config, continuous_batching_config=small)
+        return
     results = model.generate_batch(inputs=prompts, generation_config=config, continuous_batching_config=small,
                                    progress_bar=False)
     assert sorted(r.generated_tokens for r in results.values()) == sorted(expected)
     paged = model.generate(torch.tensor([prompts[0]]), generation_config=config, cache_implementation="paged",
                            continuous_batching_config=small)
     assert torch.as_tensor(paged).flatten().tolist()[-4:] == expected[0]
+
+
+def test_continuous_batching_refuses_a_transformers_whose_paged_cache_our_layers_cannot_update(monkeypatch):
+    """transformers 5.17 and 5.18 pass the paged cache to the attention function as `cache`, which the layers take as
+    their own cache and update with the layers' call: every request failed (logged only) and came back empty."""
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
+    def update(self, key_states, value_states, layer_idx, read_index, write_index):  # 5.17's signature
+        raise AssertionError("not reached")
+
+    monkeypatch.setattr(PagedAttentionCache, "update", update)
+    with pytest.raises(ValueError, match=r"continuous batching of a DiffLlama needs transformers >= 5\.19"):
+        tiny_model("v2").generate_batch(inputs=[[5, 6, 7]], progress_bar=False)
 
 
 def test_continuous_batching_refuses_v1_whose_cache_is_twice_as_wide():
