@@ -276,8 +276,9 @@ MAX_HAYSTACK_BYTES = MAX_WHOLE_READ_BYTES
 
 
 def _keep_results(staging: Path, out: Path) -> Path:
-    """Where the results stay when they cannot be moved into --out: `staging` renamed to `<out name>.needle-XXXX`
-    beside it (visible: no leading dot), or `staging` itself if even that rename fails. Returns the folder."""
+    """Where the results stay when they cannot be moved into --out: `staging` (named `.needle-` and random
+    characters by mkdtemp) renamed to that name after --out's, beside it (`results.needle-k3f9x2` for `results`:
+    visible, no leading dot), or `staging` itself if even that rename fails. Returns the folder."""
     kept = staging.with_name(out.name + staging.name)
     try:
         staging.rename(kept)
