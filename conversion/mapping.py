@@ -49,6 +49,13 @@ def check_method(method: str, anneal_steps: int, noise_init: str = "copy") -> No
         raise ValueError("anneal_steps must be >= 1 for method='v2': the noise term is annealed in from 0")
 
 
+def _qwen2_slides(config: PreTrainedConfig) -> bool:
+    """Whether any layer of a Qwen2 config uses its sliding window: those from max_window_layers on, if
+    use_sliding_window (transformers' `layer_types` says so per layer)."""
+    layer_types = getattr(config, "layer_types", None)
+    return "sliding_attention" in layer_types if layer_types is not None else bool(config.use_sliding_window)
+
+
 def diff_config_from_source(
     source_config: PreTrainedConfig, method: str = "dex", dex_heads: list | None = None, anneal_steps: int = 0,
 ) -> DiffLlamaConfig:
@@ -61,10 +68,7 @@ def diff_config_from_source(
             f"sliding_window must be None to convert a Mistral model (DiffLlama has no sliding-window attention), "
             f"got {source_config.sliding_window}"
         )
-    # Qwen2's sliding window applies to the layers from max_window_layers on (transformers' layer_types): with
-    # use_sliding_window and max_window_layers >= num_hidden_layers no layer slides.
-    if model_type == "qwen2" and "sliding_attention" in (getattr(source_config, "layer_types", None) or (
-            ["sliding_attention"] if source_config.use_sliding_window else [])):
+    if model_type == "qwen2" and _qwen2_slides(source_config):
         raise ValueError(f"a Qwen2 model converts only without sliding-window layers (DiffLlama has no sliding window): "
                          f"use_sliding_window must be False, or max_window_layers >= num_hidden_layers "
                          f"({source_config.num_hidden_layers}), got max_window_layers "
