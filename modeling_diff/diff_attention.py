@@ -414,6 +414,8 @@ class DiffAttentionV1(_DiffAttentionBase):
     ):
         input_shape = hidden_states.shape[:-1]  # (B, L)
         implementation = self.implementation(hidden_states)
+        if cache is not None:  # before the projections and the decode kernel, which may write the cache
+            self.check_cache_width(cache)
         query_states, key_states, value_states, _ = self.project(
             implementation, hidden_states, position_embeddings, cache
         )
@@ -423,7 +425,6 @@ class DiffAttentionV1(_DiffAttentionBase):
         if heads is not None:  # (B, L, h, 2d), combined
             return self.output(heads), None
         if cache is not None:
-            self.check_cache_width(cache)
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
         if self.subln_is_plain() and self.flash_diff_applies(
             implementation, query_states, key_states, value_states, attention_mask, kwargs

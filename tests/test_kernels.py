@@ -1962,6 +1962,22 @@ def decode(model, cache_class, ids, mask, steps):
     return torch.stack(logits, 1)
 
 
+def test_v1_refuses_a_static_cache_of_head_dim_wide_keys_on_the_kernel_path():
+    """V1 caches K1|K2, 2 x head_dim wide. A StaticCache whose layers were made head_dim wide (as transformers'
+    ExecuTorch export makes them) gets the reason before the projections' launch or the decode kernel touches it,
+    as on the eager path (tests/test_modeling.py), not a shape error from inside the write."""
+    _, model = model_pair("v1", FAST)
+    config, ids = model.config, torch.randint(3, model.config.vocab_size, (1, 4), device=DEVICE)
+    cache = StaticCache(config=config, max_cache_len=16)
+    narrow = torch.zeros(1, config.num_key_value_heads, 1, config.head_dim, device=DEVICE, dtype=DTYPE)
+    for layer in cache.layers:
+        layer.lazy_initialization(narrow, narrow)
+    assert cache.layers[0].keys.shape[-1] == config.head_dim
+    with torch.no_grad(), pytest.raises(ValueError, match=r"cache holds keys \d+ wide: V1 caches keys and values 2 x"):
+        model(ids[:, :1], past_key_values=cache, use_cache=True)
+    assert not cache.layers[0].keys.any()  # nothing written
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("cache_class", [DynamicCache, StaticCache])
 def test_decoding_steps_on_the_kernel_equal_eager(mode, cache_class, monkeypatch):

@@ -10,6 +10,7 @@ import copy
 import functools
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -206,6 +207,23 @@ def test_logits_to_keep_and_shift_labels():
     assert rel_err(got, want) < TOL
 
 
+def assert_labels_assert_on_the_device(path: str, bad_id: int) -> None:
+    """A child process runs the plain or the Liger model of `plain_and_liger` on labels holding `bad_id`: the
+    device-side assert must stop it (without the fused loss's check, Liger's kernel returned a loss of -1e13)."""
+    script = f"""
+import sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from test_liger import masked_batch, plain_and_liger
+plain, liger = plain_and_liger("v2")
+input_ids, labels = masked_batch(plain.config.vocab_size)
+labels[0, 3] = {bad_id}
+print({path}(input_ids=input_ids, labels=labels).loss.item())
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0 and "device-side assert triggered" in result.stderr, (path, result.stdout,
+                                                                                       result.stderr[-2000:])
+
+
 @pytest.mark.parametrize("attack", ["another batch", "longer", "logits_to_keep", "id = vocab_size", "id -5"])
 def test_labels_the_plain_path_refuses_are_refused_by_the_fused_loss(attack):
     """Liger's fused loss reads labels by flat row unchecked: labels of another batch crashed the process
@@ -224,6 +242,10 @@ def test_labels_the_plain_path_refuses_are_refused_by_the_fused_loss(attack):
     else:
         labels = labels.clone()
         labels[0, 3] = vocab if attack == "id = vocab_size" else -5
+        if GPU:  # both losses assert on the device, which loses the process's CUDA context: each runs in a child
+            for path in ("plain", "liger"):
+                assert_labels_assert_on_the_device(path, labels[0, 3].item())
+            return
     with pytest.raises((ValueError, IndexError, RuntimeError)):  # transformers' own loss refuses them
         plain(input_ids=input_ids, labels=labels, **extra)
     if attack.startswith("id"):
