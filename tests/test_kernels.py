@@ -1331,7 +1331,11 @@ def test_flash_diff_forward_is_exact_when_later_keys_outscore_earlier_ones_by_fa
     v = torch.randn(1, kv_heads, length, dv, device=DEVICE)
     q, k, v = (t.to(DTYPE).requires_grad_() for t in (q, k, v))
     visible = causally_visible(length, length, False)[None]
-    assert_flash_diff_equals_the_formula(mode, q, k, v, visible, scale=scale, grad_tol=0.1 if GPU else TOL)
+    # on the CPU (float32) the largest scores, 200 / log2(e) = 139, are rounded to a float32 ulp there (1.5e-5), an
+    # error every probability's exponent inherits: the gradients within 4 such ulps (numpy 2.4's sums in Triton's
+    # interpreter gave 1.04e-5 in V1's dQ)
+    score_ulp = torch.finfo(torch.float32).eps * 2 ** math.floor(math.log2(200 / math.log2(math.e)))
+    assert_flash_diff_equals_the_formula(mode, q, k, v, visible, scale=scale, grad_tol=0.1 if GPU else 4 * score_ulp)
 
 
 def test_kernels_loop_over_bounds_known_at_run_time_as_on_the_gpu():
