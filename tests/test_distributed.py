@@ -261,7 +261,7 @@ def test_training_script_refuses_bad_arguments(tmp_path):
         (["--model", str(checkpoint), "--output-dir", str(checkpoint), "--overwrite"], "must not be, contain or lie"),
         (["--model", "tiny-v1", "--output-dir", str(tmp_path / "notes"), "--overwrite"], "holds no config.json"),
         (["--model", "tiny-v1", "--output-dir", str(tmp_path / "out"), "--text-file", str(tmp_path / "fifo.txt")],
-         "must be a regular file of text, got a FIFO"),
+         f"must be a regular file of at most {256 * 2**20} bytes of text (it is read whole), got a FIFO"),
         (["--model", str(checkpoint), "--output-dir", str(tmp_path / "out"), "--seq-len", "100000"],
          "is longer than the model's max_position_embeddings"),
     ):
@@ -332,6 +332,19 @@ def test_training_script_refuses_a_text_file_that_is_not_utf8_before_training(tm
     (tmp_path / "latin1.txt").write_bytes("café au lait ".encode("latin-1") * 50)
     line = training_script_error(tmp_path, "--model", "tiny-v1", "--text-file", str(tmp_path / "latin1.txt"))
     assert f"--text-file {str(tmp_path / 'latin1.txt')!r} is not UTF-8 text" in line, line
+
+
+def test_training_script_refuses_a_text_file_too_large_to_tokenize_in_memory(tmp_path):
+    """A --text-file of any size was read whole and its token ids kept as a Python list: 16 MiB of text took 2.5
+    GiB in SmolLM2's tokenizer, so a corpus of gigabytes was killed for memory after the model was built. Above
+    256 MiB it is refused in one line, before it is read (a sparse file: its size, not its bytes, decides)."""
+    limit = 256 * 2**20  # README's rule
+    big = tmp_path / "big.txt"
+    with open(big, "wb") as file:
+        file.truncate(limit + 1)
+    line = training_script_error(tmp_path, "--model", "tiny-v1", "--text-file", str(big))
+    assert (f"--text-file {str(big)!r} must be a regular file of at most {limit} bytes of text (it is read whole), "
+            f"got {limit + 1} bytes") in line, line
 
 
 def test_training_script_refuses_a_plain_llama_checkpoint(tmp_path):
