@@ -12,11 +12,10 @@ import os
 from pathlib import Path
 
 from peft import LoraConfig, PeftModel, get_peft_model
-from peft.utils import constants as peft_constants
 from torch import nn
 
 from .atomic import atomic_directory
-from .configuration import DiffLlamaConfig
+from .peft_targets import register_peft_default_targets
 
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DIFFERENTIAL_MODULES = ("diff_lambda", "subln", "lambda_proj", "dex_proj", "dex_lambda")
@@ -72,17 +71,7 @@ def save_lora(peft_model: PeftModel, save_directory: str | os.PathLike, overwrit
     return Path(save_directory).resolve()
 
 
-def _register_peft_defaults() -> None:
-    """PEFT's default target modules of model type "diff_llama": Llama's, for every PEFT method that has them (our
-    projections carry Llama's names), so that a config without `target_modules` (`LoraConfig(task_type=...)`,
-    `IA3Config()`) adapts a DiffLlama as it would a Llama; PEFT raised "Please specify `target_modules`"."""
-    for name in dir(peft_constants):
-        mapping = getattr(peft_constants, name)
-        if name.startswith("TRANSFORMERS_MODELS_TO_") and isinstance(mapping, dict) and "llama" in mapping:
-            mapping.setdefault(DiffLlamaConfig.model_type, mapping["llama"])
-
-
-_register_peft_defaults()  # on import: `import modeling_diff` imports this module where PEFT is installed
+register_peft_default_targets()  # PEFT is imported: `import modeling_diff` imports this module where it is installed
 
 
 __all__ = ["DIFFERENTIAL_MODULES", "LORA_TARGET_MODULES", "check_adapter_name", "get_lora_model", "lora_config",

@@ -39,6 +39,7 @@ from .configuration import DiffLlamaConfig
 from . import tensor_parallel  # noqa: F401  (registers the plan's styles for the differential parameters)
 from .decode_graphs import decode_step
 from .generation import graphed_greedy_generate
+from .peft_targets import register_peft_default_targets
 from .diff_attention import ATTENTION_CLASSES, DexAttention, DexLambda, DifferentialLambda, DiffAttentionV1, DiffAttentionV2
 from .kernels import (
     add_rms_norm, add_rms_norm_applies, check_not_overrun, gated_projection, gated_projection_applies,
@@ -339,6 +340,10 @@ class DiffLlamaPreTrainedModel(PreTrainedModel):
             loaded = super().from_pretrained(*args, **kwargs)
         _check_anneal_steps(loaded[0] if isinstance(loaded, tuple) else loaded)  # (with output_loading_info)
         return loaded
+
+    def post_init(self):
+        super().post_init()
+        register_peft_default_targets()  # where PEFT is imported; a remote-code folder does not import modeling_diff
 
     def _init_weights(self, module):
         super()._init_weights(module)

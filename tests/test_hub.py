@@ -135,6 +135,41 @@ def test_remote_code_export_loads_without_the_package(tmp_path):
             torch.testing.assert_close(torch.tensor(result[folder][auto]["hidden"]), hidden[folder])
 
 
+# A fresh process (FRESH_PROCESS's isolation) that imports PEFT first, then builds the exported folder's model: PEFT's
+# configs without target_modules, as on a Llama built in the same process.
+PEFT_PROCESS = FRESH_PROCESS.split("result = ")[0] + r"""
+import peft
+from peft import IA3Config, LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+result = {"modeling_diff_importable": importlib.util.find_spec("modeling_diff") is not None}
+llama = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2)
+for name, make in (("lora", lambda: LoraConfig(task_type="CAUSAL_LM")), ("ia3", lambda: IA3Config(task_type="CAUSAL_LM"))):
+    expected = sorted(get_peft_model(LlamaForCausalLM(llama), make()).peft_config["default"].target_modules)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(sys.argv[2], trust_remote_code=True), make())
+    result[name] = {"expected": expected, "got": sorted(model.peft_config["default"].target_modules),
+                    "class": type(model.get_base_model()).__module__}
+result["modeling_diff_loaded"] = any(name.startswith("modeling_diff") for name in sys.modules)
+print("RESULT" + json.dumps(result))
+"""
+
+
+def test_peft_configs_without_target_modules_adapt_an_exported_folders_model_as_a_llama(tmp_path):
+    """An exported folder's model (remote code, no modeling_diff) had no PEFT default targets: `import
+    modeling_diff` registers them (modeling_diff.lora), which the remote code never runs, so `LoraConfig(
+    task_type="CAUSAL_LM")` raised "Please specify `target_modules`". A model built after PEFT is imported has them."""
+    folder = save_for_hub(trained_looking_model("v2"), tmp_path / "export")
+    assert (folder / "peft_targets.py").is_file()
+    out = subprocess.run([PYTHON, "-I", "-c", PEFT_PROCESS, str(REPO), str(folder)], cwd=tmp_path,
+                         env=offline_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.split("RESULT", 1)[1])
+    assert result.pop("modeling_diff_importable") is False and result.pop("modeling_diff_loaded") is False
+    for method in ("lora", "ia3"):
+        assert result[method]["class"].startswith("transformers_modules."), result[method]
+        assert result[method]["got"] == result[method]["expected"] != [], result[method]
+
+
 def test_export_loads_with_the_package_classes_when_imported(tmp_path):
     model = trained_looking_model("v2")
     folder = save_for_hub(model, tmp_path / "export")

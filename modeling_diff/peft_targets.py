@@ -1,0 +1,28 @@
+"""PEFT's default target modules for model type "diff_llama": Llama's, for every PEFT method that has them (the
+projections carry Llama's names), so that a config without `target_modules` (`LoraConfig(task_type=...)`,
+`IA3Config()`) adapts a DiffLlama as it would a Llama; PEFT raised "Please specify `target_modules`".
+
+Registered only where PEFT is already imported: importing it took 5.5 s, which neither the model's module nor an
+exported remote-code folder (modeling_diff/hub.py carries this module) should cost a user who does not use PEFT.
+`modeling_diff.lora` imports PEFT and registers; every model registers as it is built (`post_init`), so in a
+remote-code folder a model built after `import peft` has PEFT's defaults."""
+
+import sys
+
+from .configuration import DiffLlamaConfig
+
+
+def register_peft_default_targets() -> bool:
+    """Give "diff_llama" Llama's entry in each of PEFT's `TRANSFORMERS_MODELS_TO_*` maps, where PEFT is imported;
+    whether it is."""
+    constants = sys.modules.get("peft.utils.constants")
+    if constants is None:
+        return False
+    for name in dir(constants):
+        mapping = getattr(constants, name)
+        if name.startswith("TRANSFORMERS_MODELS_TO_") and isinstance(mapping, dict) and "llama" in mapping:
+            mapping.setdefault(DiffLlamaConfig.model_type, mapping["llama"])
+    return True
+
+
+__all__ = ["register_peft_default_targets"]
