@@ -42,9 +42,9 @@ from .generation import graphed_greedy_generate
 from .peft_targets import register_peft_default_targets
 from .diff_attention import ATTENTION_CLASSES, DexAttention, DexLambda, DifferentialLambda, DiffAttentionV1, DiffAttentionV2
 from .kernels import (
-    add_rms_norm, add_rms_norm_applies, check_not_overrun, gated_projection, gated_projection_applies,
-    keep_own_forward, resolve, rms_norm, rms_norm_kernel_applies, rope_cos_sin, rope_cos_sin_applies,
-    runs_own_forward, silu_mul, silu_mul_applies, split_linear, split_linear_applies, static_step_mask, swiglu_mlp,
+    add_rms_norm, add_rms_norm_applies, check_static_cache_fits, gated_projection, gated_projection_applies,
+    keep_own_forward, resolve, rms_norm, rms_norm_kernel_applies, rope_cos_sin, rope_cos_sin_applies, runs_own_forward,
+    silu_mul, silu_mul_applies, split_linear, split_linear_applies, static_step_mask, swiglu_mlp,
     swiglu_mlp_applies, uses_fast_kernels,
 )
 
@@ -520,16 +520,22 @@ class DiffLlamaForCausalLM(DiffLlamaPreTrainedModel, GenerationMixin):
         """transformers' `generate`. Plain greedy decoding with `cache_implementation="static"` on CUDA replays each
         step as one CUDA graph (`modeling_diff.generation`): the same tokens, without the per-token Python of the
         decoding loop; `disable_compile=True` or anything else (sampling, beams, processors, a streamer...) takes
-        transformers' loop. A StaticCache passed in that was too short is a ValueError at the end (the kernels'
-        cache writes cannot raise on the device: `kernels.cache_write.check_not_overrun`)."""
+        transformers' loop. A StaticCache passed in that is too short is a ValueError before the first token
+        (`_prepare_cache_for_generation`)."""
         output = graphed_greedy_generate(self, inputs, generation_config, kwargs)
         if output is not None:
             return output
-        output = super().generate(inputs, generation_config, **kwargs)
-        cache = _pick_cache(kwargs.get("cache"), kwargs.get("past_key_values"))
+        return super().generate(inputs, generation_config, **kwargs)
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
+                                      max_cache_length):
+        """transformers' step that sizes the cache it makes by `max_cache_length`; a StaticCache passed in that is
+        shorter is a ValueError here, before the first token (`check_static_cache_fits`)."""
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, batch_size,
+                                              max_cache_length)
+        cache = _pick_cache(model_kwargs.get("cache"), model_kwargs.get("past_key_values"))
         if isinstance(cache, Cache):
-            check_not_overrun(cache)
-        return output
+            check_static_cache_fits(cache, max_cache_length)
 
     def init_continuous_batching(self, *args, **kwargs):
         """transformers' continuous batching (`generate_batch`, `generate(cache_implementation="paged")`, both of

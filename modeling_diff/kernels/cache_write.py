@@ -14,7 +14,8 @@ It applies to a decoding step without gradients on the kernels' devices, to a ca
 own and not offloading, and to a layer that is exactly an initialized `StaticLayer` (not a sliding window, a
 quantized or a user's layer) holding keys and values of the step's dtype, batch, heads and widths. Positions at or
 beyond the cache's length are not written: the kernel does not raise on the device (a replayed graph could not);
-`generate()` sizes the cache for every step, and transformers' own update fails there.
+`generate()` sizes the cache it makes for every step, and refuses a StaticCache passed in that is shorter before
+the first token (`check_static_cache_fits`).
 
 In steps of at most 32 tokens the projections' launch stores the keys and values into the layer itself
 (`kernels/projection.rotated_projections`, where `projection_cache_layer` gives it the layer), and the decode
@@ -136,20 +137,17 @@ def written_layer(cache: Cache, layer_idx: int, key: torch.Tensor) -> StaticLaye
     return layer
 
 
-def check_not_overrun(cache: Cache) -> None:
-    """A ValueError when a step wrote past the end of a StaticCache layer: the kernels leave such positions unwritten
-    and advance the length beyond `max_cache_len` (they cannot raise on the device), so what followed was computed
-    without those keys, where transformers' own update raises an IndexError. Reads the lengths: one synchronisation,
-    for the end of a generation."""
-    for layer_idx in range(len(cache.layers)):
-        layer = plain_static_layer(cache, layer_idx)
-        if layer is not None and isinstance(layer.cumulative_length, torch.Tensor):
-            needed = int(layer.cumulative_length)
-            if needed > layer.max_cache_len:
-                raise ValueError(f"past_key_values: its StaticCache holds {layer.max_cache_len} positions, this "
-                                 f"generation needed {needed} (the prompt and the new tokens but the last); the "
-                                 f"tokens after position {layer.max_cache_len} were computed without their keys. Pass "
-                                 f"a StaticCache of max_cache_len >= {needed}, or fewer new tokens")
+def check_static_cache_fits(cache: Cache, needed: int) -> None:
+    """A ValueError before a generation whose `needed` positions (its max_length but the last token, as transformers
+    sizes the StaticCache it makes) a plain StaticCache layer of `cache` cannot hold. The kernels leave positions
+    beyond the layer unwritten (they cannot raise on the device), so the tokens after them were computed without
+    their keys; on CUDA transformers compiles the decoding step for a StaticCache, and there its own update's
+    index_copy_ failed as a device-side assert, which loses the process's CUDA context."""
+    for layer in cache.layers:
+        if type(layer) is StaticLayer and layer.max_cache_len < needed:
+            raise ValueError(f"past_key_values: its StaticCache holds {layer.max_cache_len} positions, this "
+                             f"generation needs up to {needed} (the prompt and max_new_tokens but the last). Pass a "
+                             f"StaticCache of max_cache_len >= {needed}, or fewer new tokens")
 
 
 def update_cache(cache: Cache, layer_idx: int, key: torch.Tensor, value: torch.Tensor, kwargs: dict):
