@@ -31,7 +31,10 @@ except ImportError:  # Windows: no lock; concurrent first calls of load_smollm2 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_COPY = "smollm2-135m-instruct"  # the folder of the safetensors copy, in the cache folder
 PIECE_CHARS = 2**20  # token_ids' pieces: a fast tokenizer held ~160 bytes per character of one call's text
-PIECE_START = re.compile(r"\n(?=\S)")  # a line end before a non-blank character: where token_ids cuts
+# Where token_ids may start a piece: at a non-blank character that follows a single line end (after a blank line
+# GPT-2's pattern splits "\n\n" before a word as "\n" + "\n", but as one "\n\n" at a piece's end), or at a space
+# that a non-blank character follows (a run of spaces splits as all but the last + " word" either way).
+PIECE_START = re.compile(r"(?<=\S\n)(?=\S)|(?= \S)")
 
 
 def package_dir(name: str) -> Path:
@@ -72,14 +75,14 @@ def token_ids(tokenizer, text: str, batch: int = 8) -> torch.Tensor:
     """1-D LongTensor of the token ids of `text` (no special tokens added), tokenized `batch` pieces a call with a
     progress bar where there is more than one piece. One call on the whole text held ~160 bytes per character (16
     MiB of Shakespeare: 2.5 GiB with SmolLM2's tokenizer), so a text is cut into pieces of about PIECE_CHARS
-    characters, each after a line end that a non-blank character follows: a tokenizer whose pre-tokenizer splits
-    there (byte-level BPE such as Llama 3's, GPT-2's and SmolLM2's: a line end before a non-blank character is a
-    token boundary) gives the ids of the whole text; one that marks the start of every text (SentencePiece's
-    dummy prefix) marks each piece's."""
+    characters, each starting at a non-blank character that begins a line after one that is not blank, or at a
+    space that one follows (a text of one line is cut too). A byte-level BPE (Llama 3's, GPT-2's, SmolLM2's) splits its text there anyway, so the
+    pieces give the ids of the whole text; a tokenizer that marks the start of every text (SentencePiece's dummy
+    prefix) marks each piece's."""
     cuts = [0]
     while cuts[-1] < len(text):
         found = PIECE_START.search(text, cuts[-1] + PIECE_CHARS) if cuts[-1] + PIECE_CHARS < len(text) else None
-        cuts.append(found.end() if found is not None else len(text))
+        cuts.append(found.start() if found is not None else len(text))
     pieces = [text[start:end] for start, end in zip(cuts, cuts[1:])]
     ids = []
     with tqdm(total=len(text), desc="tokenizing", unit="char", unit_scale=True, disable=len(pieces) < 2) as bar:

@@ -228,19 +228,31 @@ def test_load_smollm2_names_a_damaged_copy_and_says_to_delete_it(tmp_path, no_co
 
 
 def test_token_ids_in_pieces_are_the_whole_texts_ids_for_a_byte_level_bpe(monkeypatch):
-    """token_ids cuts a text into pieces (a fast tokenizer held ~160 bytes per character of one call) after line ends
-    that a non-blank character follows, where a byte-level pre-tokenizer splits anyway: the ids are those of one
-    call on the whole text, also across blank and indented lines, and a piece of one line longer than the size."""
+    """token_ids cuts a text into pieces (a fast tokenizer held ~160 bytes per character of one call) where a line
+    starts with a non-blank character after one that is not blank, or a space precedes one, where a byte-level
+    pre-tokenizer splits anyway (after a blank line, "\n\n" at a piece's end was one token, where it is two): the
+    ids are those of one call on the whole text, across blank and indented lines, runs of spaces, a line of 30 000
+    characters (cut at its spaces) and one of 3000 without a space (a piece of its own)."""
     from tokenizers import ByteLevelBPETokenizer
 
     lines = shakespeare("hamlet")[:20_000].splitlines()  # every other line indented, a blank line every fifth
     text = "\n".join(("  " if i % 2 else "") + line + ("\n" if i % 5 == 0 else "") for i, line in enumerate(lines))
-    text += "\n" + "x" * 3000 + "\nend"
+    text += "\n" + "x" * 3000 + "\n" + " ".join(lines)[:30_000].replace("s ", "s   ") + "\nend"
     trained = ByteLevelBPETokenizer()
-    trained.train_from_iterator([text], vocab_size=600, show_progress=False)
+    # Hamlet, and line ends alone so that "\n\n" and " \n\n" become tokens, as in SmolLM2's vocabulary
+    trained.train_from_iterator([text] + ["\n\n", " \n\n", "   "] * 100, vocab_size=600, show_progress=False)
+    assert {"ĊĊ", "ĠĊĊ", "ĠĠ"} <= trained.get_vocab().keys()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=trained._tokenizer)
     whole = tokenizer(text, add_special_tokens=False).input_ids
     monkeypatch.setattr(data, "PIECE_CHARS", 1000)
-    ids = token_ids(tokenizer, text, batch=3)
+    pieces = []
+
+    def spy(batch, **kwargs):  # the tokenizer, seeing the pieces
+        pieces.extend(batch)
+        return tokenizer(batch, **kwargs)
+
+    ids = token_ids(spy, text, batch=3)
     assert ids.dtype == torch.long and ids.tolist() == whole
+    assert "".join(pieces) == text and len(pieces) > 30
+    assert all(len(piece) < 1100 or "x" * 3000 in piece for piece in pieces), sorted(map(len, pieces))[-3:]
     assert token_ids(tokenizer, "").tolist() == []
