@@ -11,7 +11,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import modeling_diff.conversion.convert as convert_module
 from modeling_diff import DiffLlamaForCausalLM
 from modeling_diff.conversion import convert_checkpoint, convert_model
-from modeling_diff.data import SMOLLM2_GGUF, load_smollm2, package_dir, shakespeare, text_blocks
+from modeling_diff import data
+from modeling_diff.data import SMOLLM2_GGUF, load_smollm2, package_dir, shakespeare, text_blocks, token_ids
 
 
 @pytest.fixture(scope="module")
@@ -58,3 +59,18 @@ def test_gguf_file_is_converted_to_a_directory(smollm2, tmp_path, monkeypatch):
     assert AutoTokenizer.from_pretrained(dst)("To be").input_ids == tokenizer("To be").input_ids
     with torch.no_grad():
         assert (reloaded(ids).logits - logits).abs().max() <= 1e-4
+
+
+def test_token_ids_in_pieces_are_smollm2s_ids_of_the_whole_text(smollm2, monkeypatch):
+    """README: examples/train.py tokenizes a --text-file in pieces, and SmolLM2's tokenizer gives the whole text's ids
+    (before the pieces skipped blank lines, "\n\n" at a piece's end was one token: 10 ids fewer on Hamlet). Pieces of
+    333 and 1000 characters, over Hamlet, Macbeth as one line, and Twelfth Night with blank, indented lines and runs
+    of spaces."""
+    tokenizer = smollm2[1]
+    texts = (shakespeare("hamlet") + "\n" + " ".join(shakespeare("macbeth").split("\n")),
+             shakespeare("twelfth-night").replace("\n", "\n  \n\t ").replace(". ", ".   "))
+    for text in texts:
+        whole = tokenizer(text, add_special_tokens=False).input_ids
+        for size in (333, 1000):
+            monkeypatch.setattr(data, "PIECE_CHARS", size)
+            assert token_ids(tokenizer, text).tolist() == whole
