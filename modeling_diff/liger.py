@@ -140,8 +140,11 @@ def apply_liger_kernel_to_diff_llama(
     if callable(getattr(model, "get_base_model", None)):  # a PEFT model: its modules are the wrapped model's
         model = model.get_base_model()
     if not isinstance(model, DiffLlamaPreTrainedModel):  # (it patched nothing, silently)
-        raise ValueError(f"model must be a DiffLlama model (or a PEFT model of one), got {type(model).__name__}; "
-                         f"Liger's apply_liger_kernel_to_llama and its siblings patch other models")
+        where = type(model).__module__
+        raise ValueError(f"model must be a DiffLlama model (or a PEFT model of one), got {type(model).__name__}" + (
+            f" of remote code ({where}): load the folder without trust_remote_code, with modeling_diff imported, "
+            f"for the package's classes" if where.startswith("transformers_modules.")  # an exported folder's copy
+            else "; Liger's apply_liger_kernel_to_llama and its siblings patch other models"))
     base_model = getattr(model, model.base_model_prefix, model)
     if rms_norm:
         for module in base_model.modules():

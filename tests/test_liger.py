@@ -8,6 +8,7 @@ ways Liger's kernels meet; none changes their arithmetic).
 
 import copy
 import functools
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -114,6 +115,40 @@ def test_diff_llama_is_in_liger_model_type_dispatch():
     assert all(n._get_name() == "LigerRMSNorm" for n in norms)
     subln = decoder.layers[0].self_attn.subln  # V1's per-head norm is read by the attention's combine: untouched
     assert type(subln) is SublnRMSNorm and "forward" not in vars(subln)
+
+
+def test_a_model_of_an_exported_folders_remote_code_is_refused_saying_how_to_load_it(tmp_path):
+    """An exported folder loaded with trust_remote_code=True before modeling_diff is imported is of the folder's copy
+    of the classes; once modeling_diff is imported, Liger's dispatch finds its model type, and Trainer's
+    use_liger_kernel=True raised "model must be a DiffLlama model (or a PEFT model of one), got
+    DiffLlamaForCausalLM", naming the model's own class. The error now says it is remote code and how to load the
+    package's classes, which it then patches (the user's order, in a process of its own)."""
+    from ecosystem_helpers import PYTHON, offline_env
+
+    from modeling_diff.hub import save_for_hub
+
+    folder = save_for_hub(tiny_model("v2"), tmp_path / "export")
+    script = f"""
+from transformers import AutoModelForCausalLM
+remote = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True)
+import modeling_diff
+from liger_kernel.transformers import _apply_liger_kernel_to_instance
+assert type(remote).__module__.startswith("transformers_modules."), type(remote).__module__
+try:
+    _apply_liger_kernel_to_instance(model=remote)  # what Trainer's use_liger_kernel=True calls
+except ValueError as error:
+    print("ERROR", error)
+model = AutoModelForCausalLM.from_pretrained({str(folder)!r})
+_apply_liger_kernel_to_instance(model=model)
+print("PATCHED", type(model) is modeling_diff.DiffLlamaForCausalLM and model.fused_linear_loss is not None)
+"""
+    out = subprocess.run([PYTHON, "-c", script], cwd=tmp_path, env=offline_env(tmp_path), capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    error = next(line for line in out.stdout.splitlines() if line.startswith("ERROR "))
+    assert re.search(r"got DiffLlamaForCausalLM of remote code \(transformers_modules\..*\): load the folder without "
+                     r"trust_remote_code, with modeling_diff imported", error), error
+    assert "PATCHED True" in out.stdout
 
 
 def test_liger_rms_norm_on_the_instance_keeps_its_forward_in_decoding_steps(monkeypatch):
