@@ -76,9 +76,9 @@ def token_ids(tokenizer, text: str, batch: int = 8) -> torch.Tensor:
     progress bar where there is more than one piece. One call on the whole text held ~160 bytes per character (16
     MiB of Shakespeare: 2.5 GiB with SmolLM2's tokenizer), so a text is cut into pieces of about PIECE_CHARS
     characters, each starting at a non-blank character that begins a line after one that is not blank, or at a
-    space that one follows (a text of one line is cut too). A byte-level BPE (Llama 3's, GPT-2's, SmolLM2's) splits its text there anyway, so the
-    pieces give the ids of the whole text; a tokenizer that marks the start of every text (SentencePiece's dummy
-    prefix) marks each piece's."""
+    space that one follows (a text of one line is cut too). A byte-level BPE with GPT-2's split pattern (SmolLM2's
+    tokenizer: tested) splits its text there anyway, so the pieces give the ids of the whole text; a tokenizer that
+    marks the start of every text (SentencePiece's dummy prefix) marks each piece's."""
     cuts = [0]
     while cuts[-1] < len(text):
         found = PIECE_START.search(text, cuts[-1] + PIECE_CHARS) if cuts[-1] + PIECE_CHARS < len(text) else None

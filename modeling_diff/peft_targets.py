@@ -12,17 +12,13 @@ import sys
 from .configuration import DiffLlamaConfig
 
 
-def register_peft_default_targets() -> bool:
-    """Give "diff_llama" Llama's entry in each of PEFT's `TRANSFORMERS_MODELS_TO_*` maps, where PEFT is imported;
-    whether it is."""
+def register_peft_default_targets() -> None:
+    """Give "diff_llama" Llama's entry in each of PEFT's `TRANSFORMERS_MODELS_TO_*` maps, where PEFT is imported."""
     constants = sys.modules.get("peft.utils.constants")
-    if constants is None:
-        return False
-    for name in dir(constants):
+    for name in dir(constants) if constants is not None else ():
         mapping = getattr(constants, name)
         if name.startswith("TRANSFORMERS_MODELS_TO_") and isinstance(mapping, dict) and "llama" in mapping:
             mapping.setdefault(DiffLlamaConfig.model_type, mapping["llama"])
-    return True
 
 
 __all__ = ["register_peft_default_targets"]

@@ -144,7 +144,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 result = {"modeling_diff_importable": importlib.util.find_spec("modeling_diff") is not None}
 llama = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2)
-for name, make in (("lora", lambda: LoraConfig(task_type="CAUSAL_LM")), ("ia3", lambda: IA3Config(task_type="CAUSAL_LM"))):
+for name, make in (("lora", lambda: LoraConfig(task_type="CAUSAL_LM")),
+                   ("ia3", lambda: IA3Config(task_type="CAUSAL_LM"))):
     expected = sorted(get_peft_model(LlamaForCausalLM(llama), make()).peft_config["default"].target_modules)
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(sys.argv[2], trust_remote_code=True), make())
     result[name] = {"expected": expected, "got": sorted(model.peft_config["default"].target_modules),
