@@ -27,7 +27,7 @@ PROMPT = [[5, 17, 99, 3, 42, 7], [8, 8, 200, 31, 64, 2]]
 
 # Runs in a fresh `python -I` (no PYTHONPATH, no cwd on sys.path) that also drops the editable-install finder and
 # every repository path but the virtual environment's, so `modeling_diff` cannot be imported: only the exported files can serve.
-FRESH_PROCESS = r"""
+WITHOUT_THE_PACKAGE = r"""
 import json, sys, importlib.util
 REPO = sys.argv[1]
 sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
@@ -36,6 +36,8 @@ def in_repo(path):  # the repository's own folders; the virtual environment may 
 sys.path[:] = [p for p in sys.path if "__editable__" not in p and not in_repo(p)]
 sys.path_importer_cache.clear()
 result = {"modeling_diff_importable": importlib.util.find_spec("modeling_diff") is not None}
+"""
+FRESH_PROCESS = WITHOUT_THE_PACKAGE + r"""
 import torch
 from transformers import (AutoModelForCausalLM, AutoModelForQuestionAnswering, AutoModelForSequenceClassification,
                           AutoModelForTokenClassification)
@@ -135,13 +137,11 @@ def test_remote_code_export_loads_without_the_package(tmp_path):
             torch.testing.assert_close(torch.tensor(result[folder][auto]["hidden"]), hidden[folder])
 
 
-# A fresh process (FRESH_PROCESS's isolation) that imports PEFT first, then builds the exported folder's model: PEFT's
+# A fresh process (WITHOUT_THE_PACKAGE) that imports PEFT first, then builds the exported folder's model: PEFT's
 # configs without target_modules, as on a Llama built in the same process.
-PEFT_PROCESS = FRESH_PROCESS.split("result = ")[0] + r"""
-import peft
+PEFT_PROCESS = WITHOUT_THE_PACKAGE + r"""
 from peft import IA3Config, LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
-result = {"modeling_diff_importable": importlib.util.find_spec("modeling_diff") is not None}
 llama = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2)
 for name, make in (("lora", lambda: LoraConfig(task_type="CAUSAL_LM")),

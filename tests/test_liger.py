@@ -122,30 +122,33 @@ def test_a_model_of_an_exported_folders_remote_code_is_refused_saying_how_to_loa
     of the classes; once modeling_diff is imported, Liger's dispatch finds its model type, and Trainer's
     use_liger_kernel=True raised "model must be a DiffLlama model (or a PEFT model of one), got
     DiffLlamaForCausalLM", naming the model's own class. The error now says it is remote code and how to load the
-    package's classes, which it then patches (the user's order, in a process of its own)."""
+    package's classes, which it then patches (the user's order, through Trainer, in a process of its own)."""
     from ecosystem_helpers import PYTHON, offline_env
 
     from modeling_diff.hub import save_for_hub
 
     folder = save_for_hub(tiny_model("v2"), tmp_path / "export")
     script = f"""
-from transformers import AutoModelForCausalLM
+import torch
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 remote = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True)
 import modeling_diff
-from liger_kernel.transformers import _apply_liger_kernel_to_instance
 assert type(remote).__module__.startswith("transformers_modules."), type(remote).__module__
-try:
-    _apply_liger_kernel_to_instance(model=remote)  # what Trainer's use_liger_kernel=True calls
+args = TrainingArguments(output_dir={str(tmp_path / "out")!r}, use_cpu=True, report_to=[], use_liger_kernel=True,
+                         max_steps=1, per_device_train_batch_size=2, save_strategy="no", disable_tqdm=True)
+data = [{{"input_ids": ids, "labels": ids}} for ids in torch.randint(3, 90, (2, 8))]
+try:  # Trainer applies Liger as train() starts
+    Trainer(model=remote, args=args, train_dataset=data).train()
 except ValueError as error:
-    print("ERROR", error)
+    print("ERROR", " ".join(str(error).split()))
 model = AutoModelForCausalLM.from_pretrained({str(folder)!r})
-_apply_liger_kernel_to_instance(model=model)
+Trainer(model=model, args=args, train_dataset=data).train()
 print("PATCHED", type(model) is modeling_diff.DiffLlamaForCausalLM and model.fused_linear_loss is not None)
 """
     out = subprocess.run([PYTHON, "-c", script], cwd=tmp_path, env=offline_env(tmp_path), capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    error = next(line for line in out.stdout.splitlines() if line.startswith("ERROR "))
+    error = next((line for line in out.stdout.splitlines() if line.startswith("ERROR ")), out.stdout[-3000:])
     assert re.search(r"got DiffLlamaForCausalLM of remote code \(transformers_modules\..*\): load the folder without "
                      r"trust_remote_code, with modeling_diff imported", error), error
     assert "PATCHED True" in out.stdout
