@@ -214,6 +214,23 @@ def test_beam_search_and_sampling(mode):
     assert sampled.shape == (2, 10)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_assisted_and_prompt_lookup_decoding_give_the_greedy_tokens(mode):
+    """Speculative decoding verifies the candidates with the model and crops its cache back past the rejected ones
+    (`DynamicCache.crop`), so its greedy tokens are the model's own. The draft is a plain Llama of the same vocabulary
+    (a DEX model's source is the natural draft): with random weights it proposes mostly wrong tokens, and every
+    rejection crops the differential layers' cache."""
+    model = tiny_model(mode, attn_implementation="sdpa")
+    config = model.config
+    torch.manual_seed(3)
+    draft = llama_like(config, heads=config.num_attention_heads, kv_heads=config.num_key_value_heads).eval()
+    ids = torch.randint(3, 97, (1, 7))
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=0)
+    greedy = model.generate(ids, use_cache=False, **kw)
+    assert torch.equal(model.generate(ids, assistant_model=draft, **kw), greedy)
+    assert torch.equal(model.generate(ids, prompt_lookup_num_tokens=3, **kw), greedy)
+
+
 @pytest.mark.parametrize("mode", ["v2", "dex"])
 def test_continuous_batching_generates_each_prompt_s_greedy_tokens(mode):
     """transformers' continuous batching (`generate_batch`, and `generate(cache_implementation="paged")`, which
