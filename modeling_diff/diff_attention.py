@@ -59,10 +59,21 @@ def anneal_step_buffer() -> nn.Buffer:
 
 
 # The V2 / DEX attentions with annealing on (anneal_steps > 0). t advances by itself: after every optimizer step
-# that updates one of them (any optimizer, any training loop: Trainer, TRL, accelerate, a custom loop), its t grows
-# by one, so that t = the optimizer steps taken. A step skipped by a gradient scaler calls no `step()` and does not
-# count. `AnnealingCallback` also pins t to Trainer's global step (and logs the schedule).
+# that updates their model (any optimizer, any training loop: Trainer, TRL, accelerate, a custom loop), t of every
+# annealed attention of that model grows by one, so that t = the optimizer steps taken. A step skipped by a gradient
+# scaler calls no `step()` and does not count. `AnnealingCallback` also pins t to Trainer's global step (and logs
+# the schedule). The models that hold them (`register_annealed_model`, from the models' post_init) are the unit that
+# counts: an optimizer over some of a model's parameters (the embeddings, the MLPs, one layer) advanced only the
+# attentions whose own parameters it held, so the layers fell out of step, and prompt or prefix tuning (PEFT's
+# encoder lies outside the model, which it freezes) advanced none, so the differential term never turned on.
 _ANNEALED_ATTENTIONS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+_ANNEALED_MODELS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+def register_annealed_model(model: nn.Module) -> None:
+    """Count optimizer steps for `model` as a whole where it holds annealed attentions (called by post_init)."""
+    if any(module in _ANNEALED_ATTENTIONS for module in model.modules()):
+        _ANNEALED_MODELS.add(model)
 
 
 def _parameters_of_outer_steps() -> set[int] | None:
@@ -85,6 +96,19 @@ def _parameters_of_outer_steps() -> set[int] | None:
     return outer
 
 
+def _step_counts_for(owner: nn.Module, stepped: set[int], outer: set) -> bool:
+    """Whether an optimizer step over the parameters `stepped`, inside the steps over `outer`, is a training step of
+    `owner`: it holds one of owner's parameters and no enclosing step does (that one counts it); or owner is in
+    training mode with every parameter frozen, and no step encloses this one (torch refuses an optimizer of no
+    parameters, so `outer` is empty only then): what trains is outside it (PEFT's
+    prompt or prefix encoder), so every optimizer step is one of its training steps."""
+    parameters = list(owner.parameters())
+    ids = {id(p) for p in parameters}
+    if ids & stepped:
+        return not ids & outer
+    return owner.training and not outer and not any(p.requires_grad for p in parameters)
+
+
 def _advance_annealing(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     if not _ANNEALED_ATTENTIONS:
         return
@@ -92,11 +116,22 @@ def _advance_annealing(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     if outer is None:
         return
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    for module in list(_ANNEALED_ATTENTIONS):
-        parameters = {id(p) for p in module.parameters()}
-        if parameters & stepped and not parameters & outer:  # an enclosing step of the module counts it
-            with torch.no_grad():
-                module.anneal_step.add_(1)
+    pending = set(_ANNEALED_ATTENTIONS)
+    # Outermost first: a DiffLlamaModel registers itself inside the DiffLlamaForCausalLM that holds it.
+    owners = sorted(_ANNEALED_MODELS, key=lambda model: sum(1 for _ in model.modules()), reverse=True)
+    for owner in owners:
+        attentions = [module for module in owner.modules() if module in pending]
+        pending.difference_update(attentions)
+        if attentions and _step_counts_for(owner, stepped, outer):
+            _advance(attentions)
+    # Attentions outside any registered model (built on their own) count for themselves.
+    _advance([module for module in pending if _step_counts_for(module, stepped, outer)])
+
+
+def _advance(attentions: list[nn.Module]) -> None:
+    with torch.no_grad():
+        for module in attentions:
+            module.anneal_step.add_(1)
 
 
 register_optimizer_step_post_hook(_advance_annealing)

@@ -129,6 +129,80 @@ def test_custom_loop_advances_t_with_each_optimizer_step():
     assert anneal_state(model)["anneal_step"] == 3
 
 
+def layer_steps(model) -> list[int]:
+    return [layer.self_attn.anneal_step.item() for layer in model.model.layers]
+
+
+def train_steps(model, optimizer, steps=2, scaler=None):
+    ids = token_ids()
+    for _ in range(steps):
+        loss = model.train()(ids, labels=ids).loss
+        (scaler.scale(loss) if scaler else loss).backward()
+        scaler.step(optimizer) if scaler else optimizer.step()
+        if scaler:
+            scaler.update()
+        optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("trained", ["embeddings", "mlps", "last layer", "first attention"])
+def test_an_optimizer_over_part_of_the_model_advances_every_layer_s_t(trained):
+    """t counts the model's optimizer steps, whichever of its parameters the optimizer holds: it advanced only the
+    attentions whose own parameters were held, so an optimizer of the embeddings moved no layer and one of the last
+    layer moved it alone, and the layers computed different points of the schedule."""
+    model = dex_model(anneal_steps=10)
+    layers = model.model.layers
+    parameters = {
+        "embeddings": model.model.embed_tokens.parameters(),
+        "mlps": [p for layer in layers for p in layer.mlp.parameters()],
+        "last layer": layers[-1].parameters(),
+        "first attention": layers[0].self_attn.parameters(),
+    }[trained]
+    train_steps(model, torch.optim.SGD(parameters, lr=1e-3), steps=2)
+    assert layer_steps(model) == [2] * len(layers)
+
+
+def test_two_optimizers_are_two_steps_and_a_step_the_scaler_skips_is_none():
+    """README: two optimizers stepped one after the other, each updating the model, are two steps; a step that a
+    gradient scaler skips (an inf gradient) calls no step() and does not count."""
+    model = dex_model(anneal_steps=10)
+    attention = [p for layer in model.model.layers for p in layer.self_attn.parameters()]
+    others = [p for p in model.parameters() if all(p is not q for q in attention)]
+    first, second = torch.optim.SGD(attention, lr=1e-3), torch.optim.SGD(others, lr=1e-3)
+    ids = token_ids()
+    model.train()(ids, labels=ids).loss.backward()
+    first.step()
+    second.step()
+    assert layer_steps(model) == [2, 2, 2]
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    train_steps(model, optimizer, steps=1, scaler=scaler)
+    assert layer_steps(model) == [3, 3, 3]
+    optimizer.zero_grad()
+    (model(ids, labels=ids).loss * float("inf")).backward()  # inf gradients: the scaler skips the step
+    scaler.step(optimizer)
+    scaler.update()
+    assert layer_steps(model) == [3, 3, 3]
+
+
+def test_a_frozen_model_counts_the_steps_of_what_trains_it_only_in_training_mode():
+    """Prompt and prefix tuning train an encoder outside the model and freeze the model: its t follows every
+    optimizer step while it is in training mode; a frozen model in eval mode (a reference or teacher model, as
+    from_pretrained returns it) keeps its t, as does one whose parameters train under another optimizer."""
+    model = dex_model(anneal_steps=10).requires_grad_(False)
+    prompt = torch.nn.Parameter(torch.zeros(1, 2, model.config.hidden_size))
+    optimizer = torch.optim.SGD([prompt], lr=1e-3)
+    ids = token_ids()
+    for training in (True, True, False):
+        embeds = torch.cat([prompt.expand(ids.shape[0], -1, -1), model.get_input_embeddings()(ids)], dim=1)
+        model.train(training)(inputs_embeds=embeds).logits.sum().backward()
+        optimizer.step()
+    assert layer_steps(model) == [2, 2, 2]
+    trained = dex_model(anneal_steps=10).train()
+    torch.optim.SGD([prompt], lr=1e-3).step()
+    assert layer_steps(trained) == [0, 0, 0]
+
+
 @pytest.mark.parametrize("accumulation", [1, 2])
 def test_trainer_without_the_callback_anneals_with_the_optimizer_steps(tmp_path, accumulation):
     """The common path is right by default: without AnnealingCallback t still follows the optimizer steps (not the

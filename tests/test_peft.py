@@ -254,3 +254,23 @@ def test_prefix_tuning_trains_and_generates_where_the_cache_layout_allows(mode):
     model(input_ids=ids, labels=ids).loss.backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
     assert model.generate(input_ids=ids, max_new_tokens=3, do_sample=False).shape == (2, 9)
+
+
+@pytest.mark.parametrize("mode", ["v2", "dex"])
+@pytest.mark.parametrize("method", ["prompt", "prefix"])
+def test_prompt_and_prefix_tuning_advance_the_annealing_step(mode, method, tmp_path):
+    """PEFT's prompt and prefix tuning train an encoder outside the model and freeze the model: the model's t
+    stayed 0 under their optimizer, so a converted model's differential term never turned on. Through plain
+    get_peft_model and Trainer, t now follows the optimizer steps in every layer."""
+    from peft import PrefixTuningConfig, PromptTuningConfig, get_peft_model
+    from transformers import Trainer, TrainingArguments
+
+    make = {"prompt": PromptTuningConfig, "prefix": PrefixTuningConfig}[method]
+    model = get_peft_model(DiffLlamaForCausalLM(tiny_config(mode, anneal_steps=10)),
+                           make(task_type="CAUSAL_LM", num_virtual_tokens=3))
+    rows = torch.randint(3, 90, (8, 12))
+    args = TrainingArguments(str(tmp_path), max_steps=3, per_device_train_batch_size=4, report_to=[], use_cpu=True,
+                             save_strategy="no")
+    Trainer(model=model, args=args, train_dataset=[{"input_ids": r, "labels": r} for r in rows]).train()
+    layers = model.get_base_model().model.layers
+    assert [layer.self_attn.anneal_step.item() for layer in layers] == [3] * len(layers)
