@@ -1,11 +1,12 @@
 """Optional dependencies, imported where they are used, with an error naming the extra that installs them:
-`[gguf]` (gguf: reading .gguf files, `load_smollm2`), `[needle]` (matplotlib: `plot_needle_heatmap`, the
-diagnostics plots, `python -m modeling_diff.needle`), `[eval]` (lm-eval: `modeling-diff eval`)."""
+`[peft]` (peft: `modeling_diff.lora`), `[gguf]` (gguf: reading .gguf files, `load_smollm2`), `[needle]`
+(matplotlib: `plot_needle_heatmap`, the diagnostics plots, `python -m modeling_diff.needle`), `[eval]` (lm-eval:
+`modeling-diff eval`)."""
 
 import importlib
 import importlib.util
 
-EXTRAS = {"gguf": "gguf", "matplotlib": "needle", "lm_eval": "eval"}  # top-level module -> extra installing it
+EXTRAS = {"peft": "peft", "gguf": "gguf", "matplotlib": "needle", "lm_eval": "eval"}  # top-level module -> extra installing it
 
 
 def require(module: str, purpose: str):

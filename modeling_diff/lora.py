@@ -11,11 +11,14 @@ lora_config())`, TRL's `SFTTrainer(peft_config=lora_config())`, Trainer checkpoi
 import os
 from pathlib import Path
 
-from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 
 from .atomic import atomic_directory
+from .extras import require
 from .peft_targets import register_peft_default_targets
+
+peft = require("peft", "modeling_diff.lora (LoRA adapters)")
+LoraConfig, PeftModel, get_peft_model = peft.LoraConfig, peft.PeftModel, peft.get_peft_model
 
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DIFFERENTIAL_MODULES = ("diff_lambda", "subln", "lambda_proj", "dex_proj", "dex_lambda")

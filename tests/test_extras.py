@@ -52,6 +52,16 @@ def test_modeling_diff_eval_names_the_eval_extra(monkeypatch):
         main(["--help"])
 
 
+def test_modeling_diff_lora_names_the_peft_extra(monkeypatch):
+    import importlib
+
+    hide(monkeypatch, "peft")
+    monkeypatch.delitem(sys.modules, "modeling_diff.lora")
+    with pytest.raises(ModuleNotFoundError, match=r"modeling_diff.lora \(LoRA adapters\) needs the 'peft' package: "
+                                                  r"pip install 'modeling-diff\[peft\]'"):
+        importlib.import_module("modeling_diff.lora")
+
+
 def test_a_missing_module_inside_an_installed_package_keeps_its_own_error():
     from modeling_diff.extras import require
 
@@ -67,7 +77,7 @@ def test_the_wheel_declares_the_extras_and_ships_the_calibration_text(tmp_path):
     (wheel,) = tmp_path.glob("modeling_diff-*.whl")
     archive = zipfile.ZipFile(wheel)
     metadata = archive.read(next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))).decode()
-    for requirement, extra in [("matplotlib", "needle"), ("gguf", "gguf"), ("lm-eval[hf]", "eval")]:
+    for requirement, extra in [("peft", "peft"), ("matplotlib", "needle"), ("gguf", "gguf"), ("lm-eval[hf]", "eval")]:
         assert f'Requires-Dist: {requirement}; extra == "{extra}"' in metadata
     shipped = (files("modeling_diff.conversion") / "calibration.txt").read_text(encoding="utf-8")
     assert archive.read("modeling_diff/conversion/calibration.txt").decode() == shipped
