@@ -77,15 +77,21 @@ def padded_batch():
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("padded", [False, True])
-def test_sdpa_matches_eager(mode, padded):
+@pytest.mark.parametrize("heads", [(4, 2), (6, 3), (3, 3)], ids=lambda h: f"h{h[0]}-kv{h[1]}")
+def test_sdpa_matches_eager(mode, padded, heads):
+    """Any h_kv dividing h (README), odd group sizes and no grouping included; the cache gives the no-cache tokens."""
     ids, mask = padded_batch()
     mask = mask if padded else None
-    eager = tiny_model(mode)
-    sdpa = tiny_model(mode, attn_implementation="sdpa")
+    shape = dict(num_attention_heads=heads[0], num_key_value_heads=heads[1], head_dim=16)
+    eager = tiny_model(mode, **shape)
+    sdpa = tiny_model(mode, attn_implementation="sdpa", **shape)
     with torch.no_grad():
         expected, got = eager(ids, attention_mask=mask).logits, sdpa(ids, attention_mask=mask).logits
     keep = mask.bool() if padded else torch.ones_like(ids, dtype=torch.bool)
     torch.testing.assert_close(got[keep], expected[keep], atol=1e-5, rtol=1e-4)
+    if not padded:
+        kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+        assert torch.equal(sdpa.generate(ids[:1], **kw), sdpa.generate(ids[:1], use_cache=False, **kw))
 
 
 def test_flex_attention_matches_eager():
@@ -283,17 +289,23 @@ def test_continuous_batching_refuses_v1_whose_cache_is_twice_as_wide():
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_executorch_export_with_a_static_cache_gives_the_eager_logits_or_says_why_not(mode):
-    """transformers' ExecuTorch recipe (strict torch.export, a StaticCache it sizes from config.head_dim): V2 and DEX
+@pytest.mark.parametrize("recipe", ["TorchExportableModuleForDecoderOnlyLM", "convert_and_export_with_cache"])
+def test_executorch_export_with_a_static_cache_gives_the_eager_logits_or_says_why_not(mode, recipe):
+    """transformers' ExecuTorch recipes (strict torch.export, a StaticCache sized from config.head_dim): V2 and DEX
     export and decode token by token to the eager logits; V1, whose cache is 2 x head_dim wide, failed in a fake
     tensor's index_copy_ that never named it, and now fails with the reason."""
-    from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
+    from transformers.integrations import executorch
 
     model = tiny_model(mode)
     model.generation_config.cache_implementation = "static"
     model.generation_config.cache_config = {"batch_size": 1, "max_cache_len": 16}
-    export = lambda: TorchExportableModuleForDecoderOnlyLM(model).export(  # noqa: E731
-        input_ids=torch.tensor([[1]]), cache_position=torch.tensor([0]))
+    first = dict(input_ids=torch.tensor([[1]]), cache_position=torch.tensor([0]))
+    export = {
+        "TorchExportableModuleForDecoderOnlyLM": lambda: executorch.TorchExportableModuleForDecoderOnlyLM(model).export(
+            **first),
+        "convert_and_export_with_cache": lambda: executorch.convert_and_export_with_cache(
+            model, example_input_ids=first["input_ids"], example_cache_position=first["cache_position"]),
+    }[recipe]
     if mode == "v1":
         with pytest.raises(Exception, match=r"(?s)V1 caches keys and values 2 x head_dim .* ExecuTorch export"):
             export()
@@ -304,6 +316,22 @@ def test_executorch_export_with_a_static_cache_gives_the_eager_logits_or_says_wh
     with torch.no_grad():
         expected = model(torch.tensor([ids])).logits[:, -1]
     torch.testing.assert_close(logits[:, -1], expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_executorch_export_with_a_dynamic_cache_gives_the_eager_logits(mode):
+    """README: V1, refused by the StaticCache recipes above, exports with transformers' `export_with_dynamic_cache`
+    (as do V2 and DEX), and the exported program gives the eager logits."""
+    from transformers.cache_utils import DynamicCache
+    from transformers.integrations.executorch import export_with_dynamic_cache
+
+    model = tiny_model(mode)
+    ids = torch.randint(3, 97, (1, 6))
+    exported = export_with_dynamic_cache(model, ids, torch.ones_like(ids)).module()
+    logits = exported(input_ids=ids, attention_mask=torch.ones_like(ids), cache=DynamicCache(config=model.config),
+                      use_cache=True).logits
+    with torch.no_grad():
+        torch.testing.assert_close(logits, model(ids).logits, rtol=1e-5, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------------------------- training

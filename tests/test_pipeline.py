@@ -38,6 +38,22 @@ def test_text_generation_pipeline(mode):
                                                         for p in ("Alas, poor Yorick", "O")]
 
 
+def test_text_generation_pipeline_by_path_loads_the_package_s_class(tmp_path):
+    """pipeline("text-generation", model=<saved folder>) looks config.json's architectures[0] up in transformers'
+    namespace, finds nothing (it names `modeling_diff.DiffLlamaForCausalLM`) and falls back to AutoModelForCausalLM,
+    which builds ours: never transformers' DiffLlama class with our weights."""
+    torch.manual_seed(0)
+    model = DiffLlamaForCausalLM(tiny_config("v2")).eval()
+    tokenizer = byte_tokenizer()
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    generator = pipeline("text-generation", model=str(tmp_path))
+    assert type(generator.model) is DiffLlamaForCausalLM
+    prompt = "To be, or not to be"
+    out = generator(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    assert out[0]["generated_text"] == greedy_text(model, tokenizer, prompt, 8)
+
+
 def test_readme_pipeline_snippet():
     scope = {}
     exec(readme_snippet("pipeline"), scope)
