@@ -4,6 +4,7 @@ every request it does not implement goes to transformers' generate. On CPU the s
 the loop and bookkeeping the graph replays); on CUDA the graph itself."""
 
 import gc
+import io
 from copy import deepcopy
 
 import pytest
@@ -127,8 +128,8 @@ def test_plain_peft_models_keep_transformers_loop():
 
 def test_the_kept_step_state_is_reused_rebuilt_and_released():
     """The state of a generation (its StaticCache, buffers, and on CUDA the graph) is kept for the next call of the same
-    shape, rebuilt when the shape or the parameters' storage change, kept beside the model (deepcopy copies none of
-    it), and freed by `release_graph` or with the model."""
+    shape, rebuilt when the shape, the attention implementation or the parameters' storage change, kept beside the
+    model (deepcopy and pickling copy none of it), and freed by `release_graph` or with the model."""
     model = tiny_model("v2", attn_implementation="sdpa")
     ids = torch.randint(3, 97, (2, 5), generator=torch.Generator().manual_seed(5))
     settings = dict(STATIC, max_new_tokens=6, eos_token_id=None)
@@ -141,6 +142,17 @@ def test_the_kept_step_state_is_reused_rebuilt_and_released():
     assert generation._GRAPHS[model] is not kept  # another batch
     copy = deepcopy(model)
     assert generation._GRAPHS.get(copy) is None
+    buffer = io.BytesIO()
+    torch.save(model, buffer)  # pickles the whole model: the kept state is beside it, not in it
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert generation._GRAPHS.get(loaded) is None
+    assert torch.equal(transformers_generate(loaded, ids, max_new_tokens=6, eos_token_id=None), expected)
+    kept = generation._GRAPHS[model]
+    model.set_attn_implementation("eager")
+    graphed_greedy_generate(model, ids, None, settings, capture=False)
+    assert generation._GRAPHS[model] is not kept  # another attention implementation
+    model.set_attn_implementation("sdpa")
     copy.double()  # new storage for every parameter
     assert torch.equal(graphed_greedy_generate(copy, ids, None, settings, capture=False),
                        transformers_generate(copy, ids, max_new_tokens=6, eos_token_id=None))

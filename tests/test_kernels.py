@@ -1360,21 +1360,38 @@ def test_kernels_loop_over_bounds_known_at_run_time_as_on_the_gpu():
     assert out.tolist() == [sum(range(3 + p)) for p in range(4)]
 
 
-def test_an_older_triton_leaves_the_model_on_its_pytorch_paths():
-    """The kernels need triton >= 3.4 (host tensor descriptors' `load`). A triton that reports 3.3 (the attack, in a
-    fresh process) is not taken: the package imports, no kernel module is, and a V1 model trains a step on the
-    PyTorch paths."""
+TRITON_ATTACKS = {
+    # a triton that reports 3.3
+    "older": "real = importlib.metadata.version\n"
+             "importlib.metadata.version = lambda name: '3.3.0' if name == 'triton' else real(name)\n",
+    # no triton at all: neither its metadata nor its import
+    "none": "sys.modules['triton'] = None\n"
+            "real = importlib.metadata.version\n"
+            "def version(name):\n"
+            "    if name == 'triton':\n"
+            "        raise importlib.metadata.PackageNotFoundError(name)\n"
+            "    return real(name)\n"
+            "importlib.metadata.version = version\n",
+}
+
+
+@pytest.mark.parametrize("attack", list(TRITON_ATTACKS))
+def test_an_older_triton_or_none_leaves_the_model_on_its_pytorch_paths(attack):
+    """The kernels need triton >= 3.4 (host tensor descriptors' `load`). A triton that reports 3.3, or none (the
+    attacks, in a fresh process), is not taken: the package imports, no kernel module is, and every mode trains a
+    step and generates with a StaticCache on the PyTorch paths."""
     assert _triton.triton_is_recent("3.4.0") and _triton.triton_is_recent("3.6.0+git1a2b3c")
     assert not _triton.triton_is_recent("3.3.1") and not _triton.triton_is_recent("2.3.0")
     script = (
         "import importlib.metadata, sys, torch\n"
-        "real = importlib.metadata.version\n"
-        "importlib.metadata.version = lambda name: '3.3.0' if name == 'triton' else real(name)\n"
-        "from modeling_diff import DiffLlamaForCausalLM, preset_config\n"
+        + TRITON_ATTACKS[attack]
+        + "from modeling_diff import DiffLlamaForCausalLM, preset_config\n"
         "from modeling_diff.kernels import _triton\n"
-        "model = DiffLlamaForCausalLM(preset_config('tiny-v1', hidden_size=64))\n"
-        "ids = torch.randint(0, model.config.vocab_size, (1, 12))\n"
-        "model(ids, labels=ids).loss.backward()\n"
+        "for mode in ('v1', 'v2', 'dex'):\n"
+        "    model = DiffLlamaForCausalLM(preset_config(f'tiny-{mode}', hidden_size=64))\n"
+        "    ids = torch.randint(3, model.config.vocab_size, (1, 12))\n"
+        "    model(ids, labels=ids).loss.backward()\n"
+        "    model.eval().generate(ids, max_new_tokens=3, do_sample=False, cache_implementation='static')\n"
         "print(_triton.TRITON_AVAILABLE, 'modeling_diff.kernels.triton_flash_diff' in sys.modules)\n"
     )
     assert compiled_run(script).split() == ["False", "False"]
@@ -2190,6 +2207,16 @@ def test_dependent_launch_only_where_it_exists(monkeypatch):
         assert _triton.dependent_launch(FakeCuda(), tokens) is expected
         assert _triton.dependent_launch(FakeCuda(), decode_tokens, _triton.DECODE_PDL_MAX_TOKENS) is expected
     _triton._has_dependent_launch.cache_clear()
+
+
+def test_modeling_diff_pdl_0_in_the_environment_turns_dependent_launches_off():
+    """README: `MODELING_DIFF_PDL=0` turns PDL off (the flag is read once, as the package is imported)."""
+    code = "from modeling_diff.kernels import _triton; print(_triton.PDL_ENABLED)"
+    for value, expected in ((None, "True"), ("0", "False"), ("1", "True")):
+        env = {k: v for k, v in os.environ.items() if k != "MODELING_DIFF_PDL"}
+        env.update({} if value is None else {"MODELING_DIFF_PDL": value})
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert out.stdout.strip() == expected, out.stderr[-2000:]
 
 
 def test_dependent_launches_change_no_bit_of_a_decoding_step(monkeypatch):
