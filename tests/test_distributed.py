@@ -388,3 +388,59 @@ def test_training_script_saves_nothing_when_training_diverges(tmp_path):
     assert out.returncode == 1 and "Traceback" not in out.stderr, (out.returncode, out.stderr[-3000:])
     assert "training diverged: the weights hold NaN or inf" in out.stderr and "nothing saved" in out.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_training_script_saves_nothing_on_any_rank_when_training_diverges_under_torchrun(tmp_path):
+    """README: training that ends with NaN or inf weights "saves nothing and exits with status 1, decided on every
+    rank alike". Under torchrun (DDP, 2 processes) both ranks report the divergence, none saves or raises a
+    traceback, and no --output-dir is left behind."""
+    out = run_launcher(
+        [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         str(REPO / "examples" / "train.py"), "--model", "tiny-v1", "--max-steps", "3", "--seq-len", "16",
+         "--batch-size", "2", "--learning-rate", "1e30", "--output-dir", str(tmp_path / "out")],
+        cwd=tmp_path, env=offline_env(tmp_path), timeout=300,
+    )
+    assert out.returncode == 1, (out.returncode, out.stderr[-3000:])
+    # torchrun reports the failed workers with a traceback of its own; none went through the script
+    assert f'{REPO / "examples" / "train.py"}", line' not in out.stderr, out.stderr[-3000:]
+    diverged = [line for line in out.stderr.splitlines()
+                if "training diverged: the weights hold NaN or inf" in line and "nothing saved" in line]
+    assert len(diverged) == 2, out.stderr[-3000:]  # one line from each rank
+    assert "trained v1" not in out.stdout
+    assert not (tmp_path / "out").exists()
+
+
+def test_training_script_refuses_an_output_dir_in_or_around_the_checkpoint(tmp_path):
+    """README: the script refuses as --output-dir "the checkpoint being trained (or a folder in or around it)" -- a
+    parent would be replaced with the checkpoint inside it, a sub-folder written into the checkpoint -- even with
+    --overwrite twice, which accepts any other folder. One line, before training; the checkpoint untouched."""
+    runs = tmp_path / "runs"
+    checkpoint = runs / "checkpoint"
+    DiffLlamaForCausalLM(preset_config("tiny-v1")).save_pretrained(checkpoint)
+    before = {p.relative_to(runs): p.read_bytes() for p in runs.rglob("*") if p.is_file()}
+    for output_dir in (runs, checkpoint / "trained"):
+        out = subprocess.run([PYTHON, str(REPO / "examples" / "train.py"), "--model", str(checkpoint),
+                              "--max-steps", "1", "--seq-len", "16", "--output-dir", str(output_dir),
+                              "--overwrite", "--overwrite"], env=offline_env(tmp_path), capture_output=True,
+                             text=True, timeout=120)
+        message = (f"--output-dir {str(output_dir.resolve())!r} must not be, contain or lie inside the source "
+                   f"{str(checkpoint.resolve())!r}")
+        assert out.returncode == 2 and message in out.stderr, out.stderr[-2000:]
+    assert {p.relative_to(runs): p.read_bytes() for p in runs.rglob("*") if p.is_file()} == before
+
+
+def test_training_script_overwrite_twice_trains_into_a_folder_that_is_no_earlier_output(tmp_path):
+    """README: a non-empty --output-dir that is no earlier output (no config.json) is refused with --overwrite once
+    (tested above) and accepted with --overwrite given twice ("any folder"): the model is trained and saved there,
+    and loads with from_pretrained."""
+    target = tmp_path / "notes"
+    (target / "drafts").mkdir(parents=True)
+    (target / "todo.txt").write_text("precious")
+    (target / "drafts" / "a.txt").write_text("draft")
+    out = subprocess.run([PYTHON, str(REPO / "examples" / "train.py"), "--model", "tiny-v1", "--max-steps", "1",
+                          "--seq-len", "16", "--batch-size", "2", "--output-dir", str(target), "--overwrite",
+                          "--overwrite"], env=offline_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "trained v1 (DiffLlamaForCausalLM, 1 process" in out.stdout and "for 1 steps" in out.stdout
+    trained = AutoModelForCausalLM.from_pretrained(target)
+    assert type(trained) is DiffLlamaForCausalLM and trained.config.diff_mode == "v1"

@@ -14,12 +14,14 @@ import pytest
 import torch
 from ecosystem_helpers import PYTHON, REPO, byte_tokenizer, offline_env, readme_snippet, tiny_config
 from huggingface_hub import HfApi
-from transformers import AutoModelForCausalLM
+from transformers import (AutoModelForCausalLM, AutoModelForQuestionAnswering, AutoModelForSequenceClassification,
+                          AutoModelForTokenClassification, AutoTokenizer)
 from transformers.dynamic_module_utils import get_imports, get_relative_import_files
 
 import modeling_diff
-from modeling_diff import DiffLlamaForCausalLM, set_anneal_step
-from modeling_diff.hub import flatten_modules, push_to_hub, save_for_hub
+from modeling_diff import (DiffLlamaConfig, DiffLlamaForCausalLM, DiffLlamaForQuestionAnswering,
+                           DiffLlamaForSequenceClassification, DiffLlamaForTokenClassification, set_anneal_step)
+from modeling_diff.hub import flatten_modules, model_card, push_to_hub, save_for_hub
 
 # Packages a remote-code user must have: the standard library, torch and transformers (with its huggingface_hub).
 HARD_REQUIREMENTS = set(sys.stdlib_module_names) | {"torch", "transformers", "huggingface_hub"}
@@ -171,12 +173,20 @@ def test_peft_configs_without_target_modules_adapt_an_exported_folders_model_as_
         assert result[method]["got"] == result[method]["expected"] != [], result[method]
 
 
-def test_export_loads_with_the_package_classes_when_imported(tmp_path):
+@pytest.mark.parametrize("trust_remote_code", [False, True])
+def test_export_loads_with_the_package_classes_when_imported(tmp_path, trust_remote_code):
+    """README (Liger Kernel): an exported remote-code folder loaded after `import modeling_diff`, with or without
+    `trust_remote_code=True`, loads as the package's classes (`modeling_diff.DiffLlamaForCausalLM`, its config and
+    heads), not the folder's copy of the code, and generates the exported model's tokens."""
     model = trained_looking_model("v2")
     folder = save_for_hub(model, tmp_path / "export")
-    loaded = AutoModelForCausalLM.from_pretrained(folder).eval()
-    assert type(loaded) is DiffLlamaForCausalLM
+    loaded = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=trust_remote_code).eval()
+    assert type(loaded) is DiffLlamaForCausalLM and type(loaded.config) is DiffLlamaConfig
     assert greedy(loaded, PROMPT) == greedy(model, PROMPT)
+    for auto, head in ((AutoModelForSequenceClassification, DiffLlamaForSequenceClassification),
+                       (AutoModelForTokenClassification, DiffLlamaForTokenClassification),
+                       (AutoModelForQuestionAnswering, DiffLlamaForQuestionAnswering)):
+        assert type(auto.from_pretrained(folder, trust_remote_code=trust_remote_code)) is head
 
 
 def test_save_for_hub_writes_whole_folders_only(tmp_path):
@@ -220,18 +230,26 @@ def test_save_for_hub_refuses_a_folder_whose_path_is_not_utf8(tmp_path, with_tok
 
 @pytest.mark.parametrize("repo_id", ['a"b\n---\nlicense: evil', "org/name\n", "a/b/c", "", "-name", "a..b", "caf\u00e9",
                                      "x" * 97, 7])
-def test_save_for_hub_refuses_a_repo_id_that_is_no_hub_repository_id(tmp_path, repo_id):
+def test_save_for_hub_and_model_card_refuse_a_repo_id_that_is_no_hub_repository_id(tmp_path, repo_id):
     """`repo_id` was pasted verbatim into the model card: a quote broke its `from_pretrained("...")` snippet and a
-    newline injected YAML front matter (`license: evil`). Refused as the Hub refuses it, before anything is written."""
-    with pytest.raises(ValueError, match=r"^repo_id must be a Hub repository id \('name' or 'namespace/name'"):
+    newline injected YAML front matter (`license: evil`). Refused as the Hub refuses it, before anything is written,
+    by `save_for_hub` and (README: "`repo_id` (of `save_for_hub`, `model_card`, ...)") by `model_card` itself, with
+    a ValueError naming the field."""
+    match = r"^repo_id must be a Hub repository id \('name' or 'namespace/name'"
+    with pytest.raises(ValueError, match=match):
         save_for_hub(trained_looking_model("v2"), tmp_path / "export", repo_id=repo_id)
     assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError, match=match):
+        model_card(trained_looking_model("v2"), repo_id)
     card = (save_for_hub(trained_looking_model("v2"), tmp_path / "ok", repo_id="me/tiny.diff-2_b") / "README.md")
     assert 'from_pretrained("me/tiny.diff-2_b", trust_remote_code=True)' in card.read_text()
 
 
-def test_push_to_hub_uploads_the_export_folder(tmp_path):
-    """No network: a recording HfApi stands in; its calls must bind to the real HfApi signatures."""
+@pytest.mark.parametrize("with_tokenizer", [False, True])
+def test_push_to_hub_uploads_the_export_folder(tmp_path, with_tokenizer):
+    """No network: a recording HfApi stands in; its calls must bind to the real HfApi signatures. README:
+    `push_to_hub(model, "me/name", tokenizer=...)` uploads the tokenizer's files with the model, in the one commit,
+    and they load as the tokenizer given."""
 
     class RecordingApi:
         calls = []
@@ -249,13 +267,22 @@ def test_push_to_hub_uploads_the_export_folder(tmp_path):
 
     model = trained_looking_model("dex")
     api = RecordingApi()
-    assert push_to_hub(model, "me/tiny-diff", api=api, private=True) == "commit-info"
+    tokenizer = byte_tokenizer() if with_tokenizer else None
+    assert push_to_hub(model, "me/tiny-diff", tokenizer=tokenizer, api=api, private=True) == "commit-info"
     (_, args, kwargs), (_, uploaded, upload_kwargs) = api.calls
     assert args == ("me/tiny-diff",) and kwargs["private"] is True and kwargs["exist_ok"] is True
     assert upload_kwargs["repo_id"] == "me/tiny-diff" and upload_kwargs["repo_type"] == "model"
 
-    reference = save_for_hub(model, tmp_path / "reference", repo_id="me/tiny-diff")
+    reference = save_for_hub(model, tmp_path / "reference", tokenizer=tokenizer, repo_id="me/tiny-diff")
     assert uploaded == {p.name: p.read_bytes() for p in reference.iterdir()}
+    assert ("tokenizer.json" in uploaded) == ("tokenizer_config.json" in uploaded) == with_tokenizer
+    if with_tokenizer:  # the uploaded files, as a user downloads them, are the tokenizer given
+        downloaded = tmp_path / "downloaded"
+        downloaded.mkdir()
+        for name, data in uploaded.items():
+            (downloaded / name).write_bytes(data)
+        text = "To be, or not to be: caf\u00e9"
+        assert AutoTokenizer.from_pretrained(downloaded)(text).input_ids == tokenizer(text).input_ids
     card = uploaded["README.md"].decode()
     assert "custom_code" in card and 'from_pretrained("me/tiny-diff", trust_remote_code=True)' in card
     with pytest.raises(ValueError, match="repo_id"):
