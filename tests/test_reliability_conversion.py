@@ -451,6 +451,30 @@ def test_the_working_directory_is_refused_as_destination(src, tmp_path, capsys, 
     assert list(out.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["src", "work"]
 
 
+@pytest.mark.parametrize("dst", ["link/out", "link"])
+def test_a_destination_through_a_link_to_a_directory_is_written_where_the_link_leads(src, tmp_path, capsys, dst):
+    """README: only a link to nothing is refused as (or above) DST; "a link to a directory is followed". `link/out`
+    (`link -> elsewhere/real`) writes the output into `elsewhere/real/out`; `link` itself makes `elsewhere/real` the
+    output, under DST's rules (empty: written; an earlier output: replaced only with --overwrite). The link stays a
+    link to the same directory, and nothing is left beside it or the real directory (no staging, no lock)."""
+    real = tmp_path / "elsewhere" / "real"
+    real.mkdir(parents=True)
+    (tmp_path / "link").symlink_to(real)
+    assert main(["convert", str(src), str(tmp_path / dst), "--heads", "all", "--quiet"]) == 0
+    written = real / "out" if dst == "link/out" else real
+    assert json.loads((written / "config.json").read_text())["dex_heads"] == [[0, 1, 2, 3]] * 3
+    assert type(AutoModelForCausalLM.from_pretrained(tmp_path / dst)) is DiffLlamaForCausalLM  # loads through the link
+    capsys.readouterr()  # from_pretrained's progress bar
+    if dst == "link":  # the real directory, now an earlier output, is replaced by the rules of any DST
+        line = cli_error(["convert", str(src), str(tmp_path / dst), "--heads", "[0]"], capsys)
+        assert "exists and is not empty; pass overwrite=True (--overwrite)" in line
+        assert main(["convert", str(src), str(tmp_path / dst), "--heads", "[0]", "--overwrite", "--quiet"]) == 0
+        assert json.loads((real / "config.json").read_text())["dex_heads"] == [[0]] * 3
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "link").resolve() == real
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "link", "src"]
+    assert hidden_leftovers(real) == [] and sorted(p.name for p in real.parent.iterdir()) == ["real"]
+
+
 # ----------------------------------------------------------------------------------------------------------
 # 8. Command-line inputs: one line, exit status 2, nothing written, before any expensive work.
 # ----------------------------------------------------------------------------------------------------------
@@ -622,7 +646,10 @@ def no_output_or_tokenizer(monkeypatch):
 
 
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "spm.model", "tokenizer.4.0.0.json",
-                   "additional_chat_templates/tool_use.jinja"]
+                   "additional_chat_templates/tool_use.jinja",
+                   # the rest of README's list: every file transformers 5.x's AutoTokenizer reads whole
+                   "tekken.json", "vocab.json", "vocab.txt", "merges.txt", "chat_template.jinja", "chat_template.json",
+                   "special_tokens_map.json", "added_tokens.json", "tokenizer.model"]
 
 
 @pytest.mark.parametrize("name,heads", [
@@ -632,7 +659,8 @@ TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "spm.model", "toke
 def test_a_tokenizer_or_generation_config_of_gigabytes_is_refused_before_it_is_read(
         src, tmp_path, capsys, no_output_or_tokenizer, name, heads):
     """transformers reads these whole: 3 GiB ended in a MemoryError (or was copied into an output that could not
-    load). A SentencePiece model of another name, a versioned tokenizer and a named chat template were not checked."""
+    load). A SentencePiece model of another name, a versioned tokenizer and a named chat template were not checked.
+    README promises the refusal, in one line with exit status 2 and no DST, for each tokenizer file it lists."""
     (src / name).parent.mkdir(exist_ok=True)
     _sparse(src / name)
     line = cli_error(["convert", str(src), str(tmp_path / "dst"), *heads], capsys)
@@ -716,12 +744,20 @@ def test_fast_tokenizer_files_naming_the_config_or_weights_do_not_replace_the_co
     ("{garbage", "tokenizer_config.json in {src!r} is not valid JSON"),
     ('{"fast_tokenizer_files": "tokenizer.4.0.0.json"}', "fast_tokenizer_files must be a list of file names"),
     ('{"fast_tokenizer_files": ["tokenizer.4.0.0.json\\u0000"]}', "fast_tokenizer_files must be a list of file names"),
+    # valid JSON, but not an object (README: "a tokenizer_config.json that is not a JSON object ... is refused")
+    ("[1]", "tokenizer_config.json in {src!r} must hold a JSON object, got [1]"),
+    ("null", "tokenizer_config.json in {src!r} must hold a JSON object, got null"),
+    ("3", "tokenizer_config.json in {src!r} must hold a JSON object, got 3"),
+    ('"x"', 'tokenizer_config.json in {src!r} must hold a JSON object, got "x"'),
 ])
+@pytest.mark.parametrize("heads", [["--heads", "all"], []])  # copied only; read by the calibration's tokenizer too
 def test_a_tokenizer_config_the_output_could_not_load_is_refused_before_it_is_copied(src, tmp_path, capsys, text,
-                                                                                     message):
-    """Its `fast_tokenizer_files` are read to drop the entries leading out: one that cannot be read is one line."""
+                                                                                     message, heads):
+    """Its `fast_tokenizer_files` are read to drop the entries leading out: one that cannot be read, or a
+    tokenizer_config.json that is valid JSON but no object, is one line with exit status 2, and no DST (whether
+    it is only copied or also read for the calibration text)."""
     (src / "tokenizer_config.json").write_text(text)
-    line = cli_error(["convert", str(src), str(tmp_path / "dst"), "--heads", "all"], capsys)
+    line = cli_error(["convert", str(src), str(tmp_path / "dst"), *heads], capsys)
     assert message.format(src=str(src)) in line and not (tmp_path / "dst").exists()
 
 
