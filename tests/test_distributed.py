@@ -395,7 +395,9 @@ def test_training_script_saves_nothing_on_any_rank_when_training_diverges_under_
     rank alike". Under torchrun (DDP, 2 processes) both ranks report the divergence, none saves or raises a
     traceback, and no --output-dir is left behind."""
     out = run_launcher(
-        [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        # torchrun stops the other workers when one exits with an error, looking every --monitor-interval seconds
+        # (0.1 by default): 5 s give the second rank time to print its line after the first rank's
+        [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--monitor-interval", "5",
          str(REPO / "examples" / "train.py"), "--model", "tiny-v1", "--max-steps", "3", "--seq-len", "16",
          "--batch-size", "2", "--learning-rate", "1e30", "--output-dir", str(tmp_path / "out")],
         cwd=tmp_path, env=offline_env(tmp_path), timeout=300,
