@@ -1808,6 +1808,33 @@ def test_fast_path_forward_and_gradients_equal_eager(mode, implementation, monke
     assert len(mlp_calls) == 2 * layers  # two steps, one MLP per layer
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("heads", [(6, 3), (3, 3)], ids=lambda h: f"h{h[0]}-kv{h[1]}")
+def test_odd_gqa_groups_on_the_fast_path_equal_eager(mode, heads):
+    """README: any h_kv dividing h. The kernels take the query heads of a kv head as one group (V2's pairs, V1's
+    heads of 2 x d): groups of 2 and of 1 (6 heads over 3 kv heads, 3 over 3), in training (loss and gradients) and
+    in a decoding step after a prefill into a DynamicCache and a StaticCache, against eager."""
+    shape = dict(num_attention_heads=heads[0], num_key_value_heads=heads[1], head_dim=64 if GPU else 16)
+    eager = tiny_model(mode, **shape).to(DEVICE, DTYPE).train()
+    fast = tiny_model(mode, attn_implementation=FAST, **shape).to(DEVICE, DTYPE).train()
+    ids, _ = padded_batch(eager.config.vocab_size, length=64 if GPU else 12)
+    losses = [m(ids, labels=ids).loss for m in (eager, fast)]
+    for loss in losses:
+        loss.backward()
+    assert abs(losses[0].item() - losses[1].item()) < TOL * abs(losses[0].item())
+    for (name, p_eager), p_fast in zip(eager.named_parameters(), fast.parameters()):
+        if p_eager.grad is not None and p_eager.grad.norm() > 0:
+            assert rel_err(p_fast.grad, p_eager.grad) < GRAD_TOL, name
+    eager.eval(), fast.eval()
+    with torch.no_grad():
+        expected = eager(ids).logits[:, -1]
+        for cache in (DynamicCache(config=fast.config),
+                      StaticCache(config=fast.config, max_cache_len=ids.shape[1] + 4)):
+            fast(ids[:, :-1], past_key_values=cache, use_cache=True)
+            step = fast(ids[:, -1:], past_key_values=cache, use_cache=True).logits[:, -1]
+            assert rel_err(step, expected) < TOL, type(cache).__name__
+
+
 @pytest.mark.parametrize("mode, keys, training, grads, on_kernel", [
     ("v2", 4096, False, False, True), ("v2", 4097, False, False, False), ("v2", 65536, True, True, True),
     ("v2", 65536, False, True, True), ("v2", 65536, True, False, False), ("v1", 8192, True, False, True),
