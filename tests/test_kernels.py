@@ -1817,14 +1817,20 @@ def test_odd_gqa_groups_on_the_fast_path_equal_eager(mode, heads):
     shape = dict(num_attention_heads=heads[0], num_key_value_heads=heads[1], head_dim=64 if GPU else 16)
     eager = tiny_model(mode, **shape).to(DEVICE, DTYPE).train()
     fast = tiny_model(mode, attn_implementation=FAST, **shape).to(DEVICE, DTYPE).train()
+    # The reference: eager on the same weights in float32. In bfloat16 the tiny models' V1 lambda gradients are sums
+    # that nearly cancel: on an H100 (6 heads over 3 kv heads) bfloat16 eager missed lambda_q1's float32 gradient
+    # 10x and the kernels' changed its sign, while the kernels in float32 gave it to four digits. Such a gradient,
+    # which bfloat16 eager misses too, says nothing about the kernels and is left out.
+    exact = tiny_model(mode, **shape).to(DEVICE, torch.float32).train()
+    exact.load_state_dict(fast.state_dict())
     ids, _ = padded_batch(eager.config.vocab_size, length=64 if GPU else 12)
-    losses = [m(ids, labels=ids).loss for m in (eager, fast)]
+    losses = [m(ids, labels=ids).loss for m in (exact, eager, fast)]
     for loss in losses:
         loss.backward()
-    assert abs(losses[0].item() - losses[1].item()) < TOL * abs(losses[0].item())
-    for (name, p_eager), p_fast in zip(eager.named_parameters(), fast.parameters()):
-        if p_eager.grad is not None and p_eager.grad.norm() > 0:
-            assert rel_err(p_fast.grad, p_eager.grad) < GRAD_TOL, name
+    assert abs(losses[0].item() - losses[2].item()) < TOL * abs(losses[0].item())
+    for (name, p_exact), p_eager, p_fast in zip(exact.named_parameters(), eager.parameters(), fast.parameters()):
+        if p_exact.grad is not None and p_exact.grad.norm() > 0 and rel_err(p_eager.grad, p_exact.grad) < GRAD_TOL:
+            assert rel_err(p_fast.grad, p_exact.grad) < GRAD_TOL, name
     eager.eval(), fast.eval()
     with torch.no_grad():
         expected = eager(ids).logits[:, -1]
