@@ -3,8 +3,6 @@ retrieval is known by construction (a perfect copier, a copier that only sees th
 
 import json
 import random
-import shutil
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -172,95 +170,3 @@ def test_command_line_on_a_real_model(tokenizer, tmp_path):
     assert saved["lengths"] == [256, 512] and saved["accuracy"] == result.accuracy
     assert (out / "needle.png").stat().st_size > 0
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".needle-")] == []  # no staging dir left
-
-
-# ----------------------------------------------------------------------------------------------------------
-# The command line refuses weights that are not this model's own, in one line with exit status 2.
-# ----------------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """A tiny v2 model with its byte-level tokenizer; tests change copies of it."""
-    path = tmp_path_factory.mktemp("needle") / "model"
-    torch.manual_seed(0)
-    DiffLlamaForCausalLM(tiny_config("v2", max_position_embeddings=512)).save_pretrained(path)
-    byte_tokenizer().save_pretrained(path)
-    return path
-
-
-def needle_error(argv, capsys) -> str:
-    """Run the command line, which must exit with status 2 and a one-line error (no traceback); return that line."""
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and "Traceback" not in err, err
-    errors = [line for line in err.splitlines() if ": error: " in line]  # (after argparse's usage lines)
-    assert len(errors) == 1, err
-    return errors[0]
-
-
-def as_pytorch_bin(model: Path, replace: dict | None = None) -> Path:
-    """`model`'s weights moved from model.safetensors into a pickled pytorch_model.bin (the tensors `replace`
-    replaced); returns that file."""
-    from safetensors.torch import load_file
-
-    torch.save({**load_file(model / "model.safetensors"), **(replace or {})}, model / "pytorch_model.bin")
-    (model / "model.safetensors").unlink()
-    return model / "pytorch_model.bin"
-
-
-@pytest.mark.parametrize("attack", ["pytorch_model.bin links out", "a shard of its index links out",
-                                    "a shard of its index named .."])
-def test_command_line_refuses_a_pytorch_model_bin_outside_the_model_folder(model_dir, tmp_path, capsys, monkeypatch,
-                                                                           attack):
-    """README: the weights (`pytorch_model.bin` and the shards an index names included) must be regular files inside
-    the model folder: another model's, linked or named with `..`, would be evaluated as this one. One line with exit
-    status 2, before the model loads and before --out is made."""
-    import transformers
-
-    model = Path(shutil.copytree(model_dir, tmp_path / "model"))
-    other = tmp_path / "other"
-    other.mkdir()
-    as_pytorch_bin(model).rename(other / "pytorch_model.bin")  # another model's weights, outside the folder
-    name = {"pytorch_model.bin links out": "pytorch_model.bin",
-            "a shard of its index links out": "pytorch_model-00001-of-00001.bin",
-            "a shard of its index named ..": "../other/pytorch_model.bin"}[attack]
-    if attack.startswith("a shard"):
-        weights = torch.load(other / "pytorch_model.bin", weights_only=True)
-        index = {"metadata": {}, "weight_map": dict.fromkeys(weights, name)}
-        (model / "pytorch_model.bin.index.json").write_text(json.dumps(index))
-    if attack.endswith("links out"):
-        (model / name).symlink_to(other / "pytorch_model.bin")
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("the model was loaded before its weights were checked")
-
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", refuse)
-    line = needle_error([str(model), "--out", str(tmp_path / "out")], capsys)
-    assert f"{name} in {str(model)!r} leads to {str((other / 'pytorch_model.bin').resolve())!r}" in line, line
-    assert "outside the checkpoint" in line, line
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "other"]
-
-
-@pytest.mark.parametrize("weights", ["model.safetensors", "pytorch_model.bin"])
-def test_command_line_refuses_weights_of_another_shape_than_the_config(model_dir, tmp_path, capsys, weights):
-    """README: a model whose weights are not exactly those its config describes (a tensor of another shape:
-    transformers only prints a report and re-initializes it at random) is one line with exit status 2, naming the
-    tensor and both shapes; no result is written."""
-    from safetensors.torch import load_file, save_file
-
-    model = Path(shutil.copytree(model_dir, tmp_path / "model"))
-    name = "model.layers.0.mlp.up_proj.weight"
-    shape = list(load_file(model / "model.safetensors")[name].shape)
-    wider = torch.zeros(shape[0] + 8, shape[1])
-    if weights == "model.safetensors":
-        save_file({**load_file(model / "model.safetensors"), name: wider}, model / "model.safetensors",
-                  metadata={"format": "pt"})
-    else:
-        as_pytorch_bin(model, {name: wider})
-    line = needle_error([str(model), "--out", str(tmp_path / "out"), "--lengths", "128"], capsys)
-    assert f"model {str(model)!r} could not be loaded" in line and "shapes other than the config's" in line, line
-    assert f"{name} {[shape[0] + 8, shape[1]]} in the checkpoint, {shape} by the config" in line, line
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]

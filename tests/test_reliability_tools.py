@@ -532,3 +532,61 @@ def test_needle_keeps_its_results_when_out_becomes_a_file_during_the_run(model_d
     assert json.loads((kept / "needle.json").read_text())["lengths"] == [256]
     assert blocker.read_text() == "someone else's"
     assert not [p for p in tmp_path.rglob(".needle-*")]  # no hidden staging left
+
+
+def as_pytorch_bin(model: Path, replace: dict | None = None) -> Path:
+    """`model`'s weights moved from model.safetensors into a pickled pytorch_model.bin (the tensors `replace`
+    replaced); returns that file."""
+    from safetensors.torch import load_file
+
+    torch.save({**load_file(model / "model.safetensors"), **(replace or {})}, model / "pytorch_model.bin")
+    (model / "model.safetensors").unlink()
+    return model / "pytorch_model.bin"
+
+
+@pytest.mark.parametrize("attack", ["pytorch_model.bin links out", "a shard of its index links out",
+                                    "a shard of its index named .."])
+def test_needle_refuses_a_pytorch_model_bin_outside_the_model_folder(model_dir, tmp_path, capsys, no_model_loading,
+                                                                     attack):
+    """README: the weights (`pytorch_model.bin` and the shards an index names included) must be regular files inside
+    the model folder: another model's, linked or named with `..`, would be evaluated as this one. One line with exit
+    status 2, before the model loads and before --out is made."""
+    model = Path(shutil.copytree(model_dir, tmp_path / "model"))
+    other = tmp_path / "other"
+    other.mkdir()
+    as_pytorch_bin(model).rename(other / "pytorch_model.bin")  # another model's weights, outside the folder
+    name = {"pytorch_model.bin links out": "pytorch_model.bin",
+            "a shard of its index links out": "pytorch_model-00001-of-00001.bin",
+            "a shard of its index named ..": "../other/pytorch_model.bin"}[attack]
+    if attack.startswith("a shard"):
+        weights = torch.load(other / "pytorch_model.bin", weights_only=True)
+        index = {"metadata": {}, "weight_map": dict.fromkeys(weights, name)}
+        (model / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    if attack.endswith("links out"):
+        (model / name).symlink_to(other / "pytorch_model.bin")
+    line = needle_error([str(model), "--out", str(tmp_path / "out")], capsys)
+    assert f"{name} in {str(model)!r} leads to {str((other / 'pytorch_model.bin').resolve())!r}" in line, line
+    assert "outside the checkpoint" in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "other"]
+
+
+@pytest.mark.parametrize("weights", ["model.safetensors", "pytorch_model.bin"])
+def test_needle_refuses_weights_of_another_shape_than_the_config(model_dir, tmp_path, capsys, weights):
+    """README: a model whose weights are not exactly those its config describes (a tensor of another shape:
+    transformers only prints a report and re-initializes it at random) is one line with exit status 2, naming the
+    tensor and both shapes; no result is written."""
+    from safetensors.torch import load_file, save_file
+
+    model = Path(shutil.copytree(model_dir, tmp_path / "model"))
+    name = "model.layers.0.mlp.up_proj.weight"
+    shape = list(load_file(model / "model.safetensors")[name].shape)
+    wider = torch.zeros(shape[0] + 8, shape[1])
+    if weights == "model.safetensors":
+        save_file({**load_file(model / "model.safetensors"), name: wider}, model / "model.safetensors",
+                  metadata={"format": "pt"})
+    else:
+        as_pytorch_bin(model, {name: wider})
+    line = needle_error([str(model), "--out", str(tmp_path / "out"), "--lengths", "128"], capsys)
+    assert f"model {str(model)!r} could not be loaded" in line and "shapes other than the config's" in line, line
+    assert f"{name} {[shape[0] + 8, shape[1]]} in the checkpoint, {shape} by the config" in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
