@@ -71,8 +71,10 @@ _ANNEALED_MODELS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
 def register_annealed_model(model: nn.Module) -> None:
-    """Count optimizer steps for `model` as a whole where it holds annealed attentions (called by post_init)."""
+    """Count optimizer steps for `model` as a whole where it holds annealed attentions (called by post_init). A
+    model built inside it (the DiffLlamaModel of a DiffLlamaForCausalLM, whose post_init ran first) is its part."""
     if any(module in _ANNEALED_ATTENTIONS for module in model.modules()):
+        _ANNEALED_MODELS.difference_update(model.modules())
         _ANNEALED_MODELS.add(model)
 
 
@@ -99,9 +101,9 @@ def _parameters_of_outer_steps() -> set[int] | None:
 def _step_counts_for(owner: nn.Module, stepped: set[int], outer: set) -> bool:
     """Whether an optimizer step over the parameters `stepped`, inside the steps over `outer`, is a training step of
     `owner`: it holds one of owner's parameters and no enclosing step does (that one counts it); or owner is in
-    training mode with every parameter frozen, and no step encloses this one (torch refuses an optimizer of no
-    parameters, so `outer` is empty only then): what trains is outside it (PEFT's
-    prompt or prefix encoder), so every optimizer step is one of its training steps."""
+    training mode with every parameter frozen and no step encloses this one (torch refuses an optimizer of no
+    parameters, so `outer` is empty only then): what trains is outside it (PEFT's prompt or prefix encoder), so every
+    optimizer step is one of its training steps."""
     parameters = list(owner.parameters())
     ids = {id(p) for p in parameters}
     if ids & stepped:
@@ -117,9 +119,7 @@ def _advance_annealing(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         return
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
     pending = set(_ANNEALED_ATTENTIONS)
-    # Outermost first: a DiffLlamaModel registers itself inside the DiffLlamaForCausalLM that holds it.
-    owners = sorted(_ANNEALED_MODELS, key=lambda model: sum(1 for _ in model.modules()), reverse=True)
-    for owner in owners:
+    for owner in list(_ANNEALED_MODELS):
         attentions = [module for module in owner.modules() if module in pending]
         pending.difference_update(attentions)
         if attentions and _step_counts_for(owner, stepped, outer):

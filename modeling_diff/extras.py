@@ -6,7 +6,8 @@
 import importlib
 import importlib.util
 
-EXTRAS = {"peft": "peft", "gguf": "gguf", "matplotlib": "needle", "lm_eval": "eval"}  # top-level module -> extra installing it
+# top-level module -> the extra installing it
+EXTRAS = {"peft": "peft", "gguf": "gguf", "matplotlib": "needle", "lm_eval": "eval"}
 
 
 def require(module: str, purpose: str):

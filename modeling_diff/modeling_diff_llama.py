@@ -40,8 +40,10 @@ from . import tensor_parallel  # noqa: F401  (registers the plan's styles for th
 from .decode_graphs import decode_step
 from .generation import graphed_greedy_generate
 from .peft_targets import register_peft_default_targets
-from .diff_attention import (ATTENTION_CLASSES, DexAttention, DexLambda, DifferentialLambda, DiffAttentionV1, DiffAttentionV2,
-                             register_annealed_model)
+from .diff_attention import (
+    ATTENTION_CLASSES, DexAttention, DexLambda, DifferentialLambda, DiffAttentionV1, DiffAttentionV2,
+    register_annealed_model,
+)
 from .kernels import (
     add_rms_norm, add_rms_norm_applies, check_static_cache_fits, gated_projection, gated_projection_applies,
     keep_own_forward, resolve, rms_norm, rms_norm_kernel_applies, rope_cos_sin, rope_cos_sin_applies, runs_own_forward,
