@@ -1,9 +1,10 @@
 """Annealing the differential term in during adaptation (DEX lambda schedule, V2 noise factor).
 
 The step t lives in every V2/DEX attention's integer `anneal_step` buffer, so a checkpoint saved mid-adaptation
-resumes exactly; T is `config.anneal_steps`. t is the number of optimizer steps taken, and it keeps itself so:
-after every optimizer step that updates the model, t grows by one (an optimizer step hook, `diff_attention.py`),
-whatever runs the loop -- Trainer, TRL, accelerate or a custom loop. Nothing to add:
+resumes exactly; T is `config.anneal_steps`. t is the number of training steps taken, and it keeps itself so:
+after the optimizer steps that update the model, t grows by one a training step however many optimizers share it
+(an optimizer step hook, `diff_attention.py`), whatever runs the loop -- Trainer, TRL, accelerate or a custom loop.
+Nothing to add:
 
 - with `Trainer`, `callbacks=[AnnealingCallback()]` also pins t to the model's t when training began plus
   `state.global_step` (after a resume too) and logs the schedule;

@@ -60,14 +60,19 @@ def anneal_step_buffer() -> nn.Buffer:
 
 # The V2 / DEX attentions with annealing on (anneal_steps > 0). t advances by itself: after every optimizer step
 # that updates their model (any optimizer, any training loop: Trainer, TRL, accelerate, a custom loop), t of every
-# annealed attention of that model grows by one, so that t = the optimizer steps taken. A step skipped by a gradient
+# annealed attention of that model grows by one, so that t = the training steps taken. A step skipped by a gradient
 # scaler calls no `step()` and does not count. `AnnealingCallback` also pins t to Trainer's global step (and logs
 # the schedule). The models that hold them (`register_annealed_model`, from the models' post_init) are the unit that
 # counts: an optimizer over some of a model's parameters (the embeddings, the MLPs, one layer) advanced only the
 # attentions whose own parameters it held, so the layers fell out of step, and prompt or prefix tuning (PEFT's
 # encoder lies outside the model, which it freezes) advanced none, so the differential term never turned on.
+# t counts training steps, not `step()` calls: a training step is a round of optimizer steps over the model in which
+# no optimizer steps twice (`_starts_a_training_step`), so that Muon for the matrices beside AdamW for the rest, or
+# one optimizer a parameter stepped in the backward (transformers' layerwise optimizers), count one step, as
+# Trainer's global step does; they advanced t two or hundreds of times a step, and the schedule ended that early.
 _ANNEALED_ATTENTIONS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 _ANNEALED_MODELS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+_ROUNDS: "weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet]" = weakref.WeakKeyDictionary()
 
 
 def register_annealed_model(model: nn.Module) -> None:
@@ -111,6 +116,18 @@ def _step_counts_for(owner: nn.Module, stepped: set[int], outer: set) -> bool:
     return owner.training and not outer and not any(p.requires_grad for p in parameters)
 
 
+def _starts_a_training_step(owner: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a step of `optimizer` that counts for `owner` begins one of its training steps: the first step of a
+    round (`_ROUNDS[owner]`, the optimizers that stepped owner since its t last advanced), or a second step of an
+    optimizer already in it, which begins the next round. A step of another optimizer joins the round."""
+    round_ = _ROUNDS.setdefault(owner, weakref.WeakSet())
+    starts = not round_ or optimizer in round_
+    if starts:
+        round_.clear()
+    round_.add(optimizer)
+    return starts
+
+
 def _advance_annealing(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     if not _ANNEALED_ATTENTIONS:
         return
@@ -119,13 +136,16 @@ def _advance_annealing(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         return
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
     pending = set(_ANNEALED_ATTENTIONS)
+    owners = []
     for owner in list(_ANNEALED_MODELS):
         attentions = [module for module in owner.modules() if module in pending]
         pending.difference_update(attentions)
-        if attentions and _step_counts_for(owner, stepped, outer):
-            _advance(attentions)
+        owners.append((owner, attentions))
     # Attentions outside any registered model (built on their own) count for themselves.
-    _advance([module for module in pending if _step_counts_for(module, stepped, outer)])
+    owners += [(module, [module]) for module in pending]
+    for owner, attentions in owners:
+        if attentions and _step_counts_for(owner, stepped, outer) and _starts_a_training_step(owner, optimizer):
+            _advance(attentions)
 
 
 def _advance(attentions: list[nn.Module]) -> None:

@@ -161,28 +161,73 @@ def test_an_optimizer_over_part_of_the_model_advances_every_layer_s_t(trained):
     assert layer_steps(model) == [2] * len(layers)
 
 
-def test_two_optimizers_are_two_steps_and_a_step_the_scaler_skips_is_none():
-    """README: two optimizers stepped one after the other, each updating the model, are two steps; a step that a
-    gradient scaler skips (an inf gradient) calls no step() and does not count."""
-    model = dex_model(anneal_steps=10)
-    attention = [p for layer in model.model.layers for p in layer.self_attn.parameters()]
-    others = [p for p in model.parameters() if all(p is not q for q in attention)]
-    first, second = torch.optim.SGD(attention, lr=1e-3), torch.optim.SGD(others, lr=1e-3)
-    ids = token_ids()
-    model.train()(ids, labels=ids).loss.backward()
-    first.step()
-    second.step()
-    assert layer_steps(model) == [2, 2, 2]
+def split_optimizers(model, kind: str) -> list[torch.optim.Optimizer]:
+    """Optimizers that share the model's parameters between them, as users combine them: torch's Muon for the
+    layers' matrices beside AdamW for the rest (Muon takes 2-D parameters only), the attentions' parameters beside
+    the rest, or one optimizer a parameter (transformers' layerwise optimizers)."""
+    if kind == "muon and adamw":
+        matrices = [p for layer in model.model.layers for p in layer.parameters() if p.ndim == 2]
+        rest = [p for p in model.parameters() if all(p is not q for q in matrices)]
+        return [torch.optim.Muon(matrices, lr=1e-3), torch.optim.AdamW(rest, lr=1e-3)]
+    if kind == "attentions and the rest":
+        attention = [p for layer in model.model.layers for p in layer.self_attn.parameters()]
+        return [torch.optim.SGD(attention, lr=1e-3),
+                torch.optim.SGD([p for p in model.parameters() if all(p is not q for q in attention)], lr=1e-3)]
+    return [torch.optim.SGD([p], lr=1e-3) for p in model.parameters()]
 
+
+@pytest.mark.parametrize("kind", ["muon and adamw", "attentions and the rest"])
+def test_optimizers_stepped_one_after_another_in_a_training_step_are_one_step(kind):
+    """README: t counts training steps. Two optimizers over parts of the model, each stepped once a training step,
+    advanced t twice a step, so the schedule ended at half its T, and so did a model trained with Muon beside AdamW."""
+    model = dex_model(anneal_steps=10)
+    optimizers, ids = split_optimizers(model, kind), token_ids()
+    for _ in range(3):
+        model.train()(ids, labels=ids).loss.backward()
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    assert layer_steps(model) == [3, 3, 3]
+
+
+def test_one_optimizer_a_parameter_stepped_in_the_backward_is_one_step():
+    """The optimizer step fused into the backward (PyTorch's tutorial; transformers' layerwise optimizers, GaLore's
+    and APOLLO's, do it this way): one optimizer a parameter, stepped by the parameter's post-accumulate-grad hook.
+    Each of the model's 30 optimizers advanced t once a step."""
+    model = dex_model(anneal_steps=100)
+    optimizers = dict(zip(model.parameters(), split_optimizers(model, "one a parameter")))
+
+    def step(parameter):
+        optimizers[parameter].step()
+        optimizers[parameter].zero_grad()
+
+    for parameter in model.parameters():
+        parameter.register_post_accumulate_grad_hook(step)
+    ids = token_ids()
+    for _ in range(3):
+        model.train()(ids, labels=ids).loss.backward()
+    assert len(optimizers) > 10 and layer_steps(model) == [3, 3, 3]
+
+
+def test_a_step_the_scaler_skips_is_none_and_a_new_optimizer_counts_from_its_second_step():
+    """A step that a gradient scaler skips (an inf gradient) calls no step() and does not count. An optimizer that
+    takes over from another still referenced joins the other's training step with its first step (it cannot be
+    told from a second optimizer of that step), and counts from its second on: README says so."""
+    model = dex_model(anneal_steps=10)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     train_steps(model, optimizer, steps=1, scaler=scaler)
-    assert layer_steps(model) == [3, 3, 3]
-    optimizer.zero_grad()
+    assert layer_steps(model) == [1, 1, 1]
+    ids = token_ids()
     (model(ids, labels=ids).loss * float("inf")).backward()  # inf gradients: the scaler skips the step
     scaler.step(optimizer)
     scaler.update()
-    assert layer_steps(model) == [3, 3, 3]
+    optimizer.zero_grad()
+    assert layer_steps(model) == [1, 1, 1]
+    train_steps(model, optimizer, steps=1)
+    assert layer_steps(model) == [2, 2, 2]
+    train_steps(model, torch.optim.SGD(model.parameters(), lr=1e-3), steps=3)
+    assert layer_steps(model) == [4, 4, 4]
 
 
 def test_a_frozen_model_counts_the_steps_of_what_trains_it_only_in_training_mode():
