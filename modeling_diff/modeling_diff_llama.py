@@ -39,6 +39,7 @@ from .configuration import DiffLlamaConfig
 from . import tensor_parallel  # noqa: F401  (registers the plan's styles for the differential parameters)
 from .decode_graphs import decode_step
 from .generation import graphed_greedy_generate
+from .import_hooks import call_when_imported
 from .peft_targets import register_peft_default_targets
 from .diff_attention import (
     ATTENTION_CLASSES, DexAttention, DexLambda, DifferentialLambda, DiffAttentionV1, DiffAttentionV2,
@@ -315,6 +316,12 @@ def _legacy_layout_readable():
                 conversion_mapping.USER_REGISTERED_MAPPINGS.discard(model_type)
 
 
+def _register_with_liger() -> None:
+    """Put "diff_llama" in Liger's model-type dispatch (`liger.py` does as it is imported), so that
+    `TrainingArguments(use_liger_kernel=True)` and TRL apply `apply_liger_kernel_to_diff_llama`."""
+    from . import liger  # noqa: F401
+
+
 class DiffLlamaPreTrainedModel(PreTrainedModel):
     config_class = DiffLlamaConfig
     config: DiffLlamaConfig
@@ -346,7 +353,10 @@ class DiffLlamaPreTrainedModel(PreTrainedModel):
 
     def post_init(self):
         super().post_init()
-        register_peft_default_targets()  # where PEFT is imported; a remote-code folder does not import modeling_diff
+        # PEFT's default targets and Liger's dispatch, as soon as they are imported (an exported remote-code folder
+        # runs no `import modeling_diff`, which registers them)
+        call_when_imported("peft.utils.constants", register_peft_default_targets)
+        call_when_imported("liger_kernel.transformers", _register_with_liger)
         register_annealed_model(self)  # optimizer steps count for the model as a whole
 
     def _init_weights(self, module):

@@ -2,10 +2,11 @@
 projections carry Llama's names), so that a config without `target_modules` (`LoraConfig(task_type=...)`,
 `IA3Config()`) adapts a DiffLlama as it would a Llama; PEFT raised "Please specify `target_modules`".
 
-Registered only where PEFT is already imported: importing it took 5.5 s, which neither the model's module nor an
-exported remote-code folder (modeling_diff/hub.py carries this module) should cost a user who does not use PEFT.
-`modeling_diff.lora` imports PEFT and registers; every model registers as it is built (`post_init`), so in a
-remote-code folder a model built after `import peft` has PEFT's defaults."""
+Registered where PEFT is imported, never by importing it: importing it took 5.5 s, which neither the model's module
+nor an exported remote-code folder (modeling_diff/hub.py carries this module) should cost a user who does not use
+PEFT. `modeling_diff.lora` imports PEFT and registers; every model asks for it as it is built (`post_init`, through
+`import_hooks.call_when_imported`), so in a remote-code folder PEFT has the defaults whether it is imported before
+the model is built or after."""
 
 import sys
 
