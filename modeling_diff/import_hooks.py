@@ -1,12 +1,10 @@
-"""Registrations with optional packages (PEFT, Liger) that run when the package is imported, now or later.
+"""Registrations with an optional package that run when the package is imported, now or later.
 
-"diff_llama" is added to dicts of those packages: PEFT's default target modules (`peft_targets.py`) and Liger's
-model-type dispatch (`liger.py`). Importing PEFT (5.5 s) or Liger only to add it would cost every user who uses
-neither, so a model registers as it is built where the package is imported already, and otherwise as soon as it is.
-Registering only where it was already imported missed the common order: the model built first, then
-`TrainingArguments(use_liger_kernel=True)`'s Trainer importing Liger, or `from peft import ...` in the next cell --
-which in an exported remote-code folder, where `import modeling_diff` never runs, left PEFT asking for
-`target_modules` and Liger applying nothing.
+"diff_llama" is added to PEFT's default target modules (`peft_targets.py`), a dict of PEFT's. Importing PEFT (5.5 s)
+only to add it would cost every user who does not use it, so a model registers as it is built where PEFT is imported
+already, and otherwise as soon as it is. Registering only where it was already imported missed the common order, the
+model built first and `from peft import ...` in the next cell, which in an exported remote-code folder (where
+`import modeling_diff` never runs) left PEFT asking for `target_modules`.
 """
 
 import importlib.abc

@@ -316,12 +316,6 @@ def _legacy_layout_readable():
                 conversion_mapping.USER_REGISTERED_MAPPINGS.discard(model_type)
 
 
-def _register_with_liger() -> None:
-    """Put "diff_llama" in Liger's model-type dispatch (`liger.py` does as it is imported), so that
-    `TrainingArguments(use_liger_kernel=True)` and TRL apply `apply_liger_kernel_to_diff_llama`."""
-    from . import liger  # noqa: F401
-
-
 class DiffLlamaPreTrainedModel(PreTrainedModel):
     config_class = DiffLlamaConfig
     config: DiffLlamaConfig
@@ -353,10 +347,9 @@ class DiffLlamaPreTrainedModel(PreTrainedModel):
 
     def post_init(self):
         super().post_init()
-        # PEFT's default targets and Liger's dispatch, as soon as they are imported (an exported remote-code folder
-        # runs no `import modeling_diff`, which registers them)
+        # PEFT's default targets, as soon as PEFT is imported (an exported remote-code folder runs no `import
+        # modeling_diff`, which registers them)
         call_when_imported("peft.utils.constants", register_peft_default_targets)
-        call_when_imported("liger_kernel.transformers", _register_with_liger)
         register_annealed_model(self)  # optimizer steps count for the model as a whole
 
     def _init_weights(self, module):

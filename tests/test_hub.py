@@ -174,48 +174,34 @@ def test_peft_configs_without_target_modules_adapt_an_exported_folders_model_as_
 
 
 # A fresh process (WITHOUT_THE_PACKAGE) that builds the exported folder's model first and then imports PEFT (the next
-# cell of a notebook), or has Trainer's use_liger_kernel=True import Liger.
-LATE_IMPORT_PROCESS = WITHOUT_THE_PACKAGE + r"""
-import torch
+# cell of a notebook).
+PEFT_LATER_PROCESS = WITHOUT_THE_PACKAGE + r"""
 from transformers import AutoModelForCausalLM
 model = AutoModelForCausalLM.from_pretrained(sys.argv[2], trust_remote_code=True)
-result["imported_by_loading"] = sorted({name.partition(".")[0] for name in sys.modules} & {"peft", "liger_kernel"})
-if sys.argv[3] == "peft":
-    from peft import LoraConfig, get_peft_model
-    config = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM")).peft_config["default"]
-    result["targets"] = sorted(config.target_modules)
-else:
-    from transformers import Trainer, TrainingArguments
-    args = TrainingArguments(output_dir=sys.argv[4], use_cpu=True, report_to=[], use_liger_kernel=True, max_steps=1,
-                             per_device_train_batch_size=2, save_strategy="no", disable_tqdm=True)
-    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(3, 60, (2, 8))]
-    Trainer(model=model, args=args, train_dataset=data).train()
-    result["liger_loss"] = getattr(model.fused_linear_loss, "__module__", None)
+result["imported_by_loading"] = "peft" in sys.modules
+from peft import LoraConfig, get_peft_model
+config = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM")).peft_config["default"]
+result["targets"] = sorted(config.target_modules)
 result["class"] = type(model).__module__
 result["modeling_diff_loaded"] = any(name.startswith("modeling_diff") for name in sys.modules)
 print("RESULT" + json.dumps(result))
 """
 
 
-@pytest.mark.parametrize("package", ["peft", "liger"])
-def test_peft_and_liger_imported_after_an_exported_folders_model_is_built_know_it(tmp_path, package):
-    """Without modeling_diff, the folder's model registered PEFT's default targets and Liger's dispatch only where
-    the package was imported before the model was built: `LoraConfig(task_type="CAUSAL_LM")` in a later cell raised
-    "Please specify `target_modules`", and Trainer's use_liger_kernel=True (which imports Liger) patched nothing.
-    Loading the model still imports neither package."""
+def test_peft_imported_after_an_exported_folders_model_is_built_has_its_default_targets(tmp_path):
+    """Without modeling_diff, the folder's model registered PEFT's default targets only where PEFT was imported
+    before the model was built: `LoraConfig(task_type="CAUSAL_LM")` in a later cell raised "Please specify
+    `target_modules`". Loading the model still does not import PEFT."""
     from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as LORA_TARGETS
 
     folder = save_for_hub(trained_looking_model("v2"), tmp_path / "export")
-    out = subprocess.run([PYTHON, "-I", "-c", LATE_IMPORT_PROCESS, str(REPO), str(folder), package, str(tmp_path)],
-                         cwd=tmp_path, env=offline_env(tmp_path), capture_output=True, text=True, timeout=300)
+    out = subprocess.run([PYTHON, "-I", "-c", PEFT_LATER_PROCESS, str(REPO), str(folder)], cwd=tmp_path,
+                         env=offline_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.split("RESULT", 1)[1])
     assert result["modeling_diff_importable"] is False and result["modeling_diff_loaded"] is False
-    assert result["imported_by_loading"] == [] and result["class"].startswith("transformers_modules."), result
-    if package == "peft":
-        assert result["targets"] == sorted(LORA_TARGETS["llama"]), result
-    else:  # the folder's own copy of the fused loss, bound to the model
-        assert result["liger_loss"] == result["class"].rpartition(".")[0] + ".liger", result
+    assert result["imported_by_loading"] is False and result["class"].startswith("transformers_modules."), result
+    assert result["targets"] == sorted(LORA_TARGETS["llama"]), result
 
 
 @pytest.mark.parametrize("trust_remote_code", [False, True])
