@@ -4,7 +4,8 @@
 generation config) plus:
 - the model's source code as FLAT files (`modeling_diff_llama.py`, `diff_attention.py`,
   `configuration_diff_llama.py`, ...) whose package-relative imports are rewritten to `from .x import y`;
-- `auto_map` in config.json naming those files, for every Auto class the package registers;
+- `auto_map` in config.json naming those files, for every Auto class the package registers (the models through
+  `remote_code.py`, which also makes the registration with Liger that `import modeling_diff` makes);
 - a model card (README.md).
 The folder then loads with `AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)` in a Python
 that does not have `modeling_diff` installed. `push_to_hub(model, repo_id)` uploads that folder.
@@ -200,10 +201,19 @@ def registered_classes(config_class) -> dict[str, type]:
     return classes
 
 
+# The module that auto_map names for the models: their classes, and what the folder's code registers as it loads
+REMOTE_CODE = "modeling_diff.remote_code"
+
+
+def _entry_module(cls: type) -> str:
+    """The module auto_map names for `cls`: REMOTE_CODE where it exports the class, else the class's own."""
+    return REMOTE_CODE if getattr(importlib.import_module(REMOTE_CODE), cls.__name__, None) is cls else cls.__module__
+
+
 def auto_map(model) -> dict[str, str]:
     """`auto_map` of config.json: each registered class as `<flat module>.<class name>`."""
     classes = registered_classes(type(model.config))
-    return {auto: f"{_flat_name(cls.__module__)}.{cls.__name__}" for auto, cls in classes.items()}
+    return {auto: f"{_flat_name(_entry_module(cls))}.{cls.__name__}" for auto, cls in classes.items()}
 
 
 def check_repo_id(repo_id, name: str = "repo_id") -> None:
@@ -289,7 +299,7 @@ def save_for_hub(model, save_directory: str | os.PathLike, tokenizer=None, repo_
         registered = sorted(cls.__name__ for name, cls in classes.items() if name != "AutoConfig")
         raise ValueError(f"model must be of a class registered with an Auto class {registered}, got "
                          f"{type(model).__module__}.{type(model).__name__}")
-    sources = flatten_modules(sorted({cls.__module__ for cls in classes.values()}))
+    sources = flatten_modules(sorted({_entry_module(cls) for cls in classes.values()}))
 
     with atomic_directory(save_directory, overwrite, protect, name="save_directory",
                           expected=("config.json",)) as staging:

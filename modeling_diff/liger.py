@@ -30,7 +30,9 @@ What it replaces (Liger's kernels are Triton: CUDA tensors, or Triton's interpre
   V2's 2h query heads) are rotated there in one call. benchmarks/RESULTS.md compares it with Liger's kernel.
 """
 
+import functools
 import inspect
+import sys
 from types import MethodType
 
 import torch
@@ -154,5 +156,15 @@ def apply_liger_kernel_to_diff_llama(
         model.fused_linear_loss = MethodType(liger_fused_linear_loss, model)
 
 
+@functools.wraps(apply_liger_kernel_to_diff_llama)  # its signature: Liger passes the keywords that it names
+def apply_liger_kernel_with_the_model_s_own_code(*args, model=None, **kwargs) -> None:
+    """Liger's dispatch entry for "diff_llama", one for the package and every exported folder's copy of this module
+    (`remote_code.py`; the first registered stays): the `apply_liger_kernel_to_diff_llama` of the code the model (or
+    the model a PEFT model wraps) is built from, where that code's copy of this module is imported, else this one."""
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    own = sys.modules.get(type(base).__module__.rpartition(".")[0] + ".liger")
+    getattr(own, "apply_liger_kernel_to_diff_llama", apply_liger_kernel_to_diff_llama)(*args, model=model, **kwargs)
+
+
 if LIGER_AVAILABLE:  # what TrainingArguments(use_liger_kernel=True) and TRL look config.model_type up in
-    MODEL_TYPE_TO_APPLY_LIGER_FN[DiffLlamaConfig.model_type] = apply_liger_kernel_to_diff_llama
+    MODEL_TYPE_TO_APPLY_LIGER_FN.setdefault(DiffLlamaConfig.model_type, apply_liger_kernel_with_the_model_s_own_code)

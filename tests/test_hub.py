@@ -108,7 +108,7 @@ def test_remote_code_export_loads_without_the_package(tmp_path):
                 "configuration_diff_llama.py"} <= files
         auto_map = json.loads((folder / "config.json").read_text())["auto_map"]
         assert auto_map["AutoConfig"] == "configuration_diff_llama.DiffLlamaConfig"
-        assert auto_map["AutoModelForCausalLM"] == "modeling_diff_llama.DiffLlamaForCausalLM"
+        assert auto_map["AutoModelForCausalLM"] == "remote_code.DiffLlamaForCausalLM"
         for reference in auto_map.values():
             module_file = folder / (reference.rpartition(".")[0] + ".py")
             for needed in [str(module_file), *get_relative_import_files(module_file)]:
@@ -186,6 +186,39 @@ result["class"] = type(model).__module__
 result["modeling_diff_loaded"] = any(name.startswith("modeling_diff") for name in sys.modules)
 print("RESULT" + json.dumps(result))
 """
+
+
+# A fresh process (WITHOUT_THE_PACKAGE) that loads the exported folder's model and then trains it with Trainer's
+# use_liger_kernel=True, which imports Liger.
+LIGER_LATER_PROCESS = WITHOUT_THE_PACKAGE + r"""
+import torch
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+model = AutoModelForCausalLM.from_pretrained(sys.argv[2], trust_remote_code=True)
+result["imported_by_loading"] = "liger_kernel" in sys.modules
+args = TrainingArguments(output_dir=sys.argv[3], use_cpu=True, report_to=[], use_liger_kernel=True, max_steps=1,
+                         per_device_train_batch_size=2, save_strategy="no", disable_tqdm=True)
+data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(3, 60, (2, 8))]
+Trainer(model=model, args=args, train_dataset=data).train()
+result["loss_module"] = getattr(model.fused_linear_loss, "__module__", None)
+result["class"] = type(model).__module__
+result["modeling_diff_loaded"] = any(name.startswith("modeling_diff") for name in sys.modules)
+print("RESULT" + json.dumps(result))
+"""
+
+
+def test_liger_imported_after_an_exported_folders_model_is_loaded_patches_it(tmp_path):
+    """Without modeling_diff, Trainer's use_liger_kernel=True patched nothing on the folder's model: "diff_llama" was
+    in Liger's dispatch only after `import modeling_diff`. Now the folder's code registers when Liger is imported,
+    and the model gets the folder's own fused loss. Loading the model still does not import Liger."""
+    folder = save_for_hub(trained_looking_model("v2"), tmp_path / "export")
+    assert (folder / "liger.py").is_file() and (folder / "remote_code.py").is_file()
+    out = subprocess.run([PYTHON, "-I", "-c", LIGER_LATER_PROCESS, str(REPO), str(folder), str(tmp_path / "out")],
+                         cwd=tmp_path, env=offline_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.split("RESULT", 1)[1])
+    assert result["modeling_diff_importable"] is False and result["modeling_diff_loaded"] is False
+    assert result["imported_by_loading"] is False and result["class"].startswith("transformers_modules."), result
+    assert result["loss_module"] == result["class"].rpartition(".")[0] + ".liger", result
 
 
 def test_peft_imported_after_an_exported_folders_model_is_built_has_its_default_targets(tmp_path):

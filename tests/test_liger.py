@@ -22,7 +22,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArgumen
 
 from modeling_diff import DiffLlamaConfig, DiffLlamaForCausalLM, apply_liger_kernel_to_diff_llama, modeling_diff_llama
 from modeling_diff.diff_attention import SublnRMSNorm
-from modeling_diff.liger import fused_loss_chunk_budget, liger_fused_linear_loss
+from modeling_diff.liger import (apply_liger_kernel_with_the_model_s_own_code, fused_loss_chunk_budget,
+                                 liger_fused_linear_loss)
 
 pytest.importorskip("liger_kernel", reason="liger-kernel (the [liger] extra) is not installed")
 from liger_kernel.transformers.rms_norm import LigerRMSNorm  # noqa: E402
@@ -98,7 +99,7 @@ def test_diff_llama_is_in_liger_model_type_dispatch():
     from liger_kernel.transformers import _apply_liger_kernel_to_instance
     from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
 
-    assert MODEL_TYPE_TO_APPLY_LIGER_FN[DiffLlamaConfig.model_type] is apply_liger_kernel_to_diff_llama
+    assert MODEL_TYPE_TO_APPLY_LIGER_FN[DiffLlamaConfig.model_type] is apply_liger_kernel_with_the_model_s_own_code
     model = tiny_model("v1")
     _apply_liger_kernel_to_instance(model=model)  # what Trainer's use_liger_kernel=True calls
     assert model.fused_linear_loss is not None
@@ -117,12 +118,13 @@ def test_diff_llama_is_in_liger_model_type_dispatch():
     assert type(subln) is SublnRMSNorm and "forward" not in vars(subln)
 
 
-def test_a_model_of_an_exported_folders_remote_code_is_refused_saying_how_to_load_it(tmp_path):
+def test_a_model_of_an_exported_folders_remote_code_is_patched_with_its_own_code(tmp_path):
     """An exported folder loaded with trust_remote_code=True before modeling_diff is imported is of the folder's copy
-    of the classes; once modeling_diff is imported, Liger's dispatch finds its model type, and Trainer's
+    of the classes. Liger's dispatch entry for its model type was the package's function, and Trainer's
     use_liger_kernel=True raised "model must be a DiffLlama model (or a PEFT model of one), got
-    DiffLlamaForCausalLM", naming the model's own class. The error now says it is remote code and how to load the
-    package's classes, which it then patches (the user's order, through Trainer, in a process of its own)."""
+    DiffLlamaForCausalLM". The entry now patches each model with its own code's copy of `modeling_diff.liger` (the
+    folder registers it, `remote_code.py`); the package's function, called by hand on the folder's model, still says
+    it is remote code and how to load the package's classes (the user's order, in a process of its own)."""
     from ecosystem_helpers import PYTHON, offline_env
 
     from modeling_diff.hub import save_for_hub
@@ -134,16 +136,16 @@ from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 remote = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True)
 import modeling_diff
 assert type(remote).__module__.startswith("transformers_modules."), type(remote).__module__
+try:
+    modeling_diff.apply_liger_kernel_to_diff_llama(model=remote)
+except ValueError as error:
+    print("ERROR", " ".join(str(error).split()))
 args = TrainingArguments(output_dir={str(tmp_path / "out")!r}, use_cpu=True, report_to=[], use_liger_kernel=True,
                          max_steps=1, per_device_train_batch_size=2, save_strategy="no", disable_tqdm=True)
 data = [{{"input_ids": ids, "labels": ids}} for ids in torch.randint(3, 90, (2, 8))]
-try:  # Trainer applies Liger as train() starts
-    Trainer(model=remote, args=args, train_dataset=data).train()
-except ValueError as error:
-    print("ERROR", " ".join(str(error).split()))
-model = AutoModelForCausalLM.from_pretrained({str(folder)!r})
-Trainer(model=model, args=args, train_dataset=data).train()
-print("PATCHED", type(model) is modeling_diff.DiffLlamaForCausalLM and model.fused_linear_loss is not None)
+for model in (remote, AutoModelForCausalLM.from_pretrained({str(folder)!r})):  # Trainer patches as train() starts
+    Trainer(model=model, args=args, train_dataset=data).train()
+    print("PATCHED", type(model).__module__, model.fused_linear_loss.__module__)
 """
     out = subprocess.run([PYTHON, "-c", script], cwd=tmp_path, env=offline_env(tmp_path), capture_output=True,
                          text=True, timeout=300)
@@ -151,7 +153,9 @@ print("PATCHED", type(model) is modeling_diff.DiffLlamaForCausalLM and model.fus
     error = next((line for line in out.stdout.splitlines() if line.startswith("ERROR ")), out.stdout[-3000:])
     assert re.search(r"got DiffLlamaForCausalLM of remote code \(transformers_modules\..*\): load the folder without "
                      r"trust_remote_code, with modeling_diff imported", error), error
-    assert "PATCHED True" in out.stdout
+    patched = [line.split()[1:] for line in out.stdout.splitlines() if line.startswith("PATCHED ")]
+    assert len(patched) == 2 and all(loss == cls.rpartition(".")[0] + ".liger" for cls, loss in patched), out.stdout
+    assert patched[0][0].startswith("transformers_modules.") and patched[1][0] == "modeling_diff.modeling_diff_llama"
 
 
 def test_liger_rms_norm_on_the_instance_keeps_its_forward_in_decoding_steps(monkeypatch):
