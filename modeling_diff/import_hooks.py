@@ -1,10 +1,11 @@
 """Registrations with an optional package that run when the package is imported, now or later.
 
-"diff_llama" is added to PEFT's default target modules (`peft_targets.py`), a dict of PEFT's. Importing PEFT (5.5 s)
-only to add it would cost every user who does not use it, so a model registers as it is built where PEFT is imported
-already, and otherwise as soon as it is. Registering only where it was already imported missed the common order, the
-model built first and `from peft import ...` in the next cell, which in an exported remote-code folder (where
-`import modeling_diff` never runs) left PEFT asking for `target_modules`.
+An exported remote-code folder (`remote_code.py`) adds "diff_llama" to dicts of PEFT (its default target modules)
+and Liger (its model-type dispatch). Importing PEFT (5.5 s) or liger-kernel (3.4 s) only to add it would cost every
+user who uses neither, so it is added where the package is imported already, and otherwise as soon as it is. Added
+only where the package was imported before the model was built, it missed the common order: the model loaded first,
+then `from peft import ...` in the next cell (PEFT asked for `target_modules`), or Trainer's `use_liger_kernel=True`
+importing Liger (which patched nothing).
 """
 
 import importlib.abc

@@ -39,8 +39,6 @@ from .configuration import DiffLlamaConfig
 from . import tensor_parallel  # noqa: F401  (registers the plan's styles for the differential parameters)
 from .decode_graphs import decode_step
 from .generation import graphed_greedy_generate
-from .import_hooks import call_when_imported
-from .peft_targets import register_peft_default_targets
 from .diff_attention import (
     ATTENTION_CLASSES, DexAttention, DexLambda, DifferentialLambda, DiffAttentionV1, DiffAttentionV2,
     register_annealed_model,
@@ -347,9 +345,6 @@ class DiffLlamaPreTrainedModel(PreTrainedModel):
 
     def post_init(self):
         super().post_init()
-        # PEFT's default targets, as soon as PEFT is imported (an exported remote-code folder runs no `import
-        # modeling_diff`, which registers them)
-        call_when_imported("peft.utils.constants", register_peft_default_targets)
         register_annealed_model(self)  # optimizer steps count for the model as a whole
 
     def _init_weights(self, module):

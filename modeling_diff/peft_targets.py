@@ -4,9 +4,9 @@ projections carry Llama's names), so that a config without `target_modules` (`Lo
 
 Registered where PEFT is imported, never by importing it: importing it took 5.5 s, which neither the model's module
 nor an exported remote-code folder (modeling_diff/hub.py carries this module) should cost a user who does not use
-PEFT. `modeling_diff.lora` imports PEFT and registers; every model asks for it as it is built (`post_init`, through
-`import_hooks.call_when_imported`), so in a remote-code folder PEFT has the defaults whether it is imported before
-the model is built or after."""
+PEFT. `modeling_diff.lora` imports PEFT and registers (`import modeling_diff` imports it where PEFT is installed); an
+exported remote-code folder's `remote_code.py` registers when PEFT is imported, before or after the model is
+loaded."""
 
 import sys
 
