@@ -215,12 +215,17 @@ def test_a_quantized_cache_generates_through_its_quantized_keys_and_values(mode,
     assert torch.equal(model.generate(ids, **kw, **quantized).sequences, dynamic.sequences)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="transformers' offloading caches need CUDA")
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="an offloading cache moves keys and values between an accelerator and the CPU: with no "
+                           "accelerator there is nowhere to offload from (transformers asserts CUDA)")
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("cache_implementation", ["offloaded", "offloaded_static"])
 def test_offloading_caches_generate_the_dynamic_cache_s_tokens(mode, cache_implementation):
     """transformers' offloading caches keep each layer's keys and values on the CPU but the next layer's, which they
-    prefetch on a side stream: lossless, so the tokens are the dynamic cache's."""
+    prefetch on a side stream: lossless, so the tokens are the dynamic cache's. On the GPU only (gpu_tests.sh runs
+    it); what the CPU can check, that the kernels' direct StaticCache write leaves an offloading cache to
+    `Cache.update` (which offloads and prefetches), is test_cache_write.py's
+    `test_other_caches_and_layers_take_cache_update`."""
     model = tiny_model(mode, attn_implementation="sdpa").cuda()
     ids = torch.randint(3, 97, (2, 6), generator=torch.Generator().manual_seed(4)).cuda()
     kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False, pad_token_id=0)
