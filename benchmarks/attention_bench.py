@@ -8,7 +8,9 @@
 
 Rows: transformers' LlamaAttention (32 heads of 64, 8 kv heads; SDPA) as the reference; modeling_diff V1 and
 V2 through the flash-diff kernel (`kernels/flash_diff.py`, attn_implementation "fused_diff") and through the
-plain path (one SDPA call of the pairs, then the fused Triton combine). Projections, RoPE and the output
+plain path (one attention call of the pairs, then the fused Triton combine), and DEX (one attention call). The plain
+paths' attention call is FlashAttention-4's where the flash-attn-4 package is installed
+(`MODELING_DIFF_FLASH_ATTN_4=0` in the environment: SDPA's). Projections, RoPE and the output
 projection are included, as in the model. Tokens per batch: 8192 (4 x 2048, or 1 x 8192).
 
 `--profile` puts each layer's forward + backward down to its kernels: GPU ms a step per kernel name, the
@@ -34,7 +36,7 @@ from modeling_diff.diff_attention import ATTENTION_CLASSES
 
 
 def layer(name: str):
-    """(module, config) in bf16 on the GPU; name: llama, v1, v2, v1-plain or v2-plain."""
+    """(module, config) in bf16 on the GPU; name: llama, v1, v2, dex, v1-plain or v2-plain."""
     if name == "llama":
         config = LlamaConfig(hidden_size=2048, num_attention_heads=32, num_key_value_heads=8, head_dim=64)
         config._attn_implementation = "sdpa"
@@ -215,6 +217,8 @@ def main(argv=None):
     parser.add_argument("--mode", choices=("v1", "v2"), default="v1", help="--sweep: the model whose shapes")
     parser.add_argument("--profile", action="store_true", help="each layer's forward + backward by kernel")
     parser.add_argument("--top", type=int, default=8, help="--profile: the kernels shown per layer")
+    parser.add_argument("--layers", nargs="+", default=["llama", "v1", "v1-plain", "v2", "v2-plain"],
+                        choices=["llama", "v1", "v1-plain", "v2", "v2-plain", "dex"], help="the rows (llama first)")
     parser.add_argument("--kernels", nargs="+", choices=SWEEP_KERNELS, default=SWEEP_KERNELS,
                         help="--sweep: the kernels to time")
     args = parser.parse_args(argv)
@@ -231,7 +235,7 @@ def main(argv=None):
                   f"{r.get('regs', '')} / {r.get('spills', '')} | {r.get('err', float('nan')):.1e} | "
                   f"{'yes' if r['picked'] else ''} |")
         return
-    names = ["llama", "v1", "v1-plain", "v2", "v2-plain"]
+    names = args.layers
     if args.profile:  # the table after the progress bars, so that no line of it shares one with them
         lines = ["| seq | layer | kernel | GPU ms a step | share of the layer's |", "|---|---|---|---|---|"]
         for seq in args.seq:

@@ -28,7 +28,8 @@ from transformers.utils import TransformersKwargs
 from .configuration import DiffLlamaConfig
 from .kernels import (
     DIFF_TRITON, FUSED_DIFF, DexCombine, V1Combine, V2Combine, apply_rope, combined_decode_applies,
-    combined_decode_attention, dex_folded_weight, differential_lambda, flash_diff_applies, flash_diff_attention,
+    combined_decode_attention, dex_folded_weight, differential_lambda, flash_attn_4_applies, flash_diff_applies,
+    flash_diff_attention,
     has_extra_options, is_plain_linear, keep_own_forward, linear_maps, mark_written, needs_grad, projection_cache_layer,
     resolve, rotated_projections, rotated_projections_apply, runs_own_forward, split_linear, split_linear_applies,
     update_cache, uses_fast_kernels, v1_combine, v2_combine_projected, written_layer,
@@ -234,6 +235,9 @@ class _DiffAttentionBase(nn.Module, metaclass=abc.ABCMeta):
     # `fused_diff` always does.
     flash_diff_max_keys: float = 0
     flash_diff_with_gradients: bool = False
+    # Whether, under `diff_triton`, a call that FlashAttention-4 takes (`kernels/flash_attn_4.py`: the package
+    # installed, plain causal self-attention) goes there, with the combine after it, instead of the flash-diff kernel.
+    flash_attn_4_over_flash_diff: bool = False
     # The columns of q_proj and k_proj that must stay on one rank, in head_dim units, and what they are: a rank that
     # holds part of one (tensor parallelism over ranks that do not divide the kv heads, or transformers' unit_colwise
     # plan splitting a head in head_dim units) cannot compute its heads.
@@ -305,6 +309,10 @@ class _DiffAttentionBase(nn.Module, metaclass=abc.ABCMeta):
         keys_taken = key.shape[-2] <= self.flash_diff_max_keys or (
             self.flash_diff_with_gradients and needs_grad(pairs, key, value)
         )
+        if implementation == DIFF_TRITON and self.flash_attn_4_over_flash_diff and flash_attn_4_applies(
+            pairs.flatten(2, 3).transpose(1, 2), key, value, attention_mask, self.dropout_p()
+        ):  # (B, L, h, 2, d) -> (B, 2h, L, d), the attention call's query
+            return False
         return (
             (implementation == FUSED_DIFF or (implementation == DIFF_TRITON and keys_taken))
             and not has_extra_options(kwargs)
@@ -558,6 +566,7 @@ class DiffAttentionV2(_LlamaLayoutAttention):
     # (RESULTS.md, "V2's attention by length", "Keys and values through TMA").
     flash_diff_max_keys = 4096
     flash_diff_with_gradients = True
+    flash_attn_4_over_flash_diff = True
     whole_head_widths = (2, 1)
     whole_heads = "a pair of signal and noise query heads, and a kv head"
 

@@ -1846,13 +1846,17 @@ def test_odd_gqa_groups_on_the_fast_path_equal_eager(mode, heads):
     ("v2", 65536, False, True, True), ("v2", 65536, True, False, False), ("v1", 8192, True, False, True),
 ])
 def test_the_default_fast_path_takes_the_flash_diff_kernel_up_to_the_modes_key_count(
-    mode, keys, training, grads, on_kernel
+    mode, keys, training, grads, on_kernel, monkeypatch
 ):
     """`diff_triton` (`sdpa` on CUDA) puts V2 on the flash-diff kernel at every length where gradients are recorded
     and otherwise up to 4096 keys, on one SDPA call beyond (a prefill's chunks against more keys measured slower on
     the kernel on the H200), V1 at every length; `fused_diff` takes the kernel for both. The module's training mode
-    does not decide: a model built from its config is in training mode for inference too."""
+    does not decide: a model built from its config is in training mode for inference too. Without
+    FlashAttention-4 (where it is installed, V2 takes it instead: test_flash_attn_4.py)."""
     from modeling_diff.diff_attention import ATTENTION_CLASSES
+    from modeling_diff.kernels import flash_attn_4
+
+    monkeypatch.setattr(flash_attn_4, "ENABLED", False)
 
     config = preset_config(f"tiny-{mode}", hidden_size=128)  # heads of 16: widths the kernel covers
     module = ATTENTION_CLASSES[mode](config, layer_idx=0).train(training)

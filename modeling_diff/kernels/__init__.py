@@ -23,6 +23,8 @@
   (`triton_greedy.py`).
 - `masks.py`: what the kernels take of transformers' attention mask, and a StaticCache step's mask in one
   comparison where transformers' takes about eight launches.
+- `flash_attn_4.py`: FlashAttention-4's kernels (the optional `flash-attn-4` package) for plain causal
+  self-attention in prefill and training, where installed.
 - `attention.py`: the attention implementations `"diff_triton"` (chosen automatically for `sdpa` on CUDA) and
   `"fused_diff"` that use them.
 
@@ -39,6 +41,7 @@ from .attention import (
 from .cache_write import check_static_cache_fits, mark_written, projection_cache_layer, update_cache, written_layer
 from .combine import dex_folded_weight, differential_lambda, v1_combine, v2_combine, v2_combine_projected
 from .decode import DexCombine, V1Combine, V2Combine, combined_decode_applies, combined_decode_attention
+from .flash_attn_4 import flash_attn_4_applies
 from .flash_diff import flash_diff_applies, flash_diff_attention
 from .greedy import greedy_step, greedy_tokens
 from .masks import static_step_mask
@@ -55,8 +58,8 @@ register()
 __all__ = [
     "DIFF_TRITON", "FUSED_DIFF", "DexCombine", "V1Combine", "V2Combine", "add_rms_norm", "add_rms_norm_applies",
     "apply_rope", "check_static_cache_fits", "combined_decode_applies", "combined_decode_attention",
-    "dex_folded_weight", "differential_lambda", "diff_triton_attention_forward", "flash_diff_applies",
-    "flash_diff_attention", "gated_projection", "gated_projection_applies", "greedy_step", "greedy_tokens",
+    "dex_folded_weight", "differential_lambda", "diff_triton_attention_forward", "flash_attn_4_applies",
+    "flash_diff_applies", "flash_diff_attention", "gated_projection", "gated_projection_applies", "greedy_step", "greedy_tokens",
     "has_extra_options", "is_plain_linear", "keep_own_forward", "linear_maps", "mark_written", "needs_grad",
     "projection_cache_layer", "resolve", "rms_norm", "rms_norm_kernel_applies", "rope_cos_sin", "rope_cos_sin_applies",
     "rotated_projections", "rotated_projections_apply", "silu_mul", "silu_mul_applies", "runs_own_forward",

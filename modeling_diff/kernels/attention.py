@@ -3,8 +3,9 @@
 `diff_triton_attention_forward` has the signature of transformers' attention functions, so every attention
 module of modeling_diff calls it like `sdpa`. Decoding steps (a few query tokens against the cache) go to the
 split-KV Triton kernel, which reads each cache entry once; longer queries (prefill, training) go to
-transformers' SDPA call, which uses FlashAttention or cuDNN with GQA. On CUDA, `sdpa` is routed here
-automatically (see `resolve`).
+FlashAttention-4's kernels where the package is installed and the call is plain causal self-attention
+(`flash_attn_4.py`), else to transformers' SDPA call, which uses FlashAttention or cuDNN with GQA. On CUDA, `sdpa`
+is routed here automatically (see `resolve`).
 
 The modules themselves decide whether to bypass the call for the flash-diff kernel (`flash_diff.py`):
 under `diff_triton` where it measured faster than SDPA (V1), under `fused_diff` for every differential mode.
@@ -15,6 +16,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ._triton import triton_available
 from .decode import decode_attention, decode_kernel_applies
+from .flash_attn_4 import flash_attn_4_applies, flash_attn_4_attention
 
 NAME = "diff_triton"
 FUSED_DIFF = "fused_diff"
@@ -40,6 +42,9 @@ def diff_triton_attention_forward(
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     if not has_extra_options(kwargs) and decode_kernel_applies(query, key, value, attention_mask, dropout):
         return decode_attention(query, key, value, attention_mask, scaling), None  # (B, L, Hq, Dv)
+    causal = kwargs.get("is_causal", getattr(module, "is_causal", True))
+    if causal and not has_extra_options(kwargs) and flash_attn_4_applies(query, key, value, attention_mask, dropout):
+        return flash_attn_4_attention(query, key, value, scaling), None  # (B, L, Hq, Dv)
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 

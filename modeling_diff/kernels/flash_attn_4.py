@@ -1,0 +1,99 @@
+"""FlashAttention-4's kernels (the `flash-attn-4` package, Dao-AILab's `flash_attn.cute`, BSD-3-Clause) for the
+attention calls of prefill and training, where the package is installed: `pip install "modeling_diff[flash-attn-4]"`.
+
+Its Hopper kernels are FlashAttention-3's design written in NVIDIA's CuTe DSL: warp-specialized, a producer warp
+loading K and V through TMA while consumer warpgroups run the products and the softmax, their registers split by
+`setmaxnreg`. Triton 3.6 builds neither that split nor its overlap of exponentials with products for sm_90a
+(benchmarks/RESULTS.md, "Warp specialization in Gluon"), and at head_dim 64 the exponentials bound attention as much
+as the tensor cores do. The calls it takes are self-attention over a whole causal sequence: no mask beyond causal
+(no padding), as many keys as queries, no dropout, no option only SDPA implements. Everything else, and every call
+where the package is absent or `MODELING_DIFF_FLASH_ATTN_4=0` is set, stays on SDPA.
+
+Layouts: transformers' attention functions get (B, H, L, d) views of the projections' (B, L, H * d) outputs, whose
+transposes are the (B, L, H, d) that FlashAttention takes: no copy either way; GQA without repeating the kv heads.
+"""
+
+import functools
+import importlib.metadata
+import os
+
+import torch
+
+from ._triton import TRITON_INTERPRETING
+
+ENABLED = os.environ.get("MODELING_DIFF_FLASH_ATTN_4", "1") != "0"
+DISTRIBUTION = "flash-attn-4"
+# Compute capabilities whose kernels the package has, and the head sizes they take (its `_validate_head_dims`).
+_ARCHITECTURES = (9, 10, 11)
+_MAX_HEAD_DIM = 128
+
+
+@functools.cache
+def flash_attn_4_installed() -> bool:
+    """Whether the `flash-attn-4` distribution is installed (read from its metadata: importing it loads CUTLASS's
+    DSL, seconds)."""
+    try:
+        importlib.metadata.distribution(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+@functools.cache
+def _device_has_kernels(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] in _ARCHITECTURES
+
+
+def flash_attn_4_runs_on(query: torch.Tensor) -> bool:
+    """Whether FlashAttention-4 can run here: the package installed and not turned off, a GPU it has kernels for,
+    and neither Triton's interpreter (CI's CPU runs) nor torch.compile's tracing (the package's autograd Function is
+    not traceable: a compiled model keeps SDPA)."""
+    return (
+        ENABLED
+        and query.is_cuda
+        and not TRITON_INTERPRETING
+        and flash_attn_4_installed()
+        and not torch.compiler.is_compiling()
+        and _device_has_kernels(query.device.index if query.device.index is not None else torch.cuda.current_device())
+    )
+
+
+def plain_causal_self_attention(
+    query: torch.Tensor,  # (B, Hq, L, d)
+    key: torch.Tensor,  # (B, Hkv, S, d)
+    value: torch.Tensor,  # (B, Hkv, S, dv)
+    attention_mask: torch.Tensor | None,
+    dropout: float,
+) -> bool:
+    """Whether a call is what FlashAttention-4 is used for: causal self-attention over the whole sequence (no mask:
+    transformers passes none for causal attention without padding; L == S), no dropout, bf16 or fp16, kv heads that
+    divide the query heads, head sizes multiples of 8 up to 128."""
+    head_dim, value_dim = query.shape[-1], value.shape[-1]
+    return (
+        attention_mask is None
+        and dropout == 0.0
+        and query.dtype in (torch.bfloat16, torch.float16)
+        and key.dtype == value.dtype == query.dtype
+        and query.shape[-2] == key.shape[-2]
+        and query.shape[1] % key.shape[1] == 0
+        and head_dim % 8 == 0 and value_dim % 8 == 0
+        and head_dim <= _MAX_HEAD_DIM and value_dim <= _MAX_HEAD_DIM
+    )
+
+
+def flash_attn_4_applies(query, key, value, attention_mask, dropout: float) -> bool:
+    """Whether FlashAttention-4 takes this attention call (shapes as `plain_causal_self_attention`'s)."""
+    return plain_causal_self_attention(query, key, value, attention_mask, dropout) and flash_attn_4_runs_on(query)
+
+
+def flash_attn_4_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """Causal attention of query (B, Hq, L, d) over key and value (B, Hkv, L, d / dv) -> (B, L, Hq, dv), the layout
+    transformers' attention functions return."""
+    from flash_attn.cute import flash_attn_func
+
+    out, _ = flash_attn_func(
+        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), softmax_scale=scaling, causal=True
+    )
+    return out
