@@ -90,10 +90,12 @@ def flash_attn_4_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float
 ) -> torch.Tensor:
     """Causal attention of query (B, Hq, L, d) over key and value (B, Hkv, L, d / dv) -> (B, L, Hq, dv), the layout
-    transformers' attention functions return."""
+    transformers' attention functions return. Under `torch.use_deterministic_algorithms(True)` the backward is the
+    package's deterministic one (dQ summed in a fixed order)."""
     from flash_attn.cute import flash_attn_func
 
     out, _ = flash_attn_func(
-        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), softmax_scale=scaling, causal=True
+        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), softmax_scale=scaling, causal=True,
+        deterministic=torch.are_deterministic_algorithms_enabled(),
     )
     return out
