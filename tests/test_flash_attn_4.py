@@ -2,6 +2,10 @@
 the CPU, with the package's function replaced by the formula), and on a GPU with the package its outputs and
 gradients against the formula written here, and the models on it against float32 eager."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from conftest import tiny_model
@@ -65,6 +69,32 @@ def test_flash_attn_4_takes_only_plain_causal_self_attention():
 def test_flash_attn_4_runs_nowhere_without_a_gpu_it_has_kernels_for():
     """On the CPU (and under Triton's interpreter, and with the package absent) nothing goes to it."""
     assert not flash_attn_4.flash_attn_4_runs_on(qkv()[0])
+
+
+@pytest.mark.skipif(
+    not flash_attn_4.flash_attn_4_installed(),
+    reason="flash-attn-4 is not installed: the dev extra (make test) installs it, `pip install "
+    "'modeling-diff[flash-attn-4]'` does",
+)
+def test_our_call_compiles_flash_attn_4_s_hopper_kernels_on_the_cpu():
+    """The call `flash_attn_4_attention` makes, as V2 (64 query heads of 64 over 8 kv heads) and DEX (32 over 8)
+    make it, compiled for the H100 / H200 (sm_90a) by the installed package on the CPU: its tensors are fake
+    (FakeTensorMode), and the package compiles for the architecture the environment names. The package is a beta
+    (4.0.0b*): this is where a change of its API or of the shapes it takes shows up without a GPU."""
+    script = """
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from modeling_diff.kernels.flash_attn_4 import flash_attn_4_attention
+with FakeTensorMode():
+    for heads in (64, 32):
+        query = torch.empty(1, 1024, heads, 64, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
+        key = torch.empty(1, 1024, 8, 64, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
+        print(tuple(flash_attn_4_attention(query, key, key, 0.125).shape))
+"""
+    env = dict(os.environ, FLASH_ATTENTION_ARCH="sm_90a", CUTE_DSL_ARCH="sm_90a", FLASH_ATTENTION_NUM_SMS="132")
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["(1,", "1024,", "64,", "64)", "(1,", "1024,", "32,", "64)"]
 
 
 @pytest.fixture
