@@ -111,22 +111,36 @@ def flash_attn_4_here(monkeypatch):
     return calls
 
 
-def test_diff_triton_sends_plain_causal_calls_to_flash_attn_4(flash_attn_4_here):
+def test_diff_triton_sends_plain_causal_calls_to_flash_attn_4(flash_attn_4_here, monkeypatch):
     """`diff_triton` (what `sdpa` is on CUDA) calls FlashAttention-4 for a plain causal call, and SDPA for a
     non-causal one, one with an option FlashAttention-4 is not given (softcap), and one with a mask."""
+    sdpa_calls = []
+    monkeypatch.setattr(attention_module, "sdpa_attention_forward",
+                        lambda module, query, *args, **kwargs: sdpa_calls.append(kwargs) or (query, None))
     module = torch.nn.Module()
-    module.is_causal, module.num_key_value_groups = True, 4  # what transformers' SDPA call reads of a module
-    query, key, value = qkv(length=48)  # more query rows than a decoding step (the decode kernel's, first)
+    module.is_causal = True
+    query, key, value = qkv(length=48, grad=True)  # a training step's (more rows than the decode kernel's)
     out, weights = attention_module.diff_triton_attention_forward(module, query, key, value, None, scaling=0.125)
-    assert weights is None and flash_attn_4_here == [query.shape]
+    assert weights is None and flash_attn_4_here == [query.shape] and not sdpa_calls
     assert out.shape == (2, 48, 8, 64)
     assert rel_err(out, causal_attention(query, key, value, 0.125)) < 1e-2
-    attention_module.diff_triton_attention_forward(module, query, key, value, None, scaling=0.125, is_causal=False)
-    with pytest.raises(ValueError, match="softcap"):  # SDPA's own refusal, not FlashAttention-4 ignoring it
-        attention_module.diff_triton_attention_forward(module, query, key, value, None, scaling=0.125, softcap=30.0)
     mask = torch.ones(2, 1, 48, 48, dtype=torch.bool).tril()
-    attention_module.diff_triton_attention_forward(module, query, key, value, mask, scaling=0.125)
-    assert len(flash_attn_4_here) == 1
+    for mask, options in ((None, dict(is_causal=False)), (None, dict(softcap=30.0)), (mask, {})):
+        attention_module.diff_triton_attention_forward(module, query, key, value, mask, scaling=0.125, **options)
+    assert len(flash_attn_4_here) == 1 and len(sdpa_calls) == 3
+
+
+def test_without_gradients_flash_attn_4_takes_more_than_4096_queries(flash_attn_4_here, monkeypatch):
+    """A prefill (no gradients) of up to 4096 queries stays where it was (SDPA here; V2's flash-diff kernel), where
+    FlashAttention-4's forward measured slower; from 4097 on it goes to FlashAttention-4, and with gradients at
+    every length."""
+    monkeypatch.setattr(attention_module, "sdpa_attention_forward", lambda module, query, *args, **kwargs: (query, None))
+    module = torch.nn.Module()
+    module.is_causal = True
+    for length, grad, expected in ((4096, False, 0), (4097, False, 1), (48, True, 2)):
+        query, key, value = qkv(batch=1, length=length, heads=1, kv_heads=1, d=8, grad=grad)
+        attention_module.diff_triton_attention_forward(module, query, key, value, None, scaling=0.125)
+        assert len(flash_attn_4_here) == expected, (length, grad)
 
 
 @pytest.mark.parametrize("mode", ["v1", "v2", "dex"])
@@ -169,10 +183,10 @@ def test_flash_attn_4_equals_the_formula_forward_and_backward(heads, kv_heads, l
 
 @needs_flash_attn_4
 @pytest.mark.parametrize("mode", ["v2", "dex"])
-def test_models_on_flash_attn_4_train_and_generate_as_float32_eager(mode, monkeypatch):
+def test_models_on_flash_attn_4_train_as_float32_eager_and_prefill_as_without_it(mode, monkeypatch):
     """V2 and DEX (whose attention calls FlashAttention-4 takes under `sdpa` on CUDA): the loss and every gradient
-    of a training step against eager in float32 on the same weights, and greedy generation against the same model
-    without FlashAttention-4: the prefill's last logits, and the tokens (the prefill goes to FlashAttention-4)."""
+    of a training step against eager in float32 on the same weights, and a prefill of 4160 tokens (which goes to
+    FlashAttention-4) against the same model without it: the last position's logits."""
     calls = []
     original = attention_module.flash_attn_4_attention
 
@@ -181,7 +195,8 @@ def test_models_on_flash_attn_4_train_and_generate_as_float32_eager(mode, monkey
         return original(*args)
 
     monkeypatch.setattr(attention_module, "flash_attn_4_attention", counted)
-    shape = dict(head_dim=64, num_attention_heads=8, num_key_value_heads=2, hidden_size=256)
+    shape = dict(head_dim=64, num_attention_heads=8, num_key_value_heads=2, hidden_size=256,
+                 max_position_embeddings=8192)
     fast = tiny_model(mode, attn_implementation="sdpa", **shape).to("cuda", torch.bfloat16).train()
     exact = tiny_model(mode, **shape).to("cuda", torch.float32).train()
     exact.load_state_dict(fast.state_dict())
@@ -196,8 +211,9 @@ def test_models_on_flash_attn_4_train_and_generate_as_float32_eager(mode, monkey
             assert rel_err(p_fast.grad, p_exact.grad) < 5e-2, name
     fast.eval()
     calls.clear()
+    prompt = torch.randint(3, fast.config.vocab_size, (1, 4160), device="cuda")  # beyond 4096: a prefill it takes
     with torch.no_grad():
-        logits = fast(ids[:, :48]).logits[:, -1]
+        logits = fast(prompt).logits[:, -1]
         assert calls, "the prefill did not call FlashAttention-4"
         monkeypatch.setattr(flash_attn_4, "ENABLED", False)
-        assert rel_err(logits, fast(ids[:, :48]).logits[:, -1]) < 2e-2
+        assert rel_err(logits, fast(prompt).logits[:, -1]) < 2e-2

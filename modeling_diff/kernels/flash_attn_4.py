@@ -6,8 +6,9 @@ loading K and V through TMA while consumer warpgroups run the products and the s
 `setmaxnreg`. Triton 3.6 builds neither that split nor its overlap of exponentials with products for sm_90a
 (benchmarks/RESULTS.md, "Warp specialization in Gluon"), and at head_dim 64 the exponentials bound attention as much
 as the tensor cores do. The calls it takes are self-attention over a whole causal sequence: no mask beyond causal
-(no padding), as many keys as queries, no dropout, no option only SDPA implements. Everything else, and every call
-where the package is absent or `MODELING_DIFF_FLASH_ATTN_4=0` is set, stays on SDPA.
+(no padding), as many keys as queries, no dropout, no option only SDPA implements; in training at every length,
+without gradients beyond 4096 queries. Everything else, and every call where the package is absent or
+`MODELING_DIFF_FLASH_ATTN_4=0` is set, stays where it was (SDPA, V2's flash-diff kernel).
 
 Layouts: transformers' attention functions get (B, H, L, d) views of the projections' (B, L, H * d) outputs, whose
 transposes are the (B, L, H, d) that FlashAttention takes: no copy either way; GQA without repeating the kv heads.
@@ -19,13 +20,18 @@ import os
 
 import torch
 
-from ._triton import TRITON_INTERPRETING
+from ._triton import TRITON_INTERPRETING, needs_grad
 
 ENABLED = os.environ.get("MODELING_DIFF_FLASH_ATTN_4", "1") != "0"
 DISTRIBUTION = "flash-attn-4"
 # Compute capabilities whose kernels the package has, and the head sizes they take (its `_validate_head_dims`).
 _ARCHITECTURES = (9, 10, 11)
 _MAX_HEAD_DIM = 128
+# Without gradients (prefill) it takes calls of more queries than this: on an H100, one layer's forward at 2048 x 4
+# tokens measured slower on it than on SDPA (DEX 0.81 against 0.58 ms) and than V2's flash-diff kernel (0.80 against
+# 0.76), at 8192 and 32768 faster (DEX 0.86 / 8.98 against 0.94 / 10.94 ms; V2 1.43 / 17.8 against 1.53 / 21.8);
+# in training it measured level or faster at every length (benchmarks/RESULTS.md, "FlashAttention-4").
+MAX_QUERIES_WITHOUT_GRADIENTS_ELSEWHERE = 4096
 
 
 @functools.cache
@@ -82,8 +88,13 @@ def plain_causal_self_attention(
 
 
 def flash_attn_4_applies(query, key, value, attention_mask, dropout: float) -> bool:
-    """Whether FlashAttention-4 takes this attention call (shapes as `plain_causal_self_attention`'s)."""
-    return plain_causal_self_attention(query, key, value, attention_mask, dropout) and flash_attn_4_runs_on(query)
+    """Whether FlashAttention-4 takes this attention call (shapes as `plain_causal_self_attention`'s): where autograd
+    records it (a backward follows), and else from MAX_QUERIES_WITHOUT_GRADIENTS_ELSEWHERE + 1 queries on."""
+    return (
+        plain_causal_self_attention(query, key, value, attention_mask, dropout)
+        and (query.shape[-2] > MAX_QUERIES_WITHOUT_GRADIENTS_ELSEWHERE or needs_grad(query, key, value))
+        and flash_attn_4_runs_on(query)
+    )
 
 
 def flash_attn_4_attention(
