@@ -103,7 +103,12 @@ def flash_attn_4_attention(
     """Causal attention of query (B, Hq, L, d) over key and value (B, Hkv, L, d / dv) -> (B, L, Hq, dv), the layout
     transformers' attention functions return. Under `torch.use_deterministic_algorithms(True)` the backward is the
     package's deterministic one (dQ summed in a fixed order)."""
-    from flash_attn.cute import flash_attn_func
+    try:  # in a try block: transformers' remote-code loader requires every import outside one (of a Hub export's
+        # files) to be installed; flash_attn_4_runs_on found the distribution, so this import succeeds
+        from flash_attn.cute import flash_attn_func
+    except ImportError as error:
+        raise ImportError(f"flash-attn-4 is installed but does not import ({error}); `MODELING_DIFF_FLASH_ATTN_4=0` "
+                          "leaves attention on SDPA") from error
 
     out, _ = flash_attn_func(
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), softmax_scale=scaling, causal=True,
