@@ -567,8 +567,8 @@ class DiffAttentionV2(_LlamaLayoutAttention):
     flash_diff_max_keys = 4096
     flash_diff_with_gradients = True
     # Where FlashAttention-4 is installed, its call of the 2h heads and the combine measured faster than the kernel in
-    # training on an H100: one layer 10% / 17% at 8K / 32K, the ~1.1B model's step +3% / +13% (RESULTS.md,
-    # "FlashAttention-4 for V2 and DEX").
+    # training on an H100: one layer's step 10% / 17% at 8K / 32K, level at 2K x 4 (RESULTS.md, "FlashAttention-4 for
+    # V2 and DEX").
     flash_attn_4_over_flash_diff = True
     whole_head_widths = (2, 1)
     whole_heads = "a pair of signal and noise query heads, and a kv head"
