@@ -134,7 +134,7 @@ def test_without_gradients_flash_attn_4_takes_more_than_4096_queries(flash_attn_
     """A prefill (no gradients) of up to 4096 queries stays where it was (SDPA here; V2's flash-diff kernel), where
     FlashAttention-4's forward measured slower; from 4097 on it goes to FlashAttention-4, and with gradients at
     every length."""
-    monkeypatch.setattr(attention_module, "sdpa_attention_forward", lambda module, query, *args, **kwargs: (query, None))
+    monkeypatch.setattr(attention_module, "sdpa_attention_forward", lambda module, query, *a, **kw: (query, None))
     module = torch.nn.Module()
     module.is_causal = True
     for length, grad, expected in ((4096, False, 0), (4097, False, 1), (48, True, 2)):
