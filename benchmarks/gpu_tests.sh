@@ -13,7 +13,7 @@ files=("$@")
 if [ ${#files[@]} -eq 0 ]; then
     files=(tests/test_kernels.py tests/test_compile.py tests/test_liger.py tests/test_attention.py
            tests/test_generation.py tests/test_decode_graphs.py tests/test_greedy.py tests/test_static_step_mask.py
-           tests/test_cache_write.py
+           tests/test_cache_write.py tests/test_flash_attn_4.py
            "tests/test_modeling.py::test_offloading_caches_generate_the_dynamic_cache_s_tokens")
 fi
 mkdir -p "$out"

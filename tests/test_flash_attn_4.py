@@ -1,6 +1,7 @@
 """FlashAttention-4 (the optional `flash-attn-4` package) for plain causal self-attention: which calls go to it (on
-the CPU, with the package's function replaced by the formula), and on a GPU with the package its outputs and
-gradients against the formula written here, and the models on it against float32 eager."""
+the CPU, with the package's function replaced by the formula); our call compiled for sm_90a by the installed package
+on the CPU (fake tensors); and on a GPU with the package its outputs and gradients against the formula written here,
+and the models on it against float32 eager."""
 
 import os
 import subprocess
