@@ -6,6 +6,7 @@ and the models on it against float32 eager."""
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -96,6 +97,46 @@ with FakeTensorMode():
     run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.split() == ["(1,", "1024,", "64,", "64)", "(1,", "1024,", "32,", "64)"]
+
+
+def test_flash_attn_4_runs_on_a_gpu_with_its_kernels_but_not_under_torch_compile(monkeypatch):
+    """Where the package and a GPU with its kernels are there (both pretended here), it runs in eager code, and not
+    in code torch.compile traces (the package's autograd Function is not traceable: a compiled model keeps SDPA), nor
+    with MODELING_DIFF_FLASH_ATTN_4=0."""
+    monkeypatch.setattr(flash_attn_4, "flash_attn_4_installed", lambda: True)
+    monkeypatch.setattr(flash_attn_4, "_device_has_kernels", lambda tensor: True)
+    monkeypatch.setattr(flash_attn_4, "TRITON_INTERPRETING", False)
+    query = torch.zeros(3)
+    assert flash_attn_4.flash_attn_4_runs_on(query)
+    traced = torch.compile(lambda x: x + 1 if flash_attn_4.flash_attn_4_runs_on(x) else x - 1, backend="eager")
+    assert torch.equal(traced(query), query - 1)
+    monkeypatch.setattr(flash_attn_4, "ENABLED", False)
+    assert not flash_attn_4.flash_attn_4_runs_on(query)
+
+
+def test_the_call_passes_the_layout_scale_and_determinism_flash_attn_4_expects(monkeypatch):
+    """flash_attn_func gets (B, L, H, d) views of transformers' (B, H, L, d) tensors (no copy), the scale, causal,
+    and `deterministic` as torch.use_deterministic_algorithms says; its output (B, L, Hq, dv) is returned as it is."""
+    calls = []
+
+    def flash_attn_func(q, k, v, **options):
+        calls.append((q, k, v, options))
+        return q.new_zeros(q.shape[:-1] + (v.shape[-1],)), None
+
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", types.SimpleNamespace(flash_attn_func=flash_attn_func))
+    query, key, value = qkv(length=48)
+    out = flash_attn_4_attention(query, key, value, 0.125)
+    q, k, v, options = calls[0]
+    assert out.shape == (2, 48, 8, 64) and q.shape == (2, 48, 8, 64) and k.shape == (2, 48, 2, 64)
+    assert q.data_ptr() == query.data_ptr() and q.is_contiguous() and v.data_ptr() == value.data_ptr()
+    assert options == dict(softmax_scale=0.125, causal=True, deterministic=False)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        flash_attn_4_attention(query, key, value, 0.125)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    assert calls[1][3]["deterministic"] is True
 
 
 @pytest.fixture

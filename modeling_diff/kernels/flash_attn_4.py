@@ -46,8 +46,15 @@ def flash_attn_4_installed() -> bool:
 
 
 @functools.cache
-def _device_has_kernels(device_index: int) -> bool:
+def _gpu_has_kernels(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] in _ARCHITECTURES
+
+
+def _device_has_kernels(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is on a GPU the package has kernels for."""
+    if not tensor.is_cuda:
+        return False
+    return _gpu_has_kernels(tensor.device.index if tensor.device.index is not None else torch.cuda.current_device())
 
 
 def flash_attn_4_runs_on(query: torch.Tensor) -> bool:
@@ -56,11 +63,10 @@ def flash_attn_4_runs_on(query: torch.Tensor) -> bool:
     not traceable: a compiled model keeps SDPA)."""
     return (
         ENABLED
-        and query.is_cuda
         and not TRITON_INTERPRETING
         and flash_attn_4_installed()
         and not torch.compiler.is_compiling()
-        and _device_has_kernels(query.device.index if query.device.index is not None else torch.cuda.current_device())
+        and _device_has_kernels(query)
     )
 
 
