@@ -38,7 +38,7 @@ from transformers.utils.output_capturing import capture_outputs
 from .configuration import DiffLlamaConfig
 from . import tensor_parallel  # noqa: F401  (registers the plan's styles for the differential parameters)
 from .decode_graphs import decode_step
-from .generation import graphed_greedy_generate
+from .generation import graphed_greedy_generate, without_compiled_offloading
 from .diff_attention import (
     ATTENTION_CLASSES, DexAttention, DexLambda, DifferentialLambda, DiffAttentionV1, DiffAttentionV2,
     register_annealed_model,
@@ -523,10 +523,12 @@ class DiffLlamaForCausalLM(DiffLlamaPreTrainedModel, GenerationMixin):
         step as one CUDA graph (`modeling_diff.generation`): the same tokens, without the per-token Python of the
         decoding loop; `disable_compile=True` or anything else (sampling, beams, processors, a streamer...) takes
         transformers' loop. A StaticCache passed in that is too short is a ValueError before the first token
-        (`_prepare_cache_for_generation`)."""
+        (`_prepare_cache_for_generation`). The steps of an offloading StaticCache (`"offloaded_static"`) are not
+        compiled unless asked for (`without_compiled_offloading`: compiled, they crashed transformers' own Llama)."""
         output = graphed_greedy_generate(self, inputs, generation_config, kwargs)
         if output is not None:
             return output
+        kwargs = without_compiled_offloading(self, generation_config, kwargs)
         return super().generate(inputs, generation_config, **kwargs)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
