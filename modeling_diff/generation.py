@@ -211,8 +211,9 @@ def without_compiled_offloading(model, generation_config, kwargs: dict) -> dict:
     H200 (transformers 5.17, torch 2.11) for transformers' own LlamaForCausalLM as for ours; uncompiled, it gives the
     dynamic cache's tokens (benchmarks/RESULTS.md, "the offloaded StaticCache under generate's compile")."""
     config = generation_config if generation_config is not None else model.generation_config
-    if "disable_compile" in kwargs or "compile_config" in kwargs or getattr(config, "compile_config", None) is not None:
-        return kwargs  # the caller's choice (a config's disable_compile=False is its default: not a choice)
+    asked = "disable_compile" in kwargs or "compile_config" in kwargs or config.compile_config is not None
+    if asked:  # the caller's choice (a config's disable_compile=False is its default: not a choice)
+        return kwargs
     cache = kwargs.get("past_key_values", kwargs.get("cache"))
     offloading_static = kwargs.get("cache_implementation", config.cache_implementation) == "offloaded_static" or (
         isinstance(cache, StaticCache) and getattr(cache, "offloading", False)

@@ -214,7 +214,8 @@ def test_generate_leaves_an_offloading_static_cache_s_steps_uncompiled_unless_as
     assert compile_choice(generation_config=GenerationConfig(cache_implementation="offloaded_static")) is True
     assert compile_choice(past_key_values=offloading) is True
     assert compile_choice(cache_implementation="offloaded_static", disable_compile=False) is False
-    assert compile_choice(cache_implementation="offloaded_static", compile_config=CompileConfig()) == "transformers decides"
+    chosen = compile_choice(cache_implementation="offloaded_static", compile_config=CompileConfig())
+    assert chosen == "transformers decides"
     for other in (dict(cache_implementation="static"), dict(cache_implementation="offloaded"),
                   dict(past_key_values=StaticCache(model.config, max_cache_len=16)), {}):
         assert compile_choice(**other) == "transformers decides", other
