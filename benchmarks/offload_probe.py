@@ -6,8 +6,8 @@ compiled step crashes (benchmarks/RESULTS.md, "the offloaded StaticCache under g
     python3 -X faulthandler benchmarks/offload_probe.py v1 sdpa offloaded_static nocompile
 
 MODEL: llama (transformers' LlamaForCausalLM, 2 layers) or v1 / v2 / dex (the tests' tiny models); CACHE: a
-cache_implementation; OPTION: nocompile (disable_compile=True), compile (disable_compile=False: our generate leaves
-an offloading StaticCache uncompiled unless asked) or scores (output_scores=True: transformers' loop rather than our
+cache_implementation; OPTION: nocompile (disable_compile=True), compile (a compile_config: our model leaves an
+offloading StaticCache uncompiled unless one asks) or scores (output_scores=True: transformers' loop rather than our
 graphed greedy path). Prints whether the tokens equal the dynamic cache's.
 """
 
@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, "tests")
 faulthandler.enable()
 from conftest import tiny_model  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 which, implementation, cache = sys.argv[1], sys.argv[2], sys.argv[3]
 option = sys.argv[4] if len(sys.argv) > 4 else ""
@@ -31,7 +31,7 @@ if which == "llama":
     model = LlamaForCausalLM(config).cuda()
 else:
     model = tiny_model(which, attn_implementation=implementation).cuda()
-extra = {"nocompile": dict(disable_compile=True), "compile": dict(disable_compile=False),
+extra = {"nocompile": dict(disable_compile=True), "compile": dict(compile_config=CompileConfig()),
          "scores": dict(output_scores=True), "": {}}[option]
 out = model.generate(ids, cache_implementation=cache, **kw, **extra)
 print(which, implementation, cache, sys.argv[4:], "equal:", torch.equal(out, model.generate(ids, **kw)), flush=True)

@@ -203,24 +203,6 @@ def _key(model, batch: int, max_cache_len: int, eos_count: int) -> tuple:
     return batch, max_cache_len, eos_count, storage, model.config._attn_implementation
 
 
-def without_compiled_offloading(model, generation_config, kwargs: dict) -> dict:
-    """`generate`'s keyword arguments, with `disable_compile=True` added where transformers' generate would compile
-    the decoding steps of an offloading StaticCache (`cache_implementation="offloaded_static"`, or a StaticCache made
-    with `offloading=True` passed in) and the caller has not said whether to compile (`disable_compile` or
-    `compile_config`, in the call or the generation config). That compiled step died of a segmentation fault on an
-    H200 (transformers 5.17, torch 2.11) for transformers' own LlamaForCausalLM as for ours; uncompiled, it gives the
-    dynamic cache's tokens (benchmarks/RESULTS.md, "the offloaded StaticCache under generate's compile")."""
-    config = generation_config if generation_config is not None else model.generation_config
-    asked = "disable_compile" in kwargs or "compile_config" in kwargs or config.compile_config is not None
-    if asked:  # the caller's choice (a config's disable_compile=False is its default: not a choice)
-        return kwargs
-    cache = kwargs.get("past_key_values", kwargs.get("cache"))
-    offloading_static = kwargs.get("cache_implementation", config.cache_implementation) == "offloaded_static" or (
-        isinstance(cache, StaticCache) and getattr(cache, "offloading", False)
-    )
-    return {**kwargs, "disable_compile": True} if offloading_static else kwargs
-
-
 def graphed_greedy_generate(model, inputs, generation_config, kwargs: dict, capture: bool | None = None):
     """`model.generate(inputs, generation_config, **kwargs)` through the whole-step graph, or None where this path
     does not apply (then transformers' generate runs). `capture` (default: on CUDA) replays a CUDA graph."""

@@ -38,7 +38,7 @@ from transformers.utils.output_capturing import capture_outputs
 from .configuration import DiffLlamaConfig
 from . import tensor_parallel  # noqa: F401  (registers the plan's styles for the differential parameters)
 from .decode_graphs import decode_step
-from .generation import graphed_greedy_generate, without_compiled_offloading
+from .generation import graphed_greedy_generate
 from .diff_attention import (
     ATTENTION_CLASSES, DexAttention, DexLambda, DifferentialLambda, DiffAttentionV1, DiffAttentionV2,
     register_annealed_model,
@@ -523,13 +523,22 @@ class DiffLlamaForCausalLM(DiffLlamaPreTrainedModel, GenerationMixin):
         step as one CUDA graph (`modeling_diff.generation`): the same tokens, without the per-token Python of the
         decoding loop; `disable_compile=True` or anything else (sampling, beams, processors, a streamer...) takes
         transformers' loop. A StaticCache passed in that is too short is a ValueError before the first token
-        (`_prepare_cache_for_generation`). The steps of an offloading StaticCache (`"offloaded_static"`) are not
-        compiled unless asked for (`without_compiled_offloading`: compiled, they crashed transformers' own Llama)."""
+        (`_prepare_cache_for_generation`)."""
         output = graphed_greedy_generate(self, inputs, generation_config, kwargs)
         if output is not None:
             return output
-        kwargs = without_compiled_offloading(self, generation_config, kwargs)
         return super().generate(inputs, generation_config, **kwargs)
+
+    def _valid_auto_compile_criteria(self, model_kwargs, generation_config) -> bool:
+        """transformers' choice whether generate compiles the decoding step, except for an offloading StaticCache
+        (`cache_implementation="offloaded_static"`, or one made with `offloading=True`) unless `compile_config` asks:
+        that compiled step died of a segmentation fault on an H200 (transformers 5.17, torch 2.11) for transformers'
+        own LlamaForCausalLM as for ours; uncompiled, it gives the dynamic cache's tokens (benchmarks/RESULTS.md,
+        "the offloaded StaticCache under generate's compile")."""
+        cache = _pick_cache(model_kwargs.get("cache"), model_kwargs.get("past_key_values"))
+        if getattr(cache, "offloading", False) and generation_config.compile_config is None:
+            return False
+        return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
                                       max_cache_length):

@@ -190,34 +190,21 @@ def test_cuda_graph_replays_give_the_eager_loop_tokens(mode):
     assert generation._GRAPHS.get(model) is None
 
 
-def test_generate_leaves_an_offloading_static_cache_s_steps_uncompiled_unless_asked(monkeypatch):
-    """With an offloading StaticCache (`cache_implementation="offloaded_static"`, in the call or a generation config,
-    or a StaticCache made with `offloading=True`), `generate` hands transformers' generate `disable_compile=True`: its
-    compiled step died of a segmentation fault on an H200 for transformers' own Llama (benchmarks/RESULTS.md). A
-    caller's `disable_compile` or `compile_config` is left as it is, and other caches are compiled as transformers
-    decides."""
-    from transformers import CompileConfig, GenerationConfig, StaticCache
+
+def test_an_offloading_static_cache_s_steps_are_not_compiled_unless_a_compile_config_asks(monkeypatch):
+    """transformers' generate asks the model's `_valid_auto_compile_criteria` whether to compile the decoding step,
+    with the cache it made or was given. For an offloading StaticCache the answer is no unless `compile_config` is
+    set: that compiled step died of a segmentation fault on an H200 for transformers' own Llama (benchmarks/RESULTS.md).
+    Other caches get transformers' answer (here replaced by "yes", what it says for a StaticCache on CUDA)."""
+    from transformers import CompileConfig, DynamicCache, GenerationConfig, StaticCache
     from transformers.generation import GenerationMixin
 
-    seen = []
-    monkeypatch.setattr(GenerationMixin, "generate",
-                        lambda self, inputs=None, generation_config=None, **kwargs: seen.append(kwargs))
+    monkeypatch.setattr(GenerationMixin, "_valid_auto_compile_criteria", lambda self, model_kwargs, config: True)
     model = tiny_model("v1")
-    ids = torch.randint(3, 97, (1, 5))
-
-    def compile_choice(**kwargs):
-        model.generate(ids, max_new_tokens=2, **kwargs)
-        return seen[-1].get("disable_compile", "transformers decides")
-
     offloading = StaticCache(model.config, max_cache_len=16, offloading=True)
-    assert compile_choice(cache_implementation="offloaded_static") is True
-    assert compile_choice(generation_config=GenerationConfig(cache_implementation="offloaded_static")) is True
-    assert compile_choice(past_key_values=offloading) is True
-    assert compile_choice(cache_implementation="offloaded_static", disable_compile=False) is False
-    chosen = compile_choice(cache_implementation="offloaded_static", compile_config=CompileConfig())
-    assert chosen == "transformers decides"
-    for other in (dict(cache_implementation="static"), dict(cache_implementation="offloaded"),
-                  dict(past_key_values=StaticCache(model.config, max_cache_len=16)), {}):
-        assert compile_choice(**other) == "transformers decides", other
-    monkeypatch.setattr(model.generation_config, "cache_implementation", "offloaded_static")
-    assert compile_choice() is True
+    plain = GenerationConfig()
+    for key in ("cache", "past_key_values"):  # the keyword transformers uses: `cache` in newer versions
+        assert model._valid_auto_compile_criteria({key: offloading}, plain) is False
+        assert model._valid_auto_compile_criteria({key: offloading}, GenerationConfig(compile_config=CompileConfig()))
+        for other in (StaticCache(model.config, max_cache_len=16), DynamicCache(config=model.config)):
+            assert model._valid_auto_compile_criteria({key: other}, plain), type(other).__name__

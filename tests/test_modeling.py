@@ -223,8 +223,8 @@ def test_a_quantized_cache_generates_through_its_quantized_keys_and_values(mode,
 def test_offloading_caches_generate_the_dynamic_cache_s_tokens(mode, cache_implementation):
     """transformers' offloading caches keep each layer's keys and values on the CPU but the next layer's, which they
     prefetch on a side stream: lossless, so the tokens are the dynamic cache's. `offloaded_static` runs uncompiled
-    (our `generate`; compiled, transformers' step crashed its own Llama on an H200: test_generation.py's
-    `test_generate_leaves_an_offloading_static_cache_s_steps_uncompiled_unless_asked`). On the GPU only
+    (compiled, transformers' step crashed its own Llama on an H200: test_generation.py's
+    `test_an_offloading_static_cache_s_steps_are_not_compiled_unless_a_compile_config_asks`). On the GPU only
     (gpu_tests.sh runs it); what the CPU can check, that the kernels' direct StaticCache write leaves an offloading
     cache to `Cache.update` (which offloads and prefetches), is test_cache_write.py's
     `test_other_caches_and_layers_take_cache_update`."""
