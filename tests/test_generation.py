@@ -190,7 +190,6 @@ def test_cuda_graph_replays_give_the_eager_loop_tokens(mode):
     assert generation._GRAPHS.get(model) is None
 
 
-
 def test_an_offloading_static_cache_s_steps_are_not_compiled_unless_a_compile_config_asks(monkeypatch):
     """transformers' generate asks the model's `_valid_auto_compile_criteria` whether to compile the decoding step,
     with the cache it made or was given. For an offloading StaticCache the answer is no unless `compile_config` is
