@@ -14,6 +14,10 @@ host's operators and Python frames, its Chrome trace written gzipped, and each s
 (`idle_gaps`) put down to the host operator that launched the kernel after it. A step's wall time minus its GPU
 busy time is that idle time plus the host's time before the first kernel and after the last.
 
+With --host, also the host's time to enqueue the decoder stack's training forward (without the loss: Liger's fused
+loss synchronizes) and its backward, each behind a `torch.cuda._sleep` long enough that launches only queue, next to
+the GPU time of each phase (CUDA events): where the host's time nears the GPU's, the GPU waits for launches.
+
 With --syncs, also the calls of one step that make the host wait for the GPU (`sync_sites`: torch's sync debug
 mode), by call site. After each, the GPU runs dry until the host has launched the work after it, so a sync early in
 the forward leaves the forward host-bound.
@@ -24,6 +28,7 @@ import bisect
 import gzip
 import json
 import os
+import statistics
 import time
 import traceback
 import warnings
@@ -37,15 +42,18 @@ from bench import MODELS, build, in_fresh_process, kernels_patched, profiling_ar
 
 
 def kernel_class(name: str) -> str:
-    """A kernel's class from its name (cuBLAS / CUTLASS matmuls, attention forward and backward, the rest)."""
+    """A kernel's class from its name: attention forward and backward (the flash-diff kernels, FlashAttention-4's
+    CuTe kernels, cuDNN's and PyTorch's SDPA kernels; their pre- and post-processing kernels with the backward),
+    cuBLAS / CUTLASS matmuls, the rest. Attention first: FlashAttention-4's names contain "cutlass"."""
     lowered = name.lower()
+    if any(word in lowered for word in ("flash_diff", "flash_attn", "flash_fwd", "flash_bwd", "fmha", "attention",
+                                        "sdpa", "dot_do_o", "convert_dq")):
+        backward = any(word in lowered for word in ("bwd", "bprop", "backward", "dkdv", "_dq", "dot_do_o"))
+        return "attention backward" if backward else "attention forward"
+    if any(word in lowered for word in ("dkdv", "_dq")):
+        return "attention backward"
     if any(word in lowered for word in ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas")):
         return "matmul"
-    if any(word in lowered for word in ("flash_diff_bwd", "flash_bwd", "attention_backward", "bwd_kernel", "dkdv",
-                                        "_dq")):
-        return "attention backward"
-    if any(word in lowered for word in ("flash_diff_fwd", "flash_fwd", "fmha", "attention", "sdpa")):
-        return "attention forward"
     return "other"
 
 
@@ -169,6 +177,35 @@ def short_path(filename: str) -> str:
     return os.path.relpath(filename) if os.path.isabs(filename) else filename
 
 
+SLEEP_CYCLES = 3_000_000_000  # about 1.5 s of an H100's or H200's clock: longer than either phase's launches
+
+
+def host_times(model, ids, repeats: int = 5) -> dict:
+    """Medians over `repeats` of the host's ms to enqueue the decoder stack's forward and its backward, and the GPU's
+    ms for each (events recorded after the sleep, so the GPU ran the phase without waiting for the host)."""
+    times = {"forward host ms": [], "forward GPU ms": [], "backward host ms": [], "backward GPU ms": []}
+
+    def timed(phase, run):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(SLEEP_CYCLES)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        began = time.perf_counter()
+        result = run()
+        times[f"{phase} host ms"].append((time.perf_counter() - began) * 1e3)
+        end.record()
+        torch.cuda.synchronize()
+        times[f"{phase} GPU ms"].append(start.elapsed_time(end))
+        return result
+
+    for _ in range(repeats):
+        hidden = timed("forward", lambda: model.model(ids).last_hidden_state)
+        loss = hidden.float().square().mean()
+        timed("backward", loss.backward)
+        model.zero_grad(set_to_none=True)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
 def traced_step(step, path: str) -> None:
     """One step under the profiler with the host's operators and Python frames, its Chrome trace gzipped to path
     (torch's export gzips a path ending in .gz)."""
@@ -178,7 +215,8 @@ def traced_step(step, path: str) -> None:
     prof.export_chrome_trace(path)
 
 
-def profile_model(name: str, seq: int, batch: int, out: str | None, trace: bool = False, syncs: bool = False) -> dict:
+def profile_model(name: str, seq: int, batch: int, out: str | None, trace: bool = False, syncs: bool = False,
+                  host: bool = False) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = True
     warm_up_gpu(1.0)
     with kernels_patched(name):
@@ -209,12 +247,13 @@ def profile_model(name: str, seq: int, batch: int, out: str | None, trace: bool 
             trace_path = os.path.join(out, f"trace_{name}_{seq}x{batch}.json.gz")
             traced_step(step, trace_path)
         sites = sync_sites(step) if syncs else Counter()
+        host_row = host_times(model, ids) if host else {}
     classes = Counter()
     events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
     for e in events:
         classes[kernel_class(e.key)] += e.self_device_time_total / 1e3
     row = dict(model=name, seq=seq, batch=batch, step_ms=wall * 1e3, peak_gib=peak, saved_gib=saved,
-               gpu_ms=sum(classes.values()), **{f"{k} ms": v for k, v in classes.items()})
+               gpu_ms=sum(classes.values()), **{f"{k} ms": v for k, v in classes.items()}, **host_row)
     if syncs:
         row["host syncs"] = sum(sites.values())
     if out:
@@ -244,13 +283,17 @@ def main(argv=None):
     parser.add_argument("--trace", action="store_true",
                         help="also the step's trace and where the GPU waits on the host")
     parser.add_argument("--syncs", action="store_true", help="also the calls of a step that wait for the GPU")
+    parser.add_argument("--host", action="store_true",
+                        help="also the host's and the GPU's ms of the forward and of the backward, apart")
     args = profiling_args(parser, argv, ("seq", "batch"), "profile_train.py")
     if args.trace and not args.out:
         parser.error("--trace needs --out")
-    rows = [in_fresh_process(profile_model, name, args.seq, args.batch, args.out, args.trace, args.syncs)
+    rows = [in_fresh_process(profile_model, name, args.seq, args.batch, args.out, args.trace, args.syncs,
+                                args.host)
             for name in tqdm(args.models, desc="models")]
     columns = ["step_ms", "peak_gib", "saved_gib", "gpu_ms", "matmul ms", "attention forward ms",
                "attention backward ms", "other ms"] + (["host syncs"] if args.syncs else [])
+    columns += ["forward host ms", "forward GPU ms", "backward host ms", "backward GPU ms"] if args.host else []
     print(f"\n| model ({args.seq} x {args.batch}) | " + " | ".join(columns) + " |")
     print("|---|" + "---|" * len(columns))
     for row in rows:

@@ -126,6 +126,24 @@ def test_idle_gaps_are_put_down_to_the_host_operators_around_the_late_launch(tmp
     assert "GPU idle within the step: 0.04 ms" in report and "combine.py: backward" in report
 
 
+@pytest.mark.parametrize("name, expected", [
+    ("kernel_cutlass_kernel_flash_attncuteflash_fwd_sm90FlashAttentionForwardSm90_object_at_", "attention forward"),
+    ("kernel_cutlass_kernel_flash_attncuteflash_bwd_sm90FlashAttentionBackwardSm90_object_at", "attention backward"),
+    ("kernel_cutlass_kernel_flash_attncuteflash_bwd_postprocessFlashAttentionBackwardPostpro", "attention backward"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x64_4x1x1", "attention forward"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x64_1x4x1", "attention backward"),
+    ("void cudnn::fusion::compute_dot_do_o_specialized<true, 64>(void const*, void const*", "attention backward"),
+    ("_flash_diff_fwd", "attention forward"),
+    ("_flash_diff_bwd_dkdv", "attention backward"),
+    ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NTT", "matmul"),
+    ("_swiglu_bwd", "other"),
+])
+def test_kernel_classes_put_flash_attention_4_s_cutlass_kernels_with_attention(name, expected):
+    """Kernel names as torch.profiler reported them on an H100 (FlashAttention-4's CuTe kernels carry "cutlass" in
+    their names, cuDNN's backward says "bprop")."""
+    assert profile_train.kernel_class(name) == expected
+
+
 def test_a_constants_variant_sets_the_launch_rules_and_puts_them_back():
     """`--constants`: each MODULE.NAME=VALUE is set while the variant runs and restored after; a name that is not a
     kernels module's upper-case constant, a value that is not a literal or not of the constant's type, is refused
