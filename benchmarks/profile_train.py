@@ -48,10 +48,9 @@ def kernel_class(name: str) -> str:
     lowered = name.lower()
     if any(word in lowered for word in ("flash_diff", "flash_attn", "flash_fwd", "flash_bwd", "fmha", "attention",
                                         "sdpa", "dot_do_o", "convert_dq")):
-        backward = any(word in lowered for word in ("bwd", "bprop", "backward", "dkdv", "_dq", "dot_do_o"))
+        backward = any(word in lowered for word in ("bwd", "bprop", "backward", "dkdv", "_dq", "dot_do_o",
+                                                    "fmha_cutlassb"))  # PyTorch's memory-efficient backward
         return "attention backward" if backward else "attention forward"
-    if any(word in lowered for word in ("dkdv", "_dq")):
-        return "attention backward"
     if any(word in lowered for word in ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas")):
         return "matmul"
     return "other"

@@ -135,6 +135,10 @@ def test_idle_gaps_are_put_down_to_the_host_operators_around_the_late_launch(tmp
     ("void cudnn::fusion::compute_dot_do_o_specialized<true, 64>(void const*, void const*", "attention backward"),
     ("_flash_diff_fwd", "attention forward"),
     ("_flash_diff_bwd_dkdv", "attention backward"),
+    ("_flash_diff_bwd_dq", "attention backward"),
+    ("fmha_cutlassF_bf16_aligned_64x128_rf_sm80", "attention forward"),
+    ("fmha_cutlassB_bf16_aligned_64x64_k64_sm80", "attention backward"),
+    ("flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel", "attention backward"),
     ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NTT", "matmul"),
     ("_swiglu_bwd", "other"),
 ])
