@@ -287,9 +287,10 @@ def main(argv=None):
     args = profiling_args(parser, argv, ("seq", "batch"), "profile_train.py")
     if args.trace and not args.out:
         parser.error("--trace needs --out")
-    rows = [in_fresh_process(profile_model, name, args.seq, args.batch, args.out, args.trace, args.syncs,
-                                args.host)
-            for name in tqdm(args.models, desc="models")]
+    rows = [
+        in_fresh_process(profile_model, name, args.seq, args.batch, args.out, args.trace, args.syncs, args.host)
+        for name in tqdm(args.models, desc="models")
+    ]
     columns = ["step_ms", "peak_gib", "saved_gib", "gpu_ms", "matmul ms", "attention forward ms",
                "attention backward ms", "other ms"] + (["host syncs"] if args.syncs else [])
     columns += ["forward host ms", "forward GPU ms", "backward host ms", "backward GPU ms"] if args.host else []
