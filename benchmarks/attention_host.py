@@ -12,10 +12,12 @@ import torch
 import torch.nn.functional as F
 from flash_attn.cute import flash_attn_func
 
+from profile_train import SLEEP_CYCLES
+
 
 def host_us(run, n=30):
     torch.cuda.synchronize()
-    torch.cuda._sleep(2_000_000_000)
+    torch.cuda._sleep(SLEEP_CYCLES)
     t = time.perf_counter()
     results = [run() for _ in range(n)]
     elapsed = (time.perf_counter() - t) / n * 1e6

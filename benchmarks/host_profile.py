@@ -12,6 +12,7 @@ import sys
 import torch
 
 from bench import MODELS, build, kernels_patched
+from profile_train import SLEEP_CYCLES
 
 name = sys.argv[1] if len(sys.argv) == 2 else sys.exit("usage: python host_profile.py MODEL (a bench.py model)")
 if name not in MODELS:
@@ -23,7 +24,7 @@ with kernels_patched(name):
         model.model(ids).last_hidden_state.float().square().mean().backward()
         model.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
-    torch.cuda._sleep(3_000_000_000)
+    torch.cuda._sleep(SLEEP_CYCLES)
     prof = cProfile.Profile()
     prof.enable()
     hidden = model.model(ids).last_hidden_state

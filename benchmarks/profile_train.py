@@ -176,7 +176,9 @@ def short_path(filename: str) -> str:
     return os.path.relpath(filename) if os.path.isabs(filename) else filename
 
 
-SLEEP_CYCLES = 3_000_000_000  # about 1.5 s of an H100's or H200's clock: longer than either phase's launches
+# How long the GPU sleeps while the host's launches are timed (here, attention_host.py, host_profile.py): about
+# 1.5 s of an H100's or H200's clock, longer than a 2K x 4 step's forward or backward takes the host to launch.
+SLEEP_CYCLES = 3_000_000_000
 
 
 def host_times(model, ids, repeats: int = 5) -> dict:
