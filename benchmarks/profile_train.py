@@ -18,6 +18,10 @@ With --host, also the host's time to enqueue the decoder stack's training forwar
 loss synchronizes) and its backward, each behind a `torch.cuda._sleep` long enough that launches only queue, next to
 the GPU time of each phase (CUDA events): where the host's time nears the GPU's, the GPU waits for launches.
 
+With --matmuls, also the step's matrix products by operator and shapes (a step profiled with the host's
+operators and their input shapes): calls, GPU ms and TFLOP/s of each, against the matmul peak of the same process
+(`bench.matmul_peak`): where the products fall short of it, and by how many ms.
+
 With --syncs, also the calls of one step that make the host wait for the GPU (`sync_sites`: torch's sync debug
 mode), by call site. After each, the GPU runs dry until the host has launched the work after it, so a sync early in
 the forward leaves the forward host-bound.
@@ -27,6 +31,7 @@ import argparse
 import bisect
 import gzip
 import json
+import math
 import os
 import statistics
 import time
@@ -38,7 +43,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from tqdm import tqdm
 
-from bench import MODELS, build, in_fresh_process, kernels_patched, profiling_args, warm_up_gpu
+from bench import MODELS, build, in_fresh_process, kernels_patched, matmul_peak, profiling_args, warm_up_gpu
 
 
 def kernel_class(name: str) -> str:
@@ -76,29 +81,62 @@ def saved_activations(model, ids) -> tuple[float, Counter]:
     return sum(by_shape.values()), by_shape
 
 
+class HostOps:
+    """The host's operators and Python frames [(start, end, thread, name)] of a trace, by thread: which enclose a
+    time (a launch)."""
+
+    def __init__(self, host_ops):
+        self.by_thread = {}
+        for start, end, thread, name in sorted(host_ops):
+            self.by_thread.setdefault(thread, []).append((start, end, name))
+        self.starts = {thread: [op[0] for op in ops] for thread, ops in self.by_thread.items()}
+
+    def enclosing(self, time_: float, thread) -> list[str]:
+        """The names of the operators of `thread` running at `time_`, outermost first."""
+        ops = self.by_thread.get(thread, [])
+        return [name for _, op_end, name in ops[:bisect.bisect_right(self.starts.get(thread, []), time_)]
+                if op_end >= time_]
+
+
 def idle_gaps(kernels, launches, host_ops, min_gap: float = 0.0) -> tuple[float, list]:
     """The stretches between a step's first kernel start and last kernel end in which no kernel ran, each put down
-    to the host: kernels (start, end, correlation) and launches {correlation: (time, thread)} as the profiler's
+    to the host: kernels (start, end, correlation, name) and launches {correlation: (time, thread)} as the profiler's
     trace gives them (times in us), host_ops [(start, end, thread, name)] the host's operators and Python frames.
     Returns (the idle time summed, [(gap, the time the kernel after it was launched less the end of the one before,
     the names of the host operators enclosing that launch, outermost first)] for gaps of at least min_gap): a
     launch after the GPU ran dry means the host was behind (or waiting, as in a synchronizing call)."""
-    by_thread = {}
-    for start, end, thread, name in sorted(host_ops):
-        by_thread.setdefault(thread, []).append((start, end, name))
-    starts = {thread: [op[0] for op in ops] for thread, ops in by_thread.items()}
+    ops = HostOps(host_ops)
     total, gaps, covered = 0.0, [], None
-    for start, end, correlation in sorted(kernels):
+    for start, end, correlation, *_ in sorted(kernels):
         if covered is not None and start > covered:
             total += start - covered
             if start - covered >= min_gap and correlation in launches:
                 time_, thread = launches[correlation]
-                ops = by_thread.get(thread, [])
-                enclosing = [name for op_start, op_end, name in ops[:bisect.bisect_right(starts[thread], time_)]
-                             if op_end >= time_]
-                gaps.append((start - covered, time_ - covered, enclosing))
+                gaps.append((start - covered, time_ - covered, ops.enclosing(time_, thread)))
         covered = end if covered is None else max(covered, end)
     return total, gaps
+
+
+# Host operators named after these are ours, transformers', Liger's, FlashAttention-4's or torch.optim's: a launch is
+# put down to the innermost of them (else to its innermost operator).
+NAMED_SOURCES = ("modeling_diff", "liger_kernel", "transformers/", "flash_attn", "torch/optim", "autograd::engine")
+
+
+def named_source(enclosing: list[str]) -> str:
+    named = [name for name in enclosing if any(word in name for word in NAMED_SOURCES)] or enclosing or ["(none)"]
+    return named[-1][:140]
+
+
+def launch_sites(kernels, launches, host_ops) -> Counter:
+    """(count, GPU us) of a step's kernels by their launching host operator (`named_source`) and kind (memsets,
+    memcopies, kernels): where a step's ~1200 launches come from."""
+    ops, sites = HostOps(host_ops), Counter()
+    for start, end, correlation, name in kernels:
+        kind = "memset" if name.startswith("Memset") else "memcpy" if name.startswith("Memcpy") else "kernel"
+        source = named_source(ops.enclosing(*launches[correlation])) if correlation in launches else "(no launch)"
+        sites[(source, kind, "count")] += 1
+        sites[(source, kind, "us")] += end - start
+    return sites
 
 
 def trace_events(path: str) -> tuple[list, dict, list]:
@@ -111,7 +149,7 @@ def trace_events(path: str) -> tuple[list, dict, list]:
             continue
         category, args = e.get("cat"), e.get("args", {})
         if category in ("kernel", "gpu_memcpy", "gpu_memset"):
-            kernels.append((e["ts"], e["ts"] + e["dur"], args.get("correlation")))
+            kernels.append((e["ts"], e["ts"] + e["dur"], args.get("correlation"), e.get("name", "")))
         elif category == "cuda_runtime" or category == "cuda_driver":
             launches[args.get("correlation")] = (e["ts"], e["tid"])
             if e["dur"] >= 50:  # a blocking call (a synchronization, an allocation) shows up as a host op of its own
@@ -123,14 +161,13 @@ def trace_events(path: str) -> tuple[list, dict, list]:
 
 def gap_report(path: str, min_gap: float = 20.0, rows: int = 40) -> str:
     """The idle time of the traced step and the host operators behind its gaps of at least min_gap us, summed by the
-    innermost operator of our code, transformers', Liger's or torch.optim's (else the innermost), and by the
-    outermost."""
-    total, gaps = idle_gaps(*trace_events(path), min_gap=min_gap)
-    ours = ("modeling_diff", "liger_kernel", "transformers/", "torch/optim", "autograd::engine")
+    innermost operator of our code, transformers', Liger's, FlashAttention-4's or torch.optim's (`named_source`), and
+    by the outermost; then the step's launches by the same operators (`launch_sites`)."""
+    kernels, launches, host_ops = trace_events(path)
+    total, gaps = idle_gaps(kernels, launches, host_ops, min_gap=min_gap)
     inner, outer = Counter(), Counter()
     for gap, _, enclosing in gaps:
-        named = [name for name in enclosing if any(word in name for word in ours)] or enclosing or ["(none)"]
-        inner[named[-1][:140]] += gap / 1e3
+        inner[named_source(enclosing)] += gap / 1e3
         outer[(enclosing or ["(none)"])[0][:140]] += gap / 1e3
     lines = [f"GPU idle within the step: {total / 1e3:.2f} ms, {sum(g for g, _, _ in gaps) / 1e3:.2f} ms of it in "
              f"{len(gaps)} gaps of >= {min_gap:g} us", "",
@@ -141,6 +178,56 @@ def gap_report(path: str, min_gap: float = 20.0, rows: int = 40) -> str:
     lines += ["", "the largest gaps (us, launch after the GPU ran dry us, enclosing operators):"]
     for gap, late, enclosing in sorted(gaps, key=lambda g: -g[0])[:rows]:
         lines.append(f"{gap:9.1f} {late:9.1f}  " + " > ".join(name[:60] for name in enclosing[-6:]))
+    sites = launch_sites(kernels, launches, host_ops)
+    counts = Counter({key[:2]: n for key, n in sites.items() if key[2] == "count"})
+    lines += ["", f"launches of the step: {sum(counts.values())} ({sum(n for k, n in counts.items() if k[1] == 'memset')}"
+              " memsets), by the launching host operator (count, kind, GPU ms):"]
+    lines += [f"{n:6d}  {kind:6s} {sites[(source, kind, 'us')] / 1e3:8.3f}  {source}"
+              for (source, kind), n in counts.most_common(3 * rows)]
+    return "\n".join(lines)
+
+
+# The matrix-product operators a step's products end in (F.linear, torch.matmul and cuBLAS calls reach these), and
+# where in their input shapes the two factors are.
+MATMUL_FACTORS = {"aten::mm": (0, 1), "aten::addmm": (1, 2), "aten::addmm_": (1, 2), "aten::bmm": (0, 1),
+                  "aten::baddbmm": (1, 2), "aten::baddbmm_": (1, 2)}
+
+
+def product_flops(op: str, input_shapes) -> float:
+    """FLOPs of one call of a MATMUL_FACTORS operator from its input shapes: 2 x batch x M x K x N."""
+    first, second = (input_shapes[i] for i in MATMUL_FACTORS[op])
+    *batch, m, k = first
+    return 2.0 * math.prod(batch) * m * k * second[-1]
+
+
+def matmul_table(events, peak: float) -> list[dict]:
+    """The step's products by operator and shapes, from `key_averages(group_by_input_shape=True)` of a profile
+    with the host's operators (each event: key, input_shapes, count, device_time_total in us): calls, GPU ms,
+    TFLOP/s and the ms above what the peak (FLOP/s) would take; most ms lost first."""
+    rows = []
+    for e in events:
+        if e.key not in MATMUL_FACTORS or not e.device_time_total:
+            continue
+        flops = product_flops(e.key, e.input_shapes) * e.count
+        ms = e.device_time_total / 1e3
+        rows.append(dict(op=e.key.removeprefix("aten::"), shapes=" x ".join(str(tuple(s)) for s in e.input_shapes
+                                                                           if s), calls=e.count, ms=ms,
+                         tflops=flops / ms / 1e9, lost_ms=ms - flops / peak * 1e3))
+    return sorted(rows, key=lambda row: -row["lost_ms"])
+
+
+def matmul_report(step, peak: float, rows: int = 30) -> str:
+    """`matmul_table` of one run of `step` as text, with the totals."""
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        step()
+        torch.cuda.synchronize()
+    table = matmul_table(prof.key_averages(group_by_input_shape=True), peak)
+    total_ms, lost = sum(r["ms"] for r in table), sum(r["lost_ms"] for r in table)
+    lines = [f"matrix products of the step: {sum(r['calls'] for r in table)} calls, {total_ms:.2f} GPU ms, "
+             f"{lost:.2f} ms above the peak of {peak / 1e12:.0f} TFLOP/s", "",
+             "| op | shapes | calls | GPU ms | TFLOP/s | ms above the peak |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['op']} | {r['shapes']} | {r['calls']} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['lost_ms']:.3f} |"
+              for r in table[:rows]]
     return "\n".join(lines)
 
 
@@ -217,7 +304,7 @@ def traced_step(step, path: str) -> None:
 
 
 def profile_model(name: str, seq: int, batch: int, out: str | None, trace: bool = False, syncs: bool = False,
-                  host: bool = False) -> dict:
+                  host: bool = False, matmuls: bool = False) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = True
     warm_up_gpu(1.0)
     with kernels_patched(name):
@@ -247,6 +334,7 @@ def profile_model(name: str, seq: int, batch: int, out: str | None, trace: bool 
         if trace:
             trace_path = os.path.join(out, f"trace_{name}_{seq}x{batch}.json.gz")
             traced_step(step, trace_path)
+        products = matmul_report(step, matmul_peak()[0]) if matmuls else ""
         sites = sync_sites(step) if syncs else Counter()
         host_row = host_times(model, ids) if host else {}
     classes = Counter()
@@ -268,6 +356,8 @@ def profile_model(name: str, seq: int, batch: int, out: str | None, trace: bool 
                 f.write(f"{gib:8.3f}  {shape} {dtype}\n")
             if trace:
                 f.write("\n" + gap_report(trace_path) + "\n")
+            if matmuls:
+                f.write("\n" + products + "\n")
             if syncs:
                 f.write("\nsynchronizing calls in one step (count, call site innermost first):\n")
                 f.writelines(f"{count:4d}  {site}\n" for site, count in sites.most_common())
@@ -284,13 +374,17 @@ def main(argv=None):
     parser.add_argument("--trace", action="store_true",
                         help="also the step's trace and where the GPU waits on the host")
     parser.add_argument("--syncs", action="store_true", help="also the calls of a step that wait for the GPU")
+    parser.add_argument("--matmuls", action="store_true",
+                        help="also the step's matrix products by shapes, against the matmul peak (needs --out)")
     parser.add_argument("--host", action="store_true",
                         help="also the host's and the GPU's ms of the forward and of the backward, apart")
     args = profiling_args(parser, argv, ("seq", "batch"), "profile_train.py")
-    if args.trace and not args.out:
-        parser.error("--trace needs --out")
+    for flag in ("trace", "matmuls"):
+        if getattr(args, flag) and not args.out:
+            parser.error(f"--{flag} needs --out")
     rows = [
-        in_fresh_process(profile_model, name, args.seq, args.batch, args.out, args.trace, args.syncs, args.host)
+        in_fresh_process(profile_model, name, args.seq, args.batch, args.out, args.trace, args.syncs, args.host,
+                         args.matmuls)
         for name in tqdm(args.models, desc="models")
     ]
     columns = ["step_ms", "peak_gib", "saved_gib", "gpu_ms", "matmul ms", "attention forward ms",

@@ -126,6 +126,44 @@ def test_idle_gaps_are_put_down_to_the_host_operators_around_the_late_launch(tmp
     assert "GPU idle within the step: 0.04 ms" in report and "combine.py: backward" in report
 
 
+def test_launch_sites_count_a_step_s_kernels_and_memsets_by_the_named_host_operator_that_launched_them():
+    """Two memsets and a kernel from our combine's backward (a Python frame inside autograd's engine), one kernel from
+    Liger's frame inside an aten op (the named frame, not the innermost op, takes it), one without a launch event."""
+    kernels = [(0, 2, 1, "Memset (Device)"), (3, 4, 2, "Memset (Device)"), (5, 9, 3, "_combine_bwd"),
+               (10, 20, 4, "liger_cross_entropy_kernel"), (21, 22, 5, "Memcpy DtoD (Device -> Device)")]
+    launches = {1: (1, 1), 2: (2, 1), 3: (3, 1), 4: (8, 1)}
+    host_ops = [(0, 4, 1, "autograd::engine: Backward"), (0.5, 3.5, 1, "modeling_diff/kernels/combine.py(9): backward"),
+                (7, 9, 1, "liger_kernel/ops/cross_entropy.py(3): forward"), (7.5, 8.5, 1, "aten::empty")]
+    sites = profile_train.launch_sites(kernels, launches, host_ops)
+    assert sites[("modeling_diff/kernels/combine.py(9): backward", "memset", "count")] == 2
+    assert sites[("modeling_diff/kernels/combine.py(9): backward", "memset", "us")] == 3
+    assert sites[("modeling_diff/kernels/combine.py(9): backward", "kernel", "count")] == 1
+    assert sites[("liger_kernel/ops/cross_entropy.py(3): forward", "kernel", "us")] == 10
+    assert sites[("(no launch)", "memcpy", "count")] == 1
+
+
+def test_matmul_table_gives_each_product_s_tflops_and_time_above_the_peak():
+    """FLOPs as 2 x batch x M x K x N, written out here, for mm, addmm (the factors after the sum) and baddbmm; an
+    operator that is not a product and one that ran no GPU time are left out."""
+    from types import SimpleNamespace as Event
+
+    events = [Event(key="aten::mm", input_shapes=[[8, 4], [4, 16]], count=2, device_time_total=1.0),
+              Event(key="aten::addmm", input_shapes=[[16], [8, 4], [4, 16], [], []], count=1, device_time_total=2.0),
+              Event(key="aten::baddbmm", input_shapes=[[3, 8, 16], [3, 8, 4], [3, 4, 16], [], []], count=1,
+                    device_time_total=5.0),
+              Event(key="aten::add", input_shapes=[[8], [8]], count=1, device_time_total=1.0),
+              Event(key="aten::bmm", input_shapes=[[3, 8, 4], [3, 4, 16]], count=1, device_time_total=0.0)]
+    peak = 2 * 8 * 4 * 16 / 1e-6  # FLOP/s at which one (8 x 4) @ (4 x 16) takes 1 us
+    rows = profile_train.matmul_table(events, peak)
+    assert [r["op"] for r in rows] == ["baddbmm", "addmm", "mm"]  # most time above the peak first
+    by_op = {r["op"]: r for r in rows}
+    assert by_op["mm"]["tflops"] == pytest.approx(2 * 2 * 8 * 4 * 16 / 1e-6 / 1e12)
+    assert by_op["mm"]["lost_ms"] == pytest.approx(-1e-3)  # two products in 1 us: twice the peak
+    assert by_op["addmm"]["lost_ms"] == pytest.approx(1e-3)
+    assert by_op["baddbmm"]["lost_ms"] == pytest.approx(2e-3)  # 3 products in 5 us
+    assert by_op["addmm"]["shapes"] == "(16,) x (8, 4) x (4, 16)"
+
+
 @pytest.mark.parametrize("name, expected", [
     ("kernel_cutlass_kernel_flash_attncuteflash_fwd_sm90FlashAttentionForwardSm90_object_at_", "attention forward"),
     ("kernel_cutlass_kernel_flash_attncuteflash_bwd_sm90FlashAttentionBackwardSm90_object_at", "attention backward"),
