@@ -139,6 +139,26 @@ def launch_sites(kernels, launches, host_ops) -> Counter:
     return sites
 
 
+def kernel_gaps(kernels, large: float = 20.0, rows: int = 20) -> str:
+    """The idle stretches between a step's kernels as the CUDA-only profile gives them (the host unslowed by the
+    profiler's operator records), kernels [(start, end, name)] in us: small (< `large` us: the GPU's own time
+    between back-to-back kernels) and large ones summed, and the largest with the kernels around them."""
+    small, gaps, covered, before = 0.0, [], None, ""
+    for start, end, name in sorted(kernels):
+        if covered is not None and start > covered:
+            if start - covered < large:
+                small += start - covered
+            else:
+                gaps.append((start - covered, before, name))
+        if covered is None or end > covered:
+            covered, before = end, name
+    lines = [f"GPU idle between kernels (CUDA-only profile): {(small + sum(g[0] for g in gaps)) / 1e3:.2f} ms; "
+             f"{small / 1e3:.2f} ms in gaps of < {large:g} us, {sum(g[0] for g in gaps) / 1e3:.2f} ms in {len(gaps)} "
+             f"of >= {large:g} us; {len(kernels)} kernels", "the largest (us, kernel before -> kernel after):"]
+    lines += [f"{gap:9.1f}  {a[:60]} -> {b[:60]}" for gap, a, b in sorted(gaps, reverse=True)[:rows]]
+    return "\n".join(lines)
+
+
 def trace_events(path: str) -> tuple[list, dict, list]:
     """(kernels, launches, host operators) of a Chrome trace that torch.profiler exported, as `idle_gaps` takes them."""
     with gzip.open(path, "rt") as f:
@@ -337,6 +357,8 @@ def profile_model(name: str, seq: int, batch: int, out: str | None, trace: bool 
         products = matmul_report(step, matmul_peak()[0]) if matmuls else ""
         sites = sync_sites(step) if syncs else Counter()
         host_row = host_times(model, ids) if host else {}
+    gaps = kernel_gaps([(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                        if e.device_type == torch.autograd.DeviceType.CUDA])
     classes = Counter()
     events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
     for e in events:
@@ -351,6 +373,7 @@ def profile_model(name: str, seq: int, batch: int, out: str | None, trace: bool 
             for e in sorted(events, key=lambda e: -e.self_device_time_total)[:40]:
                 ms = e.self_device_time_total / 1e3
                 f.write(f"{ms:9.3f} {e.count:6d}  {kernel_class(e.key):18s} {e.key[:110]}\n")
+            f.write("\n" + gaps + "\n")
             f.write("\nsaved for the backward (GiB by shape, dtype):\n")
             for (shape, dtype), gib in by_shape.most_common(40):
                 f.write(f"{gib:8.3f}  {shape} {dtype}\n")

@@ -28,8 +28,8 @@ from transformers.utils import TransformersKwargs
 from .configuration import DiffLlamaConfig
 from .kernels import (
     DIFF_TRITON, FUSED_DIFF, DexCombine, V1Combine, V2Combine, apply_rope, combined_decode_applies,
-    combined_decode_attention, dex_folded_weight, differential_lambda, flash_attn_4_applies, flash_diff_applies,
-    flash_diff_attention, has_extra_options, is_plain_linear, keep_own_forward, linear_maps, mark_written, needs_grad,
+    combined_decode_attention, dex_folded_projection, dex_folded_projection_applies, dex_folded_weight,
+    differential_lambda, flash_attn_4_applies, flash_diff_applies, flash_diff_attention, has_extra_options, is_plain_linear, keep_own_forward, linear_maps, mark_written, needs_grad,
     projection_cache_layer, resolve, rotated_projections, rotated_projections_apply, runs_own_forward, split_linear,
     split_linear_applies, update_cache, uses_fast_kernels, v1_combine, v2_combine_projected, written_layer,
 )
@@ -669,7 +669,13 @@ class DexAttention(_LlamaLayoutAttention):
         columns W_h (hidden, d), and f_D is linear, f_D(O_h) = O_h F with F = f_D(I) (d, d):
         (O_h - lambda_h O_h F) W_h^T = O_h (W_h - W_h (lambda_h F)^T)^T. So training keeps no copy of the
         operator's output for o_proj's backward: o_proj reads the attention's output, which the attention keeps
-        anyway. The folded weight is made in o_proj's own layout (`kernels.combine.dex_folded_weight`)."""
+        anyway. The folded weight is made in o_proj's own layout: with lambda(t), in one launch (its gradients in
+        two), where f_D is a plain Linear and lambda's module has no hooks (`kernels.combine.dex_folded_projection`);
+        else through the modules (PEFT's copies and adapters, hooks) and `kernels.combine.dex_folded_weight`."""
+        if is_plain_linear(self.dex_proj) and runs_own_forward(self.dex_lambda):
+            combine = self.decode_combine(())
+            if dex_folded_projection_applies(self.o_proj.weight, combine):
+                return F.linear(attn_output, dex_folded_projection(self.o_proj.weight, combine), self.o_proj.bias)
         eye = torch.eye(self.head_dim, dtype=attn_output.dtype, device=attn_output.device)
         t_over_T = anneal_fraction(self.anneal_step, self.config.anneal_steps)
         head_lambda = self.dex_lambda.per_head(t_over_T, self.head_mask).to(attn_output.dtype)  # (h,)

@@ -126,6 +126,15 @@ def test_idle_gaps_are_put_down_to_the_host_operators_around_the_late_launch(tmp
     assert "GPU idle within the step: 0.04 ms" in report and "combine.py: backward" in report
 
 
+def test_kernel_gaps_sum_small_and_large_idle_stretches_and_name_the_kernels_around_the_large():
+    """Kernels a [0, 10], b [12, 20] (2 us: small), c [50, 60] launched while b ran dry (30 us: large), d [55, 58]
+    inside c (no gap), e [61, 62]."""
+    kernels = [(50, 60, "c"), (0, 10, "a"), (12, 20, "b"), (55, 58, "d"), (61, 62, "e")]
+    report = profile_train.kernel_gaps(kernels, large=20)
+    assert "0.03 ms; 0.00 ms in gaps of < 20 us, 0.03 ms in 1 of >= 20 us; 5 kernels" in report
+    assert report.splitlines()[-1].split() == ["30.0", "b", "->", "c"]
+
+
 def test_launch_sites_count_a_step_s_kernels_and_memsets_by_the_named_host_operator_that_launched_them():
     """Two memsets and a kernel from our combine's backward (a Python frame inside autograd's engine), one kernel from
     Liger's frame inside an aten op (the named frame, not the innermost op, takes it), one without a launch event."""

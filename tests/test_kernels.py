@@ -1901,6 +1901,43 @@ def test_dex_folded_weight_and_its_gradients_match_the_formula():
     assert torch.equal(dex_folded_weight(transposed, operator), folded)
 
 
+@pytest.mark.parametrize("anneal", [None, 0.3, 2.0])
+def test_dex_folded_projection_and_its_gradients_match_the_formula(anneal):
+    """The fold kernels (lambda(t) inside them): W'_h = W_h - lambda_h W_h F with lambda_h = lambda(t) mask_h,
+    lambda(t) = (1 - a) (t/T) lambda_init + a lambda_learn, a = min(1, t/T) (lambda_learn where annealing is off),
+    and the gradients of W, F and lambda_learn, against the formula written here in float64: annealing off, under
+    way and over; hidden rows that fill no whole block or split; a selection of heads."""
+    from modeling_diff.kernels import DexCombine, dex_folded_projection, dex_folded_projection_applies
+
+    torch.manual_seed(9)
+    hidden, h, d = (2048, 32, 64) if GPU else (200, 3, 16)
+    weight = (rand(hidden, h * d) * 0.05).requires_grad_()
+    operator = (rand(d, d) * 0.1).requires_grad_()
+    lambda_learn = torch.full((1,), 0.6, device=DEVICE, dtype=DTYPE, requires_grad=True)
+    head_mask = torch.ones(h, device=DEVICE)
+    head_mask[1] = 0.0
+    steps, t, lambda_init = (0, 0, 0.2) if anneal is None else (100, round(100 * anneal), 0.2)
+    combine = DexCombine(operator, head_mask, lambda_learn, torch.tensor(t, device=DEVICE), steps, lambda_init)
+    assert dex_folded_projection_applies(weight, combine)
+    grad_out = rand(h * d, hidden).t()  # (hidden, h * d), not contiguous
+    folded = dex_folded_projection(weight, combine)
+    grads = torch.autograd.grad(folded, (weight, operator, lambda_learn), grad_out)
+
+    w64, f64, l64 = (x.detach().double().requires_grad_() for x in (weight, operator, lambda_learn))
+    a = 1.0 if anneal is None else min(anneal, 1.0)
+    lam = (1 - a) * (t / max(steps, 1)) * lambda_init + a * l64
+    reference = torch.cat([w64[:, i * d:(i + 1) * d] - lam * head_mask[i].item() * w64[:, i * d:(i + 1) * d] @ f64
+                           for i in range(h)], 1)
+    reference_grads = torch.autograd.grad(reference, (w64, f64, l64), grad_out.double())
+    assert folded.shape == weight.shape and folded.is_contiguous() and folded.dtype == DTYPE
+    for got, want in zip((folded, *grads), (reference, *reference_grads)):
+        assert rel_err(got, want) < TOL
+    # shapes the kernels do not take: d below the tensor cores' 16, a weight of another dtype than f_D's
+    small = DexCombine(operator[:8, :8], head_mask, lambda_learn, combine.anneal_step, steps, lambda_init)
+    assert not dex_folded_projection_applies(weight[:, :h * 8], small)
+    assert not dex_folded_projection_applies(weight.detach().half(), combine)
+
+
 @pytest.mark.parametrize("model_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("mode", MODES)
 def test_training_nodes_under_autocast_equal_the_modules_path(mode, model_dtype, monkeypatch):

@@ -10,7 +10,9 @@ V1's lambda (`differential_lambda`) is a float32 scalar of four short vectors; i
 launches forward and as many backward, its kernel one each way.
 
 DEX's operator (arXiv 2505.16333) is linear in a head's output, O_h - O_h G_h with G_h = lambda_h f_D(I), so in
-training it is folded into o_proj's weight instead (`dex_folded_weight`, called by `DexAttention`).
+training it is folded into o_proj's weight instead (`dex_folded_weight`, called by `DexAttention`); where f_D is a
+plain weight, the fold with lambda(t) and its gradients are one launch forward and two backward
+(`dex_folded_projection`), in place of about eight and fourteen small ones.
 
 The references are the definition (and the path on CPU and under torch.compile, where Inductor fuses them);
 on CUDA the Triton kernels do each combine in one pass forward and one pass backward. In training, V2's combine
@@ -22,11 +24,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._modules import linear_in_product_dtype, recomputed_linear_backward
+from .decode import DexCombine
 from ._triton import TRITON_AVAILABLE, cdiv, eager_kernels_run_on, is_power_of_2, needs_grad, triton_available
 
 if TRITON_AVAILABLE:
     from .triton_combine import (
-        _differential_lambda_bwd, _differential_lambda_fwd, _v1_combine_bwd, _v1_combine_fwd, _v2_combine_bwd,
+        _dex_fold_bwd, _dex_fold_bwd_reduce, _dex_fold_fwd, _differential_lambda_bwd, _differential_lambda_fwd,
+        _v1_combine_bwd, _v1_combine_fwd, _v2_combine_bwd,
         _v2_combine_fwd,
     )
 
@@ -321,3 +325,74 @@ def dex_folded_weight(weight: torch.Tensor, operator: torch.Tensor) -> torch.Ten
     layout, so that o_proj's product reads it as it is and its gradient needs no transposed copy; forward and
     backward a batched product each (and the operator's gradient one more). G is taken in W's dtype."""
     return _DexFoldedWeight.apply(weight, operator.to(weight.dtype))
+
+
+DEX_FOLD_BLOCK_R = 64  # rows of o_proj's weight per program
+DEX_FOLD_SPLITS = 4  # programs per head in the backward, each over a quarter of the rows (hidden 2048: 128 programs)
+
+
+def dex_folded_projection_applies(weight: torch.Tensor, combine: DexCombine) -> bool:
+    """Whether `dex_folded_projection` takes o_proj's weight (hidden, h * d) and the layer's DEX term: the kernels'
+    devices, f_D's weight (d, d) of W's floating dtype with d a power of 2 of at least 16 (the tensor cores' least)."""
+    operator = combine.operator
+    d = operator.shape[-1]
+    return (
+        eager_kernels_run_on(weight)
+        and weight.dim() == 2 and operator.shape == (d, d) and weight.shape[1] == combine.head_mask.numel() * d
+        and is_power_of_2(d) and d >= 16
+        and weight.dtype == operator.dtype and weight.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    )
+
+
+def _dex_fold_constexprs(weight: torch.Tensor, operator: torch.Tensor, anneal_steps: int) -> dict:
+    """The fold kernels' constexprs (float32 products in full precision, not TF32)."""
+    d = operator.shape[-1]
+    return dict(ANNEALED=anneal_steps > 0, H=weight.shape[1] // d, D=d)
+
+
+def _dex_fold_precision(weight: torch.Tensor) -> str:
+    return "ieee" if weight.dtype == torch.float32 else "tf32"  # tf32: ignored for bf16 / fp16 products
+
+
+class _DexFoldedProjection(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, weight, operator, lambda_learn, head_mask, anneal_step, anneal_steps, lambda_init):
+        weight = weight.contiguous()
+        constexprs = _dex_fold_constexprs(weight, operator, anneal_steps)
+        folded = torch.empty_like(weight)
+        grid = (cdiv(weight.shape[0], DEX_FOLD_BLOCK_R), constexprs["H"])
+        _dex_fold_fwd[grid](weight, operator, lambda_learn, head_mask, anneal_step, folded, weight.shape[0],
+                            anneal_steps, lambda_init, **constexprs, BLOCK_R=DEX_FOLD_BLOCK_R,
+                            PRECISION=_dex_fold_precision(weight))
+        ctx.save_for_backward(weight, operator, lambda_learn, head_mask, anneal_step)
+        ctx.anneal_steps, ctx.lambda_init = anneal_steps, lambda_init
+        return folded
+
+    @staticmethod
+    def backward(ctx, grad):
+        weight, operator, lambda_learn, head_mask, anneal_step = ctx.saved_tensors
+        constexprs = _dex_fold_constexprs(weight, operator, ctx.anneal_steps)
+        hidden, heads, d = weight.shape[0], constexprs["H"], constexprs["D"]
+        rows_per_split = cdiv(cdiv(hidden, DEX_FOLD_SPLITS), DEX_FOLD_BLOCK_R) * DEX_FOLD_BLOCK_R
+        splits = cdiv(hidden, rows_per_split)
+        grad_weight = torch.empty_like(weight)
+        parts = torch.empty((splits, heads, d, d), dtype=torch.float32, device=weight.device)  # dM_h by split
+        _dex_fold_bwd[(heads, splits)](
+            weight, operator, lambda_learn, head_mask, anneal_step, grad.contiguous(), grad_weight, parts, hidden,
+            rows_per_split, ctx.anneal_steps, ctx.lambda_init, **constexprs, BLOCK_R=DEX_FOLD_BLOCK_R,
+            PRECISION=_dex_fold_precision(weight),
+        )
+        grad_operator, grad_lambda = torch.empty_like(operator), torch.empty_like(lambda_learn)
+        _dex_fold_bwd_reduce[(1,)](operator, lambda_learn, head_mask, anneal_step, parts, grad_operator, grad_lambda,
+                                   ctx.anneal_steps, ctx.lambda_init, splits, **constexprs)
+        return grad_weight, grad_operator, grad_lambda, None, None, None, None
+
+
+def dex_folded_projection(weight: torch.Tensor, combine: DexCombine) -> torch.Tensor:
+    """o_proj's weight W (hidden, h * d) with the layer's DEX term folded in (check `dex_folded_projection_applies`):
+    W'_h = W_h - W_h M_h, M_h = lambda_h F in W's dtype, F f_D's weight (d, d) (so M_h = G_h^T of
+    `dex_folded_weight`, G_h = lambda_h f_D(I)), lambda_h = lambda(t) mask_h in W's dtype (`DexLambda`), the products
+    accumulated in float32 and rounded once. Gradients reach W, F and lambda_learn (through lambda(t)'s a =
+    min(1, t/T)); the per-head sums of F's and lambda's gradients in float32."""
+    return _DexFoldedProjection.apply(weight, combine.operator, combine.lambda_learn, combine.head_mask,
+                                      combine.anneal_step, combine.anneal_steps, float(combine.lambda_init))

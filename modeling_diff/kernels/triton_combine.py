@@ -158,3 +158,82 @@ def _v2_combine_bwd(A, Wt, DY, DA, DWt, Delta, R, D: tl.constexpr, BLOCK_R: tl.c
         tl.store(DA + rows[:, None] * (2 * D) + cols[None, :], dy.to(DA.dtype.element_ty), mask=ok)
         tl.store(DA + rows[:, None] * (2 * D) + D + cols[None, :], (-w[:, None] * dy).to(DA.dtype.element_ty), mask=ok)
     tl.store(DWt + rows, (-tl.sum(dy * noise, axis=1)).to(DWt.dtype.element_ty), mask=rows < R)
+
+
+# DEX's operator folded into o_proj's weight (`combine.dex_folded_projection`): W (HIDDEN, H * D) bf16 / fp16 / fp32,
+# head h's columns W_h (HIDDEN, D); f_D's weight F (D, D); lambda_h = lambda(t) mask_h rounded to W's dtype, and
+# M_h = lambda_h F in W's dtype, as the reference's operator lambda_h f_D(I) = lambda_h F^T is (f_D(x) = x F^T).
+# W'_h = W_h - W_h M_h, accumulated in fp32 and rounded once.
+
+
+@triton.jit
+def _dex_head_operator(F, LambdaLearn, HeadMask, fraction, lambda_init, head, D: tl.constexpr):
+    """(M_h (D, D) in F's dtype, lambda_h rounded to F's dtype, as fp32); fraction = t / T (`anneal_fraction`)."""
+    lam = dex_lambda(LambdaLearn, fraction, lambda_init) * tl.load(HeadMask + head).to(tl.float32)
+    lam = lam.to(F.dtype.element_ty).to(tl.float32)
+    d = tl.arange(0, D)
+    operator = tl.load(F + d[:, None] * D + d[None, :]).to(tl.float32)
+    return (lam * operator).to(F.dtype.element_ty), lam
+
+
+@triton.jit
+def _dex_fold_fwd(W, F, LambdaLearn, HeadMask, AnnealStep, Out, HIDDEN, anneal_steps, lambda_init,
+                  ANNEALED: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    # program (row block, head): BLOCK_R rows of W_h -> W'_h
+    head = tl.program_id(1)
+    fraction = anneal_fraction(AnnealStep, anneal_steps, ANNEALED)
+    operator, _ = _dex_head_operator(F, LambdaLearn, HeadMask, fraction, lambda_init, head, D)
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offsets = rows[:, None] * (H * D) + head * D + tl.arange(0, D)[None, :]
+    ok = rows[:, None] < HIDDEN
+    w = tl.load(W + offsets, mask=ok, other=0.0)
+    folded = w.to(tl.float32) - tl.dot(w, operator, input_precision=PRECISION)
+    tl.store(Out + offsets, folded.to(Out.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _dex_fold_bwd(W, F, LambdaLearn, HeadMask, AnnealStep, DOut, DW, DMpart, HIDDEN, rows_per_split, anneal_steps,
+                  lambda_init, ANNEALED: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    # program (head, split): the rows [split * rows_per_split, ...) of head h (rows_per_split a multiple of BLOCK_R):
+    # dW_h = dW'_h - dW'_h M_h^T, and this split's part of dM_h = -W_h^T dW'_h (D, D), fp32, into DMpart[split, h]
+    head, split = tl.program_id(0), tl.program_id(1)
+    fraction = anneal_fraction(AnnealStep, anneal_steps, ANNEALED)
+    operator, _ = _dex_head_operator(F, LambdaLearn, HeadMask, fraction, lambda_init, head, D)
+    d = tl.arange(0, D)
+    grad_operator = tl.zeros((D, D), dtype=tl.float32)
+    first = split * rows_per_split
+    for start in range(first, tl.minimum(first + rows_per_split, HIDDEN), BLOCK_R):
+        rows = start + tl.arange(0, BLOCK_R)
+        offsets = rows[:, None] * (H * D) + head * D + d[None, :]
+        ok = rows[:, None] < HIDDEN
+        dout = tl.load(DOut + offsets, mask=ok, other=0.0)
+        w = tl.load(W + offsets, mask=ok, other=0.0)
+        dw = dout.to(tl.float32) - tl.dot(dout, tl.trans(operator), input_precision=PRECISION)
+        tl.store(DW + offsets, dw.to(DW.dtype.element_ty), mask=ok)
+        grad_operator -= tl.dot(tl.trans(w), dout, input_precision=PRECISION)
+    tl.store(DMpart + ((split * H + head) * D + d[:, None]) * D + d[None, :], grad_operator)
+
+
+@triton.jit
+def _dex_fold_bwd_reduce(F, LambdaLearn, HeadMask, AnnealStep, DMpart, DF, DLambdaLearn, anneal_steps, lambda_init,
+                         SPLITS, ANNEALED: tl.constexpr, H: tl.constexpr, D: tl.constexpr):
+    # one program: dM_h = the sum of its splits' parts; dF = sum_h lambda_h dM_h; d lambda_learn = a sum_h mask_h
+    # <dM_h, F>, a = min(1, t/T) (lambda(t)'s derivative in lambda_learn)
+    d = tl.arange(0, D)
+    tile = d[:, None] * D + d[None, :]
+    operator = tl.load(F + tile).to(tl.float32)
+    fraction = anneal_fraction(AnnealStep, anneal_steps, ANNEALED)
+    grad_f = tl.zeros((D, D), dtype=tl.float32)
+    grad_lambda = tl.zeros((D,), dtype=tl.float32)
+    for head in range(H):
+        _, lam = _dex_head_operator(F, LambdaLearn, HeadMask, fraction, lambda_init, head, D)
+        grad_operator = tl.zeros((D, D), dtype=tl.float32)
+        for split in range(SPLITS):
+            grad_operator += tl.load(DMpart + (split * H + head) * D * D + tile)
+        grad_f += lam * grad_operator
+        grad_lambda += tl.load(HeadMask + head).to(tl.float32) * tl.sum(grad_operator * operator, axis=1)
+    tl.store(DF + tile, grad_f.to(DF.dtype.element_ty))
+    a = tl.minimum(fraction, 1.0)
+    tl.store(DLambdaLearn, (a * tl.sum(grad_lambda, axis=0)).to(DLambdaLearn.dtype.element_ty))
