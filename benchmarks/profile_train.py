@@ -6,7 +6,9 @@ For each model of bench.py (each in a fresh process: Liger's patches are process
 backward + fused AdamW as bench.py's training rows do and prints: the step's wall time, the peak memory, the
 bytes the forward saves for the backward (every distinct storage that autograd keeps, through
 `torch.autograd.graph.saved_tensors_hooks`), and the GPU time per kernel class (matmuls, attention forward,
-attention backward, everything else). With --out, one file per model with the profiler's kernel table and the
+attention backward, everything else), per step of two profiled back to back. With --out, one file per model with
+the profiler's kernel table, the idle stretches between the second step's kernels (`kernel_gaps`: the first step
+starts on an empty queue, the second behind the first's backward and optimizer, as in a training loop) and the
 saved activations by shape (which tensors a model keeps that another does not).
 
 With --trace (needs --out), also where the GPU waits on the host within a step: one more step is profiled with the
@@ -348,7 +350,8 @@ def profile_model(name: str, seq: int, batch: int, out: str | None, trace: bool 
         wall = (time.perf_counter() - start) / 3
         peak = torch.cuda.max_memory_allocated() / 2**30
         saved, by_shape = saved_activations(model, ids)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:  # two steps, as bench.py runs them: no wait between
+            step()
             step()
             torch.cuda.synchronize()
         if trace:
@@ -357,12 +360,15 @@ def profile_model(name: str, seq: int, batch: int, out: str | None, trace: bool 
         products = matmul_report(step, matmul_peak()[0]) if matmuls else ""
         sites = sync_sites(step) if syncs else Counter()
         host_row = host_times(model, ids) if host else {}
-    gaps = kernel_gaps([(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                        if e.device_type == torch.autograd.DeviceType.CUDA])
+    # the second step's kernels: the first started on an empty queue (its forward waits for every launch where the
+    # host is slower than the GPU), the second behind the first's backward and optimizer, as in a training loop
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA)
+    gaps = kernel_gaps(kernels[len(kernels) // 2:])
     classes = Counter()
     events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
     for e in events:
-        classes[kernel_class(e.key)] += e.self_device_time_total / 1e3
+        classes[kernel_class(e.key)] += e.self_device_time_total / 2e3  # ms a step
     row = dict(model=name, seq=seq, batch=batch, step_ms=wall * 1e3, peak_gib=peak, saved_gib=saved,
                gpu_ms=sum(classes.values()), **{f"{k} ms": v for k, v in classes.items()}, **host_row)
     if syncs:
@@ -371,8 +377,8 @@ def profile_model(name: str, seq: int, batch: int, out: str | None, trace: bool 
         with open(os.path.join(out, f"train_{name}_{seq}x{batch}.txt"), "w") as f:
             f.write(f"{row}\n\nkernels by GPU time (ms per step):\n")
             for e in sorted(events, key=lambda e: -e.self_device_time_total)[:40]:
-                ms = e.self_device_time_total / 1e3
-                f.write(f"{ms:9.3f} {e.count:6d}  {kernel_class(e.key):18s} {e.key[:110]}\n")
+                ms = e.self_device_time_total / 2e3
+                f.write(f"{ms:9.3f} {e.count // 2:6d}  {kernel_class(e.key):18s} {e.key[:110]}\n")
             f.write("\n" + gaps + "\n")
             f.write("\nsaved for the backward (GiB by shape, dtype):\n")
             for (shape, dtype), gib in by_shape.most_common(40):

@@ -24,8 +24,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._modules import linear_in_product_dtype, recomputed_linear_backward
+from ._triton import (
+    TRITON_AVAILABLE, cdiv, eager_kernels_run_on, is_power_of_2, needs_grad, next_power_of_2, triton_available,
+)
 from .decode import DexCombine
-from ._triton import TRITON_AVAILABLE, cdiv, eager_kernels_run_on, is_power_of_2, needs_grad, triton_available
 
 if TRITON_AVAILABLE:
     from .triton_combine import (
@@ -329,6 +331,7 @@ def dex_folded_weight(weight: torch.Tensor, operator: torch.Tensor) -> torch.Ten
 
 DEX_FOLD_BLOCK_R = 64  # rows of o_proj's weight per program
 DEX_FOLD_SPLITS = 4  # programs per head in the backward, each over a quarter of the rows (hidden 2048: 128 programs)
+DEX_FOLD_REDUCE_BLOCK = 32  # elements of f_D's gradient per program of the backward's sum over the programs' parts
 
 
 def dex_folded_projection_applies(weight: torch.Tensor, combine: DexCombine) -> bool:
@@ -376,15 +379,21 @@ class _DexFoldedProjection(torch.autograd.Function):
         rows_per_split = cdiv(cdiv(hidden, DEX_FOLD_SPLITS), DEX_FOLD_BLOCK_R) * DEX_FOLD_BLOCK_R
         splits = cdiv(hidden, rows_per_split)
         grad_weight = torch.empty_like(weight)
-        parts = torch.empty((splits, heads, d, d), dtype=torch.float32, device=weight.device)  # dM_h by split
+        # each program's terms of F's and lambda's gradients, summed by the second launch
+        grad_f_parts = torch.empty((splits, heads, d, d), dtype=torch.float32, device=weight.device)
+        grad_lambda_parts = torch.empty((splits, heads), dtype=torch.float32, device=weight.device)
         _dex_fold_bwd[(heads, splits)](
-            weight, operator, lambda_learn, head_mask, anneal_step, grad.contiguous(), grad_weight, parts, hidden,
-            rows_per_split, ctx.anneal_steps, ctx.lambda_init, **constexprs, BLOCK_R=DEX_FOLD_BLOCK_R,
-            PRECISION=_dex_fold_precision(weight),
+            weight, operator, lambda_learn, head_mask, anneal_step, grad.contiguous(), grad_weight, grad_f_parts,
+            grad_lambda_parts, hidden, rows_per_split, ctx.anneal_steps, ctx.lambda_init, **constexprs,
+            BLOCK_R=DEX_FOLD_BLOCK_R, PRECISION=_dex_fold_precision(weight),
         )
         grad_operator, grad_lambda = torch.empty_like(operator), torch.empty_like(lambda_learn)
-        _dex_fold_bwd_reduce[(1,)](operator, lambda_learn, head_mask, anneal_step, parts, grad_operator, grad_lambda,
-                                   ctx.anneal_steps, ctx.lambda_init, splits, **constexprs)
+        block = min(DEX_FOLD_REDUCE_BLOCK, d * d)
+        _dex_fold_bwd_reduce[(d * d // block,)](
+            grad_f_parts, grad_lambda_parts, anneal_step, grad_operator, grad_lambda, ctx.anneal_steps,
+            splits * heads, ANNEALED=constexprs["ANNEALED"], D=d, PARTS_POW2=next_power_of_2(splits * heads),
+            BLOCK=block,
+        )
         return grad_weight, grad_operator, grad_lambda, None, None, None, None
 
 

@@ -193,14 +193,15 @@ def _dex_fold_fwd(W, F, LambdaLearn, HeadMask, AnnealStep, Out, HIDDEN, anneal_s
 
 
 @triton.jit
-def _dex_fold_bwd(W, F, LambdaLearn, HeadMask, AnnealStep, DOut, DW, DMpart, HIDDEN, rows_per_split, anneal_steps,
-                  lambda_init, ANNEALED: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr,
-                  PRECISION: tl.constexpr):
+def _dex_fold_bwd(W, F, LambdaLearn, HeadMask, AnnealStep, DOut, DW, DFpart, DLambdaPart, HIDDEN, rows_per_split,
+                  anneal_steps, lambda_init, ANNEALED: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+                  BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
     # program (head, split): the rows [split * rows_per_split, ...) of head h (rows_per_split a multiple of BLOCK_R):
-    # dW_h = dW'_h - dW'_h M_h^T, and this split's part of dM_h = -W_h^T dW'_h (D, D), fp32, into DMpart[split, h]
+    # dW_h = dW'_h - dW'_h M_h^T; and of this split's part of dM_h = -W_h^T dW'_h (D, D), fp32, its terms of
+    # dF = sum_h lambda_h dM_h into DFpart[split, h] and of sum_h mask_h <dM_h, F> into DLambdaPart[split, h]
     head, split = tl.program_id(0), tl.program_id(1)
     fraction = anneal_fraction(AnnealStep, anneal_steps, ANNEALED)
-    operator, _ = _dex_head_operator(F, LambdaLearn, HeadMask, fraction, lambda_init, head, D)
+    operator, lam = _dex_head_operator(F, LambdaLearn, HeadMask, fraction, lambda_init, head, D)
     d = tl.arange(0, D)
     grad_operator = tl.zeros((D, D), dtype=tl.float32)
     first = split * rows_per_split
@@ -213,27 +214,24 @@ def _dex_fold_bwd(W, F, LambdaLearn, HeadMask, AnnealStep, DOut, DW, DMpart, HID
         dw = dout.to(tl.float32) - tl.dot(dout, tl.trans(operator), input_precision=PRECISION)
         tl.store(DW + offsets, dw.to(DW.dtype.element_ty), mask=ok)
         grad_operator -= tl.dot(tl.trans(w), dout, input_precision=PRECISION)
-    tl.store(DMpart + ((split * H + head) * D + d[:, None]) * D + d[None, :], grad_operator)
+    part = split * H + head
+    tl.store(DFpart + (part * D + d[:, None]) * D + d[None, :], lam * grad_operator)
+    f = tl.load(F + d[:, None] * D + d[None, :]).to(tl.float32)
+    mask = tl.load(HeadMask + head).to(tl.float32)
+    tl.store(DLambdaPart + part, mask * tl.sum(tl.sum(grad_operator * f, axis=1), axis=0))
 
 
 @triton.jit
-def _dex_fold_bwd_reduce(F, LambdaLearn, HeadMask, AnnealStep, DMpart, DF, DLambdaLearn, anneal_steps, lambda_init,
-                         SPLITS, ANNEALED: tl.constexpr, H: tl.constexpr, D: tl.constexpr):
-    # one program: dM_h = the sum of its splits' parts; dF = sum_h lambda_h dM_h; d lambda_learn = a sum_h mask_h
-    # <dM_h, F>, a = min(1, t/T) (lambda(t)'s derivative in lambda_learn)
-    d = tl.arange(0, D)
-    tile = d[:, None] * D + d[None, :]
-    operator = tl.load(F + tile).to(tl.float32)
-    fraction = anneal_fraction(AnnealStep, anneal_steps, ANNEALED)
-    grad_f = tl.zeros((D, D), dtype=tl.float32)
-    grad_lambda = tl.zeros((D,), dtype=tl.float32)
-    for head in range(H):
-        _, lam = _dex_head_operator(F, LambdaLearn, HeadMask, fraction, lambda_init, head, D)
-        grad_operator = tl.zeros((D, D), dtype=tl.float32)
-        for split in range(SPLITS):
-            grad_operator += tl.load(DMpart + (split * H + head) * D * D + tile)
-        grad_f += lam * grad_operator
-        grad_lambda += tl.load(HeadMask + head).to(tl.float32) * tl.sum(grad_operator * operator, axis=1)
-    tl.store(DF + tile, grad_f.to(DF.dtype.element_ty))
-    a = tl.minimum(fraction, 1.0)
-    tl.store(DLambdaLearn, (a * tl.sum(grad_lambda, axis=0)).to(DLambdaLearn.dtype.element_ty))
+def _dex_fold_bwd_reduce(DFpart, DLambdaPart, AnnealStep, DF, DLambdaLearn, anneal_steps, PARTS,
+                         ANNEALED: tl.constexpr, D: tl.constexpr, PARTS_POW2: tl.constexpr, BLOCK: tl.constexpr):
+    # program p: BLOCK elements of dF, the sum of the PARTS parts (one load of all of them: no serial loop);
+    # program 0 also d lambda_learn = a * the sum of its parts, a = min(1, t/T) (lambda(t)'s derivative)
+    parts = tl.arange(0, PARTS_POW2)
+    columns = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = parts[:, None] < PARTS
+    grad_f = tl.sum(tl.load(DFpart + parts[:, None] * (D * D) + columns[None, :], mask=ok, other=0.0), axis=0)
+    tl.store(DF + columns, grad_f.to(DF.dtype.element_ty))
+    if tl.program_id(0) == 0:
+        a = tl.minimum(anneal_fraction(AnnealStep, anneal_steps, ANNEALED), 1.0)
+        grad_lambda = tl.sum(tl.load(DLambdaPart + parts, mask=parts < PARTS, other=0.0), axis=0)
+        tl.store(DLambdaLearn, (a * grad_lambda).to(DLambdaLearn.dtype.element_ty))
