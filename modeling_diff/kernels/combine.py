@@ -336,25 +336,28 @@ DEX_FOLD_REDUCE_BLOCK = 32  # elements of f_D's gradient per program of the back
 
 def dex_folded_projection_applies(weight: torch.Tensor, combine: DexCombine) -> bool:
     """Whether `dex_folded_projection` takes o_proj's weight (hidden, h * d) and the layer's DEX term: the kernels'
-    devices, f_D's weight (d, d) of W's floating dtype with d a power of 2 of at least 16 (the tensor cores' least)."""
+    devices, f_D's weight (d, d) contiguous and of W's floating dtype, d a power of 2 of at least 16 (the tensor
+    cores' least)."""
     operator = combine.operator
     d = operator.shape[-1]
     return (
         eager_kernels_run_on(weight)
-        and weight.dim() == 2 and operator.shape == (d, d) and weight.shape[1] == combine.head_mask.numel() * d
+        and weight.dim() == 2 and operator.shape == (d, d) and operator.is_contiguous()
+        and weight.shape[1] == combine.head_mask.numel() * d
         and is_power_of_2(d) and d >= 16
         and weight.dtype == operator.dtype and weight.dtype in (torch.bfloat16, torch.float16, torch.float32)
     )
 
 
 def _dex_fold_constexprs(weight: torch.Tensor, operator: torch.Tensor, anneal_steps: int) -> dict:
-    """The fold kernels' constexprs (float32 products in full precision, not TF32)."""
+    """The fold kernels' constexprs but the products' precision (`_dex_fold_precision`)."""
     d = operator.shape[-1]
     return dict(ANNEALED=anneal_steps > 0, H=weight.shape[1] // d, D=d)
 
 
 def _dex_fold_precision(weight: torch.Tensor) -> str:
-    return "ieee" if weight.dtype == torch.float32 else "tf32"  # tf32: ignored for bf16 / fp16 products
+    """float32 products in full precision, not TF32 (the argument does not apply to bf16 / fp16 products)."""
+    return "ieee" if weight.dtype == torch.float32 else "tf32"
 
 
 class _DexFoldedProjection(torch.autograd.Function):
