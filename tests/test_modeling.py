@@ -365,15 +365,18 @@ def test_executorch_export_with_a_static_cache_gives_the_eager_logits_or_says_wh
 @pytest.mark.parametrize("mode", MODES)
 def test_executorch_export_with_a_dynamic_cache_gives_the_eager_logits(mode):
     """README: V1, refused by the StaticCache recipes above, exports with transformers' `export_with_dynamic_cache`
-    (as do V2 and DEX), and the exported program gives the eager logits."""
+    (as do V2 and DEX), and the exported program gives the eager logits. The program takes the cache under the
+    keyword transformers traced it with (`cache` in 5.25, `past_key_values` in 5.17), read from its input spec."""
     from transformers.cache_utils import DynamicCache
     from transformers.integrations.executorch import export_with_dynamic_cache
 
     model = tiny_model(mode)
     ids = torch.randint(3, 97, (1, 6))
-    exported = export_with_dynamic_cache(model, ids, torch.ones_like(ids)).module()
-    logits = exported(input_ids=ids, attention_mask=torch.ones_like(ids), cache=DynamicCache(config=model.config),
-                      use_cache=True).logits
+    program = export_with_dynamic_cache(model, ids, torch.ones_like(ids))
+    keywords = program.call_spec.in_spec.children_specs[1].context  # the keyword arguments it was traced with
+    (cache_keyword,) = set(keywords) - {"input_ids", "attention_mask", "use_cache"}
+    logits = program.module()(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True,
+                              **{cache_keyword: DynamicCache(config=model.config)}).logits
     with torch.no_grad():
         torch.testing.assert_close(logits, model(ids).logits, rtol=1e-5, atol=1e-6)
 
