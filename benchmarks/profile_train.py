@@ -202,8 +202,9 @@ def gap_report(path: str, min_gap: float = 20.0, rows: int = 40) -> str:
         lines.append(f"{gap:9.1f} {late:9.1f}  " + " > ".join(name[:60] for name in enclosing[-6:]))
     sites = launch_sites(kernels, launches, host_ops)
     counts = Counter({key[:2]: n for key, n in sites.items() if key[2] == "count"})
-    lines += ["", f"launches of the step: {sum(counts.values())} ({sum(n for k, n in counts.items() if k[1] == 'memset')}"
-              " memsets), by the launching host operator (count, kind, GPU ms):"]
+    memsets = sum(n for (_, kind), n in counts.items() if kind == "memset")
+    lines += ["", f"launches of the step: {sum(counts.values())} ({memsets} memsets), by the launching host operator "
+              "(count, kind, GPU ms):"]
     lines += [f"{n:6d}  {kind:6s} {sites[(source, kind, 'us')] / 1e3:8.3f}  {source}"
               for (source, kind), n in counts.most_common(3 * rows)]
     return "\n".join(lines)

@@ -29,9 +29,10 @@ from .configuration import DiffLlamaConfig
 from .kernels import (
     DIFF_TRITON, FUSED_DIFF, DexCombine, V1Combine, V2Combine, apply_rope, combined_decode_applies,
     combined_decode_attention, dex_folded_projection, dex_folded_projection_applies, dex_folded_weight,
-    differential_lambda, flash_attn_4_applies, flash_diff_applies, flash_diff_attention, has_extra_options, is_plain_linear, keep_own_forward, linear_maps, mark_written, needs_grad,
-    projection_cache_layer, resolve, rotated_projections, rotated_projections_apply, runs_own_forward, split_linear,
-    split_linear_applies, update_cache, uses_fast_kernels, v1_combine, v2_combine_projected, written_layer,
+    differential_lambda, flash_attn_4_applies, flash_diff_applies, flash_diff_attention, has_extra_options,
+    is_plain_linear, keep_own_forward, linear_maps, mark_written, needs_grad, projection_cache_layer, resolve,
+    rotated_projections, rotated_projections_apply, runs_own_forward, split_linear, split_linear_applies, update_cache,
+    uses_fast_kernels, v1_combine, v2_combine_projected, written_layer,
 )
 
 

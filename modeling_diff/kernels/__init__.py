@@ -40,8 +40,8 @@ from .attention import (
 )
 from .cache_write import check_static_cache_fits, mark_written, projection_cache_layer, update_cache, written_layer
 from .combine import (
-    dex_folded_projection, dex_folded_projection_applies, dex_folded_weight, differential_lambda, v1_combine, v2_combine,
-    v2_combine_projected,
+    dex_folded_projection, dex_folded_projection_applies, dex_folded_weight, differential_lambda, v1_combine,
+    v2_combine, v2_combine_projected,
 )
 from .decode import DexCombine, V1Combine, V2Combine, combined_decode_applies, combined_decode_attention
 from .flash_attn_4 import flash_attn_4_applies
@@ -61,7 +61,8 @@ register()
 __all__ = [
     "DIFF_TRITON", "FUSED_DIFF", "DexCombine", "V1Combine", "V2Combine", "add_rms_norm", "add_rms_norm_applies",
     "apply_rope", "check_static_cache_fits", "combined_decode_applies", "combined_decode_attention",
-    "dex_folded_projection", "dex_folded_projection_applies", "dex_folded_weight", "differential_lambda", "diff_triton_attention_forward", "flash_attn_4_applies",
+    "dex_folded_projection", "dex_folded_projection_applies", "dex_folded_weight", "differential_lambda",
+    "diff_triton_attention_forward", "flash_attn_4_applies",
     "flash_diff_applies", "flash_diff_attention", "gated_projection", "gated_projection_applies", "greedy_step",
     "greedy_tokens",
     "has_extra_options", "is_plain_linear", "keep_own_forward", "linear_maps", "mark_written", "needs_grad",

@@ -32,8 +32,7 @@ from .decode import DexCombine
 if TRITON_AVAILABLE:
     from .triton_combine import (
         _dex_fold_bwd, _dex_fold_bwd_reduce, _dex_fold_fwd, _differential_lambda_bwd, _differential_lambda_fwd,
-        _v1_combine_bwd, _v1_combine_fwd, _v2_combine_bwd,
-        _v2_combine_fwd,
+        _v1_combine_bwd, _v1_combine_fwd, _v2_combine_bwd, _v2_combine_fwd,
     )
 
 
@@ -391,11 +390,10 @@ class _DexFoldedProjection(torch.autograd.Function):
             BLOCK_R=DEX_FOLD_BLOCK_R, PRECISION=_dex_fold_precision(weight),
         )
         grad_operator, grad_lambda = torch.empty_like(operator), torch.empty_like(lambda_learn)
-        block = min(DEX_FOLD_REDUCE_BLOCK, d * d)
-        _dex_fold_bwd_reduce[(d * d // block,)](
+        _dex_fold_bwd_reduce[(d * d // DEX_FOLD_REDUCE_BLOCK,)](  # d * d >= 256: whole blocks
             grad_f_parts, grad_lambda_parts, anneal_step, grad_operator, grad_lambda, ctx.anneal_steps,
             splits * heads, ANNEALED=constexprs["ANNEALED"], D=d, PARTS_POW2=next_power_of_2(splits * heads),
-            BLOCK=block,
+            BLOCK=DEX_FOLD_REDUCE_BLOCK,
         )
         return grad_weight, grad_operator, grad_lambda, None, None, None, None
 

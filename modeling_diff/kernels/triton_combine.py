@@ -168,12 +168,13 @@ def _v2_combine_bwd(A, Wt, DY, DA, DWt, Delta, R, D: tl.constexpr, BLOCK_R: tl.c
 
 @triton.jit
 def _dex_head_operator(F, LambdaLearn, HeadMask, fraction, lambda_init, head, D: tl.constexpr):
-    """(M_h (D, D) in F's dtype, lambda_h rounded to F's dtype, as fp32); fraction = t / T (`anneal_fraction`)."""
+    """(M_h (D, D) in F's dtype, lambda_h rounded to F's dtype as fp32, F as fp32); fraction = t / T
+    (`anneal_fraction`)."""
     lam = dex_lambda(LambdaLearn, fraction, lambda_init) * tl.load(HeadMask + head).to(tl.float32)
     lam = lam.to(F.dtype.element_ty).to(tl.float32)
     d = tl.arange(0, D)
     operator = tl.load(F + d[:, None] * D + d[None, :]).to(tl.float32)
-    return (lam * operator).to(F.dtype.element_ty), lam
+    return (lam * operator).to(F.dtype.element_ty), lam, operator
 
 
 @triton.jit
@@ -183,7 +184,7 @@ def _dex_fold_fwd(W, F, LambdaLearn, HeadMask, AnnealStep, Out, HIDDEN, anneal_s
     # program (row block, head): BLOCK_R rows of W_h -> W'_h
     head = tl.program_id(1)
     fraction = anneal_fraction(AnnealStep, anneal_steps, ANNEALED)
-    operator, _ = _dex_head_operator(F, LambdaLearn, HeadMask, fraction, lambda_init, head, D)
+    operator, _, _ = _dex_head_operator(F, LambdaLearn, HeadMask, fraction, lambda_init, head, D)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offsets = rows[:, None] * (H * D) + head * D + tl.arange(0, D)[None, :]
     ok = rows[:, None] < HIDDEN
@@ -201,7 +202,7 @@ def _dex_fold_bwd(W, F, LambdaLearn, HeadMask, AnnealStep, DOut, DW, DFpart, DLa
     # dF = sum_h lambda_h dM_h into DFpart[split, h] and of sum_h mask_h <dM_h, F> into DLambdaPart[split, h]
     head, split = tl.program_id(0), tl.program_id(1)
     fraction = anneal_fraction(AnnealStep, anneal_steps, ANNEALED)
-    operator, lam = _dex_head_operator(F, LambdaLearn, HeadMask, fraction, lambda_init, head, D)
+    operator, lam, f = _dex_head_operator(F, LambdaLearn, HeadMask, fraction, lambda_init, head, D)
     d = tl.arange(0, D)
     grad_operator = tl.zeros((D, D), dtype=tl.float32)
     first = split * rows_per_split
@@ -216,7 +217,6 @@ def _dex_fold_bwd(W, F, LambdaLearn, HeadMask, AnnealStep, DOut, DW, DFpart, DLa
         grad_operator -= tl.dot(tl.trans(w), dout, input_precision=PRECISION)
     part = split * H + head
     tl.store(DFpart + (part * D + d[:, None]) * D + d[None, :], lam * grad_operator)
-    f = tl.load(F + d[:, None] * D + d[None, :]).to(tl.float32)
     mask = tl.load(HeadMask + head).to(tl.float32)
     tl.store(DLambdaPart + part, mask * tl.sum(tl.sum(grad_operator * f, axis=1), axis=0))
 
