@@ -291,12 +291,16 @@ def test_decoding_rope_cos_sin_equal_transformers_rotary_embedding(rope, monkeyp
 
 
 @pytest.mark.parametrize("width", [2048, 576] if GPU else [32, 24])  # a power of two, and SmolLM2's 576
-def test_rms_norm_kernel_forward_and_gradients_match_the_formula(width):
+@pytest.mark.parametrize("tokens", [L + 3, 600])  # 600 x 2: more partial weight gradients than one load sums
+def test_rms_norm_kernel_forward_and_gradients_match_the_formula(width, tokens):
     """w * x / sqrt(mean(x^2) + eps) over the last dim (LlamaRMSNorm), rows not a multiple of the kernel's."""
+    from modeling_diff.kernels.rmsnorm import BACKWARD_ROWS, DW_SUM_BLOCK_P
+
+    assert tokens == L + 3 or 2 * tokens > BACKWARD_ROWS * DW_SUM_BLOCK_P
     torch.manual_seed(3)
-    x = rand(B, L + 3, width, grad=True)
+    x = rand(2, tokens, width, grad=True)
     weight = torch.nn.Parameter(1 + 0.1 * torch.randn(width, device=DEVICE, dtype=DTYPE))
-    grad_out = rand(B, L + 3, width)
+    grad_out = rand(2, tokens, width)
     assert rms_norm_kernel_applies(x, weight)
 
     out = rms_norm(x, weight, 1e-6)

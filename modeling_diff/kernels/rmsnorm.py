@@ -16,9 +16,11 @@ from ._triton import (
 )
 
 if TRITON_AVAILABLE:
-    from .triton_rmsnorm import _rms_norm_bwd, _rms_norm_fwd
+    from .triton_rmsnorm import _rms_norm_bwd, _rms_norm_dw_sum, _rms_norm_fwd
 
 BACKWARD_ROWS = 16  # rows per program of the backward (each program writes one partial dw)
+DW_SUM_BLOCK_N = 32  # columns per program of the partial dw's sum (2048 wide: 64 programs)
+DW_SUM_BLOCK_P = 64  # partial dw rows a program sums per load
 
 
 def rms_norm_kernel_applies(hidden_states: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -59,7 +61,12 @@ def _backward(x, weight, rstd, grad_y, grad_sum, need_weight: bool):
         x, weight, rstd, grad_y.contiguous(), grad_x if grad_sum is None else grad_sum, grad_x, grad_parts, rows,
         width, BLOCK_N=next_power_of_2(width), ROWS=BACKWARD_ROWS, ADD=grad_sum is not None,
     )
-    return grad_x, grad_parts.sum(0).to(weight.dtype) if need_weight else None
+    if not need_weight:
+        return grad_x, None
+    grad_weight = torch.empty_like(weight)
+    _rms_norm_dw_sum[(cdiv(width, DW_SUM_BLOCK_N),)](grad_parts, grad_weight, programs, width,
+                                                      BLOCK_P=DW_SUM_BLOCK_P, BLOCK_N=DW_SUM_BLOCK_N)
+    return grad_x, grad_weight
 
 
 class _RMSNorm(torch.autograd.Function):

@@ -5,7 +5,8 @@ Imported only when triton is installed (see `kernels/rmsnorm.py` for the referen
     forward   r = rsqrt(mean(x^2) + eps),  n = x r rounded to x's dtype,  y = w n
               (x = res + update rounded to the dtype, written too, where a residual add comes first)
     backward  dx = r (g - n mean(g n)), g = dy w (n in float32);  dw = sum over rows of dy n
-              (plus the gradient of the sum x, where the sum is used beyond the norm: the residual stream's)
+              (plus the gradient of the sum x, where the sum is used beyond the norm: the residual stream's);
+              dw in two launches: partial sums over blocks of rows, then their sum in the weight's dtype
 """
 
 # In a try block because transformers' remote-code loader requires every *unguarded* import of a Hub export's
@@ -67,3 +68,17 @@ def _rms_norm_bwd(X, W, Rstd, DY, DSum, DX, DWpart, R, N, BLOCK_N: tl.constexpr,
             dx += tl.load(DSum + row * N + cols, mask=live, other=0.0).to(tl.float32)
         tl.store(DX + row * N + cols, dx.to(DX.dtype.element_ty), mask=live)
     tl.store(DWpart + pid * N + cols, dw, mask=ok)
+
+
+@triton.jit(do_not_specialize=["P"])
+def _rms_norm_dw_sum(DWpart, DW, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    # DWpart (P, N) float32, the backward's partial dw -> DW (N,) = their sum in DW's dtype; programs of BLOCK_N
+    # columns. One launch where torch's column sum and the cast to the weight's dtype were two.
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = cols < N
+    dw = tl.zeros((BLOCK_N,), tl.float32)
+    for start in range(0, P, BLOCK_P):
+        parts = start + tl.arange(0, BLOCK_P)
+        dw += tl.sum(tl.load(DWpart + parts[:, None] * N + cols[None, :],
+                             mask=(parts[:, None] < P) & ok[None, :], other=0.0), axis=0)
+    tl.store(DW + cols, dw.to(DW.dtype.element_ty), mask=ok)
