@@ -19,8 +19,8 @@ if TRITON_AVAILABLE:
     from .triton_rmsnorm import _rms_norm_bwd, _rms_norm_dw_sum, _rms_norm_fwd
 
 BACKWARD_ROWS = 16  # rows per program of the backward (each program writes one partial dw)
-DW_SUM_BLOCK_N = 32  # columns per program of the partial dw's sum (2048 wide: 64 programs)
-DW_SUM_BLOCK_P = 64  # partial dw rows a program sums per load
+DW_SUM_BLOCK_N = 8  # columns per program of the partial dw's sum (2048 wide: 256 programs)
+DW_SUM_BLOCK_P = 128  # partial dw rows a program sums per load (benchmarks/rmsnorm_backward_bench.py)
 
 
 def rms_norm_kernel_applies(hidden_states: torch.Tensor, weight: torch.Tensor) -> bool:
