@@ -63,7 +63,7 @@ def _backward(x, weight, rstd, grad_y, grad_sum, need_weight: bool):
     )
     if not need_weight:
         return grad_x, None
-    grad_weight = torch.empty_like(weight)
+    grad_weight = torch.empty(width, dtype=weight.dtype, device=weight.device)  # contiguous, as the kernel writes it
     _rms_norm_dw_sum[(cdiv(width, DW_SUM_BLOCK_N),)](grad_parts, grad_weight, programs, width,
                                                       BLOCK_P=DW_SUM_BLOCK_P, BLOCK_N=DW_SUM_BLOCK_N)
     return grad_x, grad_weight
