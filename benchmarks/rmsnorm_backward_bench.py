@@ -19,16 +19,11 @@ from modeling_diff.kernels import rmsnorm
 
 
 def backward(x, weight, rstd, grad_y, torch_sum: bool):
-    """`rmsnorm._backward`, or with its weight gradient as torch's column sum of the partials and a cast."""
+    """`rmsnorm._backward`, or its pass with the weight gradient as torch's column sum of the partials and a cast."""
     if not torch_sum:
         return rmsnorm._backward(x, weight, rstd, grad_y, None, need_weight=True)
-    rows, width = x.shape
-    programs = rmsnorm.cdiv(rows, rmsnorm.BACKWARD_ROWS)
-    grad_x = torch.empty_like(x)
-    parts = torch.empty(programs, width, dtype=torch.float32, device=x.device)
-    rmsnorm._rms_norm_bwd[(programs,)](x, weight, rstd, grad_y, grad_x, grad_x, parts, rows, width,
-                                       BLOCK_N=rmsnorm.next_power_of_2(width), ROWS=rmsnorm.BACKWARD_ROWS, ADD=False)
-    return grad_x, parts.sum(0).to(weight.dtype)
+    grad_x, grad_parts = rmsnorm._backward_pass(x, weight, rstd, grad_y, None)
+    return grad_x, grad_parts.sum(0).to(weight.dtype)
 
 
 def main():
@@ -48,11 +43,11 @@ def main():
     reference = (grad_y.double() * (x.float() * rstd[:, None]).to(x.dtype).double()).sum(0)
 
     defaults = (rmsnorm.BACKWARD_ROWS, rmsnorm.DW_SUM_BLOCK_N, rmsnorm.DW_SUM_BLOCK_P)
-    configs = [(rows, None, None) for rows in (16, 32, 64)] if args.sweep else [(defaults[0], None, None)]
-    if args.sweep:
-        configs += list(itertools.product((16, 32, 64), (8, 16, 32, 64), (32, 64, 128)))
-    else:
-        configs.append(defaults)
+    rows_options = (16, 32, 64) if args.sweep else defaults[:1]
+    blocks = itertools.product((8, 16, 32, 64), (32, 64, 128)) if args.sweep else [defaults[1:]]
+    # (rows a program of the backward, columns, partial rows a load of the sum); None: torch's sum
+    configs = [(rows, None, None) for rows in rows_options] + [(rows, *block) for block in blocks
+                                                                for rows in rows_options]
     print(f"RMSNorm backward, {args.tokens} x {args.width} bf16 (GPU us per call, CUDA graph)\n")
     print("| rows a program | weight gradient's sum | us | rel. error of dw |\n|---|---|---|---|")
     for rows, block_n, block_p in configs:

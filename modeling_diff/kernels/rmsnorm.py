@@ -48,9 +48,9 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, eps: float, save: bool, resi
     return total, y, rstd
 
 
-def _backward(x, weight, rstd, grad_y, grad_sum, need_weight: bool):
-    """-> (x's gradient, plus `grad_sum` where given (x's gradient from its other uses), in x's dtype; the weight's
-    where `need_weight`)."""
+def _backward_pass(x, weight, rstd, grad_y, grad_sum):
+    """The backward's pass over the rows -> (x's gradient, plus `grad_sum` where given (x's gradient from its other
+    uses), in x's dtype; the weight's gradient as float32 partial sums, (programs, width): one per BACKWARD_ROWS)."""
     width = x.shape[-1]
     rows = x.numel() // width
     programs = cdiv(rows, BACKWARD_ROWS)
@@ -61,8 +61,16 @@ def _backward(x, weight, rstd, grad_y, grad_sum, need_weight: bool):
         x, weight, rstd, grad_y.contiguous(), grad_x if grad_sum is None else grad_sum, grad_x, grad_parts, rows,
         width, BLOCK_N=next_power_of_2(width), ROWS=BACKWARD_ROWS, ADD=grad_sum is not None,
     )
+    return grad_x, grad_parts
+
+
+def _backward(x, weight, rstd, grad_y, grad_sum, need_weight: bool):
+    """-> (x's gradient as `_backward_pass` gives it; the weight's where `need_weight`, its partial sums summed in
+    one launch that writes the weight's dtype)."""
+    grad_x, grad_parts = _backward_pass(x, weight, rstd, grad_y, grad_sum)
     if not need_weight:
         return grad_x, None
+    programs, width = grad_parts.shape
     grad_weight = torch.empty(width, dtype=weight.dtype, device=weight.device)  # contiguous, as the kernel writes it
     _rms_norm_dw_sum[(cdiv(width, DW_SUM_BLOCK_N),)](grad_parts, grad_weight, programs, width,
                                                       BLOCK_P=DW_SUM_BLOCK_P, BLOCK_N=DW_SUM_BLOCK_N)
