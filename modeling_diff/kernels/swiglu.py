@@ -35,19 +35,20 @@ BLOCK = 1024  # elements per program of the activation pass
 # interpreter runs small tiles over more than one tile a program.
 if TRITON_INTERPRETING:
     _FORWARD_CONFIGS = [dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, PER_SM=1)]
-    _BACKWARD_CONFIGS = [dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, PER_SM=1, SUBTILE=True)]
+    _BACKWARD_CONFIGS = [dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=16, PER_SM=1, CHUNKS=4)]
 else:
+    # (compiled for sm_90a, benchmarks/kernel_registers.py's way: none spills; those of PER_SM 2 fit twice in a
+    # multiprocessor's registers and shared memory)
     _FORWARD_CONFIGS = [
         dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, PER_SM=1, num_warps=8, num_stages=3),
         dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, PER_SM=1, num_warps=8, num_stages=4),
-        dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, PER_SM=2, num_warps=8, num_stages=3),
-        dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, PER_SM=1, num_warps=4, num_stages=4),
+        dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, PER_SM=2, num_warps=4, num_stages=3),
     ]
     _BACKWARD_CONFIGS = [
-        dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, PER_SM=1, SUBTILE=True, num_warps=8, num_stages=3),
-        dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, PER_SM=1, SUBTILE=False, num_warps=8, num_stages=3),
-        dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, PER_SM=1, SUBTILE=False, num_warps=8, num_stages=4),
-        dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, PER_SM=2, SUBTILE=False, num_warps=8, num_stages=3),
+        dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, PER_SM=1, CHUNKS=4, num_warps=8, num_stages=3),
+        dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, PER_SM=1, CHUNKS=4, num_warps=8, num_stages=4),
+        dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, PER_SM=2, CHUNKS=4, num_warps=4, num_stages=3),
+        dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, PER_SM=2, CHUNKS=2, num_warps=4, num_stages=4),
     ]
 
 
@@ -79,7 +80,7 @@ def _tile_descriptors(args: dict) -> None:
     """The TMA descriptors among a launch's `args` get the config's tiles as their blocks: autotuning's pre-hook;
     under the interpreter, `_launch`'s."""
     rows, columns, inner = args["BLOCK_M"], args["BLOCK_N"], args["BLOCK_K"]
-    epilogue = [rows, columns // 2 if args.get("SUBTILE") else columns]
+    epilogue = [rows, columns // args.get("CHUNKS", 1)]
     blocks = {"Xd": [rows, inner], "DYd": [rows, inner], "WGd": [columns, inner], "WUd": [columns, inner],
               "WDd": [inner, columns], **dict.fromkeys(("Ad", "Bd", "Cd", "DAd", "DBd"), epilogue)}
     for name, block in blocks.items():

@@ -112,13 +112,20 @@ def _swiglu_bwd_tile(dc, m, n, Ad, Bd, DAd, DBd, Cd, RECOMPUTE: tl.constexpr):
         Cd.store([m, n], (s * b).to(Cd.dtype))
 
 
+@triton.jit
+def _halves(x, ROWS: tl.constexpr, COLUMNS: tl.constexpr):
+    """The left and right halves of a (ROWS x COLUMNS) block."""
+    return tl.split(tl.permute(tl.reshape(x, (ROWS, 2, COLUMNS // 2)), (0, 2, 1)))
+
+
 @triton.jit(do_not_specialize=["TOKENS_BUCKET"])
 def _down_grad_swiglu(DYd, WDd, Ad, Bd, DAd, DBd, Cd, M, N, K, TOKENS_BUCKET, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PER_SM: tl.constexpr, SUBTILE: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PER_SM: tl.constexpr, CHUNKS: tl.constexpr,
                       RECOMPUTE: tl.constexpr, GROUP_M: tl.constexpr = 8):
     """dc = DY W_down (DY: M x K, W_down: K x N) and, from it, da, db and (where RECOMPUTE) c, all M x N, as TMA
-    descriptors; persistent as `_gate_up_swiglu`. SUBTILE: the epilogue in two halves of BLOCK_N // 2 columns (the
-    descriptors of a, b, da, db and c have blocks of that width), fewer registers live at once."""
+    descriptors; persistent as `_gate_up_swiglu`. The epilogue runs in CHUNKS (1, 2 or 4) blocks of BLOCK_N / CHUNKS
+    columns (the blocks of the descriptors of a, b, da, db and c): its float32 terms of a whole tile would not fit
+    the registers beside the accumulator (compiled for sm_90a, 128 x 128 tiles whole spilled 236 bytes a thread)."""
     tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, tl.num_programs(0), flatten=True):
         pid_m, pid_n = _output_tile(tile, tiles_m, tiles_n, GROUP_M)
@@ -126,9 +133,18 @@ def _down_grad_swiglu(DYd, WDd, Ad, Bd, DAd, DBd, Cd, M, N, K, TOKENS_BUCKET, BL
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, K, BLOCK_K):
             acc = tl.dot(DYd.load([m, k]), WDd.load([k, n]), acc)
-        if SUBTILE:
-            left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-            _swiglu_bwd_tile(left, m, n, Ad, Bd, DAd, DBd, Cd, RECOMPUTE)
-            _swiglu_bwd_tile(right, m, n + BLOCK_N // 2, Ad, Bd, DAd, DBd, Cd, RECOMPUTE)
-        else:
+        if CHUNKS == 1:
             _swiglu_bwd_tile(acc, m, n, Ad, Bd, DAd, DBd, Cd, RECOMPUTE)
+        else:
+            left, right = _halves(acc, BLOCK_M, BLOCK_N)
+            if CHUNKS == 2:
+                _swiglu_bwd_tile(left, m, n, Ad, Bd, DAd, DBd, Cd, RECOMPUTE)
+                _swiglu_bwd_tile(right, m, n + BLOCK_N // 2, Ad, Bd, DAd, DBd, Cd, RECOMPUTE)
+            else:
+                quarter = BLOCK_N // 4
+                first, second = _halves(left, BLOCK_M, BLOCK_N // 2)
+                _swiglu_bwd_tile(first, m, n, Ad, Bd, DAd, DBd, Cd, RECOMPUTE)
+                _swiglu_bwd_tile(second, m, n + quarter, Ad, Bd, DAd, DBd, Cd, RECOMPUTE)
+                third, fourth = _halves(right, BLOCK_M, BLOCK_N // 2)
+                _swiglu_bwd_tile(third, m, n + 2 * quarter, Ad, Bd, DAd, DBd, Cd, RECOMPUTE)
+                _swiglu_bwd_tile(fourth, m, n + 3 * quarter, Ad, Bd, DAd, DBd, Cd, RECOMPUTE)
