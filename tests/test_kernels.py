@@ -439,23 +439,11 @@ def saved_shapes(fn) -> list[tuple]:
     return shapes, out
 
 
-def mlp_products_take_the_activation(monkeypatch, epilogue: bool) -> None:
-    """Where `epilogue` is False, the MLP's node takes cuBLAS's products and the activation's own pass (as on GPUs
-    without TMA) instead of the products with the activation in their epilogue."""
-    from modeling_diff.kernels import swiglu
-
-    if not epilogue:
-        monkeypatch.setattr(swiglu, "_products_take_the_activation", lambda *tensors: False)
-
-
-@pytest.mark.parametrize("epilogue", [True, False], ids=["activation in the products", "activation pass"])
-@pytest.mark.parametrize("tokens", [(B, L + 3), (3, 37), (0, 3)])
-def test_swiglu_mlp_forward_and_gradients_match_the_formula(monkeypatch, tokens, epilogue):
+@pytest.mark.parametrize("tokens", [(B, L + 3), (0, 3)])
+def test_swiglu_mlp_forward_and_gradients_match_the_formula(tokens):
     """down(silu(gate x) * up x) and its gradients, written here in float64, through the kernel's autograd node,
-    with more elements than one program's and a count that is not a multiple of it (more output tiles than the
-    products' programs, edges of tiles); and an empty batch."""
+    with more elements than one program's and a count that is not a multiple of it; and an empty batch."""
     torch.manual_seed(4)
-    mlp_products_take_the_activation(monkeypatch, epilogue)
     mlp = swiglu_mlp_module()
     x = rand(*tokens, mlp.hidden_size, grad=True)
     grad_out = rand(*tokens, mlp.hidden_size)
@@ -500,12 +488,10 @@ def test_swiglu_mlp_keeps_one_activation_fewer_than_llama_mlp():
         assert rel_err(got, want) < TOL
 
 
-@pytest.mark.parametrize("epilogue", [True, False], ids=["activation in the products", "activation pass"])
-def test_swiglu_mlp_backward_is_one_activation_pass(monkeypatch, epilogue):
-    """The backward computes the product again in the launch that makes da and db (gate(x) and up(x) read once): one
+def test_swiglu_mlp_backward_is_one_activation_pass(monkeypatch):
+    """The backward computes the product again in the pass that makes da and db (gate(x) and up(x) read once): one
     activation launch in the backward and none of the forward's; without down_proj's gradient it does not write the
-    product. With the activation in the products' epilogue, those launches are the products' own: gate, up and the
-    activation one launch forward, dc and the activation's backward one launch."""
+    product."""
     from modeling_diff.kernels import swiglu
 
     launches = []
@@ -520,10 +506,8 @@ def test_swiglu_mlp_backward_is_one_activation_pass(monkeypatch, epilogue):
                 return self.kernel[grid](*args, **kwargs)
             return launch
 
-    mlp_products_take_the_activation(monkeypatch, epilogue)
-    kernels = ("_GATE_UP_SWIGLU", "_DOWN_GRAD_SWIGLU") if epilogue else ("_swiglu_fwd", "_swiglu_bwd")
-    for name, kernel in zip(("fwd", "bwd"), kernels):
-        monkeypatch.setattr(swiglu, kernel, Counted(name, getattr(swiglu, kernel)))
+    monkeypatch.setattr(swiglu, "_swiglu_fwd", Counted("fwd", swiglu._swiglu_fwd))
+    monkeypatch.setattr(swiglu, "_swiglu_bwd", Counted("bwd", swiglu._swiglu_bwd))
     torch.manual_seed(9)
     mlp = swiglu_mlp_module()
     x = rand(B, L, mlp.hidden_size, grad=True)
@@ -1443,8 +1427,8 @@ def test_the_flash_diff_autotuners_tune_once_a_power_of_4_of_keys(monkeypatch):
     import modeling_diff.kernels.triton_flash_diff as kernels
 
     for keys in (2, 3, 4, 5, 1000, 1024, 1025, 2048, 2049, 4096, 8192, 8193, 32768, 32769, 65536, 131072):
-        assert _triton.length_bucket(keys) == math.ceil(math.log2(keys)) // 2, keys
-    assert _triton.length_bucket(1) == 0
+        assert kernels.keys_bucket(keys) == math.ceil(math.log2(keys)) // 2, keys
+    assert kernels.keys_bucket(1) == 0
     for tuned in (kernels.flash_diff_fwd, kernels.flash_diff_bwd_dkdv, kernels.flash_diff_bwd_dq):
         if hasattr(tuned, "keys"):  # an autotuner (on a GPU; the interpreter launches one config)
             assert "KEYS_BUCKET" in tuned.keys

@@ -157,16 +157,6 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def length_bucket(length: int) -> int:
-    """An autotuner's bucket of a launch over `length` keys or tokens, ceil(log2(length)) // 2: lengths in (512, 2K]
-    share one, (2K, 8K] the next, then (8K, 32K] and (32K, 128K]. Long sequences get picks of their own, while a
-    process that meets many lengths (prefills, packed batches, bench.py's rows) tunes a few times, not once a length.
-    The kernels do not read it. On the H200 V1's flash-diff forward picked 64 x 64 (queries x keys) / 4 warps at 2K
-    and 8K and 128 x 64 / 8 warps at 32K, and V1's 32K training step took 1091 ms with 32K's picks against 1101 ms
-    with 2K's (benchmarks/RESULTS.md); V2's picks were the same at every length."""
-    return (max(length, 1) - 1).bit_length() // 2
-
-
 def needs_grad(*tensors) -> bool:
     """Whether autograd records a call on these tensors (None entries are skipped)."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)

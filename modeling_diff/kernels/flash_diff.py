@@ -23,16 +23,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._modules import linear_in_product_dtype, recomputed_linear_backward
-from ._triton import (
-    TRITON_AVAILABLE, TRITON_INTERPRETING, cdiv, eager_kernels_run_on, is_power_of_2, length_bucket, needs_grad,
-)
+from ._triton import TRITON_AVAILABLE, TRITON_INTERPRETING, cdiv, eager_kernels_run_on, is_power_of_2, needs_grad
 from .combine import v1_combine_backward, v1_combine_rows, v2_combine_backward, v2_combine_rows
 from .masks import causal_offset, kernel_mask
 
 if TRITON_AVAILABLE:
     from .triton_flash_diff import (
         DKDV_FIXED, DKDV_WHOLE_TILES_OF, DQ_FIXED, FWD_FIXED, TensorDescriptor, flash_diff_bwd_dkdv, flash_diff_bwd_dq,
-        flash_diff_fwd, tile_descriptors,
+        flash_diff_fwd, keys_bucket, tile_descriptors,
     )
 
 MIN_QUERY_TOKENS = 16  # fewer new tokens without gradients: a decoding step, for the split-KV decode kernel
@@ -102,7 +100,7 @@ def _forward(query, key, value, mask, mu, norm_weight, eps, norm_scale, scale, s
         query, keys, values, mask_arg, mu, query if norm_weight is None else norm_weight, y, pairs, lse, rstd,
         *query.stride()[:4], *mask_strides,
         heads, length, kv_length, causal_offset(length, kv_length, mask is not None), eps, norm_scale,
-        KEYS_BUCKET=length_bucket(kv_length),
+        KEYS_BUCKET=keys_bucket(kv_length),
         SCALE=scale, GROUP=heads // kv_heads, DQK=dqk, DV=dv, SPLIT_K=key.shape[-1] == 2 * dqk,
         V1=norm_weight is not None,
         HAS_MASK=mask is not None, SAVE=save, **FWD_FIXED,
@@ -172,7 +170,7 @@ class _FlashDiff(torch.autograd.Function):
         terms = _row_terms(lse, delta, None if norm_weight is not None else mu, batch, length, heads)
         common = dict(
             SCALE=ctx.scale, GROUP=heads // kv_heads, DQK=dqk, DV=dv, SPLIT_K=key.shape[-1] == 2 * dqk,
-            V1=norm_weight is not None, HAS_MASK=mask is not None, KEYS_BUCKET=length_bucket(kv_length),
+            V1=norm_weight is not None, HAS_MASK=mask is not None, KEYS_BUCKET=keys_bucket(kv_length),
         )
         q_strides = query.stride()[:4]
         offset = causal_offset(length, kv_length, mask is not None)

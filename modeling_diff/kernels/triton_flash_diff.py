@@ -444,6 +444,16 @@ def _tuned(kernel, configs, key):
     return triton.autotune(configs=tuned, key=key)(kernel), {}
 
 
+def keys_bucket(keys: int) -> int:
+    """The autotuners' KEYS_BUCKET of a launch against `keys` keys, ceil(log2(keys)) // 2: keys in (512, 2K] share
+    one, (2K, 8K] the next, then (8K, 32K] and (32K, 128K]. Long sequences get picks of their own, while a process that
+    meets many lengths (prefills, bench.py's rows) tunes a few times, not once a length. The kernels do not read it.
+    On the H200 V1's forward picked 64 x 64 (queries x keys) / 4 warps at 2K and 8K and 128 x 64 / 8 warps at 32K,
+    and V1's 32K training step took 1091 ms with 32K's picks against 1101 ms with 2K's (benchmarks/RESULTS.md);
+    V2's picks were the same at every length."""
+    return (max(keys, 1) - 1).bit_length() // 2
+
+
 _KEY = ["DQK", "DV", "SPLIT_K", "HAS_MASK", "KEYS_BUCKET"]
 if TRITON_INTERPRETING:  # tiny shapes on CPU: tl.dot wants 16 x 16 at least
     _FWD = _DKDV = _DQ = [dict(BLOCK_M=16, BLOCK_N=16)]
