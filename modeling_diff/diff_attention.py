@@ -518,7 +518,8 @@ class DiffAttentionV1(_DiffAttentionBase):
 
 class _LlamaLayoutAttention(_DiffAttentionBase):
     """Llama's projections with `query_heads` query heads of d, h_kv kv heads and h output heads (V2 and DEX),
-    RoPE, the cache update and one attention call."""
+    RoPE, the cache update and one attention call; and the annealing schedule's step t (`anneal_step`), which the
+    optimizer steps of its model advance where annealing is on (`_ANNEALED_ATTENTIONS`, above)."""
 
     def __init__(self, config: DiffLlamaConfig, layer_idx: int, query_heads: int):
         super().__init__(config, layer_idx)
@@ -530,6 +531,18 @@ class _LlamaLayoutAttention(_DiffAttentionBase):
         self.k_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * d, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * d, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * d, config.hidden_size, bias=bias)
+        self.anneal_step = anneal_step_buffer()
+        self._count_optimizer_steps()
+
+    def __setstate__(self, state):
+        # A copy (copy.deepcopy, pickle, torch.save and torch.load of the model) runs no __init__: unregistered, its
+        # t stayed 0 however long it trained, and the differential term never turned on.
+        super().__setstate__(state)
+        self._count_optimizer_steps()
+
+    def _count_optimizer_steps(self) -> None:
+        if self.config.anneal_steps > 0:
+            _ANNEALED_ATTENTIONS.add(self)
 
     def project(self, implementation, hidden_states, position_embeddings, cache=None, side=()):
         """-> query (B, query_heads, L, d), key and value (B, h_kv, L, d), RoPE applied, and the outputs of the
@@ -577,9 +590,6 @@ class DiffAttentionV2(_LlamaLayoutAttention):
         # 2h query heads; 2h / h_kv is even, so the pair (2i, 2i+1) never straddles two GQA groups.
         super().__init__(config, layer_idx, query_heads=2 * config.num_attention_heads)
         self.lambda_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False)
-        self.anneal_step = anneal_step_buffer()
-        if config.anneal_steps > 0:
-            _ANNEALED_ATTENTIONS.add(self)
 
     def noise_weight(self, noise_logits: torch.Tensor) -> torch.Tensor:
         """Per-token, per-pair weight of the noise head from lambda_proj(x) (B, L, h): (B, L, h)."""
@@ -643,9 +653,6 @@ class DexAttention(_LlamaLayoutAttention):
         self.dex_proj = nn.Linear(d, d, bias=False)  # f_D, zero: a fresh DEX layer computes Llama attention
         nn.init.zeros_(self.dex_proj.weight)
         self.dex_lambda = DexLambda(self.lambda_init, self.num_heads)
-        self.anneal_step = anneal_step_buffer()
-        if config.anneal_steps > 0:
-            _ANNEALED_ATTENTIONS.add(self)
         # (h,) 1.0 on the heads that carry the operator; derived from config.dex_heads, so not saved.
         self.head_mask = nn.Buffer(self.selected_head_mask(), persistent=False)
 

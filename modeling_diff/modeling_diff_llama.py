@@ -347,6 +347,10 @@ class DiffLlamaPreTrainedModel(PreTrainedModel):
         super().post_init()
         register_annealed_model(self)  # optimizer steps count for the model as a whole
 
+    def __setstate__(self, state):  # a copy (copy.deepcopy, pickle) runs no post_init: registered here instead
+        super().__setstate__(state)
+        register_annealed_model(self)
+
     def _init_weights(self, module):
         super()._init_weights(module)
         if isinstance(module, DifferentialLambda):

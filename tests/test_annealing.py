@@ -161,6 +161,29 @@ def test_an_optimizer_over_part_of_the_model_advances_every_layer_s_t(trained):
     assert layer_steps(model) == [2] * len(layers)
 
 
+@pytest.mark.parametrize("method", ["dex", "v2"])
+@pytest.mark.parametrize("copy_by", ["deepcopy", "torch.save and torch.load"])
+def test_a_copy_of_a_model_advances_its_own_t(method, copy_by):
+    """A copy runs neither __init__ nor post_init, where a model and its attentions are registered: a deepcopied or
+    unpickled converted model kept t = 0 however long it trained, and the differential term never turned on."""
+    import copy
+    import io
+
+    model = dex_model(anneal_steps=10) if method == "dex" else convert_model(tiny_llama(), method="v2",
+                                                                             anneal_steps=10, progress=False)
+    if copy_by == "deepcopy":
+        copied = copy.deepcopy(model)
+    else:
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        copied = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
+    train_steps(copied, torch.optim.SGD(copied.parameters(), lr=1e-3), steps=3)
+    assert layer_steps(copied) == [3] * len(copied.model.layers)
+    assert layer_steps(model) == [0] * len(model.model.layers)  # the original is not the copy's model
+    train_steps(model, torch.optim.SGD(model.parameters(), lr=1e-3), steps=1)
+    assert layer_steps(model) == [1] * len(model.model.layers) and layer_steps(copied) == [3] * len(model.model.layers)
+
+
 def split_optimizers(model, kind: str) -> list[torch.optim.Optimizer]:
     """Optimizers that share the model's parameters between them, as users combine them: torch's Muon for the
     layers' matrices beside AdamW for the rest (Muon takes 2-D parameters only), the attentions' parameters beside
