@@ -8,7 +8,8 @@ What `atomic_directory` guarantees, and how:
   rename, so a second writer is refused at once instead of racing the first;
 - no leftovers: staging directories are named `.<name>.<pid>.<random>.tmp` (`.old` for the output being
   replaced); a failure, Ctrl-C or SIGTERM removes
-  its own, and the next writer to the same destination removes those of processes that no longer run (SIGKILL);
+  its own, and the next writer to the same destination removes those of processes that no longer run (SIGKILL),
+  putting back first an output that a writer killed between its two renames had moved aside;
 - an `overwrite` replaces only what looks like an earlier output (holds one of `expected`) unless it is
   `"force"`, checked at the start and again on what the final rename moves aside, and never the current working
   directory or a protected source;
@@ -141,11 +142,17 @@ def _exclusive_lock(dst: Path, name: str):
 
 def _remove_stale_staging(dst: Path) -> None:
     """Remove the `.<name>.<pid>.<random>.tmp` (staging) and `.old` (replaced output) directories of `dst` whose
-    process no longer runs (killed with SIGKILL, or a power cut)."""
-    pattern = re.compile(rf"\.{re.escape(dst.name)}\.(\d+)\.[A-Za-z0-9_]+\.(?:tmp|old)")
+    process no longer runs (killed with SIGKILL, or a power cut). A writer killed between the two renames of a
+    replacement (`_replace`) left `dst` missing and the output it was replacing in its `.old`: that output is put back
+    first (the replacement never finished), not removed with it."""
+    pattern = re.compile(rf"\.{re.escape(dst.name)}\.(\d+)\.[A-Za-z0-9_]+\.(tmp|old)")
     for path in dst.parent.iterdir():
         match = pattern.fullmatch(path.name)
         if match and path.is_dir() and not path.is_symlink() and not _pid_alive(int(match.group(1))):
+            replaced = path / dst.name
+            if (match.group(2) == "old" and not (dst.exists() or dst.is_symlink()) and replaced.is_dir()
+                    and not replaced.is_symlink()):
+                replaced.rename(dst)
             shutil.rmtree(path, ignore_errors=True)
 
 

@@ -2,6 +2,8 @@
 
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -65,6 +67,35 @@ def test_a_signal_between_the_two_renames_waits_for_them(tmp_path, monkeypatch):
             (staging / "config.json").write_text("new")
     assert (dst / "config.json").read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["out"]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the previous handler is back
+
+
+def test_a_writer_killed_between_the_two_renames_leaves_the_old_output_to_the_next(tmp_path):
+    """SIGKILL (or a power cut) is not deferred: a writer killed after it moved the old output aside and before it
+    renamed the new one into place left the destination missing, the old output only in its `.old` directory. The
+    next writer to the destination puts it back before it removes the dead writer's directories."""
+    dst = (tmp_path / "out").resolve()
+    with atomic_directory(dst) as staging:
+        (staging / "config.json").write_text("old")
+    killed_between = f"""
+import os, signal
+from pathlib import Path
+from modeling_diff.atomic import atomic_directory
+rename = Path.rename
+def rename_then_die(self, target):
+    result = rename(self, target)
+    if self == Path({str(dst)!r}):  # the old output moved aside, the new one not yet in place
+        os.kill(os.getpid(), signal.SIGKILL)
+    return result
+Path.rename = rename_then_die
+with atomic_directory({str(dst)!r}, overwrite=True) as staging:
+    (staging / "config.json").write_text("new")
+"""
+    assert subprocess.run([sys.executable, "-c", killed_between]).returncode == -signal.SIGKILL
+    assert not dst.exists() and any(p.name.endswith(".old") for p in tmp_path.iterdir())
+    with pytest.raises(ValueError, match="exists and is not empty"):  # the old output is back, not replaced
+        with atomic_directory(dst):
+            pass
+    assert (dst / "config.json").read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
 def test_parents_it_created_are_removed_on_failure(tmp_path):
