@@ -17,10 +17,16 @@ def default_calibration_text() -> str:
     return (files(__package__) / CALIBRATION_FILE).read_text(encoding="utf-8")
 
 
+def chooses_heads_by_entropy(method: str | None, heads) -> bool:
+    """Whether a conversion chooses DEX's heads by entropy (`heads` None or "entropy"): the one that reads a
+    calibration (elsewhere it is ignored)."""
+    return method in (None, "dex") and (heads is None or heads == "entropy")
+
+
 def with_default_calibration(method: str, heads, calibration, progress: bool = True):
-    """`calibration`, or the packaged text where DEX's heads are chosen by entropy (`heads` None or "entropy")
-    and no calibration is given; says so (when `progress`)."""
-    if calibration is not None or method != "dex" or heads not in (None, "entropy"):
+    """`calibration`, or the packaged text where DEX's heads are chosen by entropy and no calibration is given; says
+    so (when `progress`)."""
+    if calibration is not None or not chooses_heads_by_entropy(method, heads):
         return calibration
     if progress:
         tqdm.write(f"heads by entropy on the packaged calibration text (modeling_diff.conversion/{CALIBRATION_FILE}: "
@@ -28,4 +34,4 @@ def with_default_calibration(method: str, heads, calibration, progress: bool = T
     return default_calibration_text()
 
 
-__all__ = ["CALIBRATION_FILE", "default_calibration_text", "with_default_calibration"]
+__all__ = ["CALIBRATION_FILE", "chooses_heads_by_entropy", "default_calibration_text", "with_default_calibration"]

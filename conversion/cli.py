@@ -12,7 +12,9 @@ from modeling_diff.atomic import overwrite_from_flags
 from modeling_diff.text_files import read_text_file
 
 from . import diffllama, ecosystem
-from .convert import CHARS_PER_TOKEN_AT_MOST, DEFAULT_ANNEAL_STEPS, convert_checkpoint
+from .calibration import chooses_heads_by_entropy
+from .convert import (CHARS_PER_TOKEN_AT_MOST, DEFAULT_ANNEAL_STEPS, DEFAULT_HEAD_FRACTION, DEFAULT_NOISE_INIT,
+                      convert_checkpoint)
 
 
 _HEADS_RULE = ("--heads must be 'entropy', 'all', comma-separated head indices or a JSON list of head indices or of "
@@ -53,15 +55,17 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--heads", type=_heads, default=None,
                          help="dex only: 'entropy' (default; on --calibration-file or the packaged text), 'all', "
                          "'0,3,5' or '[[0,1],[2],...]'")
-    convert.add_argument("--head-fraction", type=float, default=0.5,
-                         help="fraction of heads per layer selected by entropy (default 0.5, rounded up)")
+    convert.add_argument("--head-fraction", type=float, default=None,
+                         help="dex with entropy heads only: fraction of heads per layer selected by entropy (default "
+                         "0.5, rounded up)")
     convert.add_argument("--calibration-file", type=Path,
                          help="text file for entropy head selection (first 512 tokens are used; default: the "
                          "packaged calibration.txt, the opening of Hamlet, public domain)")
     convert.add_argument("--anneal-steps", type=int, default=None,
                          help="T of the annealing schedule stored in the config (default 1000)")
-    convert.add_argument("--noise-init", choices=("copy", "zeros"), default="copy",
-                         help="v2 only: the noise head starts as a copy of the signal head, or with zero query weights")
+    convert.add_argument("--noise-init", choices=("copy", "zeros"), default=None,
+                         help="v2 only: the noise head starts as a copy of the signal head (default), or with zero "
+                         "query weights")
     convert.add_argument("--overwrite", action="count", default=0,
                          help="replace DST if it holds a checkpoint (a config.json); twice: replace any directory")
     convert.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -109,6 +113,14 @@ def _main(argv: list[str] | None) -> int:
         except (ValueError, OSError, SafetensorError) as error:  # a refused input (a source without weights or
             parser.error(" ".join(str(error).split()))  # with a corrupt shard included), the disk; one line, exit 2
         return 0
+    # Options that apply to one method only are refused elsewhere, as --heads is with v2: silently ignored, they
+    # looked applied.
+    if args.noise_init is not None and args.method != "v2":
+        parser.error(f"--noise-init applies to --method v2 only (its noise heads), got --method {args.method or 'dex'}")
+    for option, value in (("--head-fraction", args.head_fraction), ("--calibration-file", args.calibration_file)):
+        if value is not None and not chooses_heads_by_entropy(args.method, args.heads):
+            parser.error(f"{option} applies to --method dex with --heads entropy (the default) only, got --method "
+                         f"{args.method or 'dex'} --heads {args.heads if args.heads is not None else 'entropy'}")
     calibration = None
     if args.calibration_file is not None:
         try:  # the opening only: what the first 512 tokens can take
@@ -118,10 +130,11 @@ def _main(argv: list[str] | None) -> int:
             parser.error(str(error))
     try:
         dst = convert_checkpoint(
-            args.src, args.dst, method=args.method, heads=args.heads, head_fraction=args.head_fraction,
+            args.src, args.dst, method=args.method, heads=args.heads,
+            head_fraction=DEFAULT_HEAD_FRACTION if args.head_fraction is None else args.head_fraction,
             calibration=calibration,
             anneal_steps=DEFAULT_ANNEAL_STEPS if args.anneal_steps is None else args.anneal_steps,
-            noise_init=args.noise_init, overwrite=overwrite_from_flags(args.overwrite),
+            noise_init=args.noise_init or DEFAULT_NOISE_INIT, overwrite=overwrite_from_flags(args.overwrite),
             progress=not args.quiet, to=args.to,
         )
     except (ValueError, OSError, SafetensorError) as error:  # a refused input, or the disk (full, read-only)

@@ -28,14 +28,16 @@ from modeling_diff.extras import require
 from modeling_diff.modeling_diff_llama import DiffLlamaForCausalLM
 
 from . import diffllama
-from .calibration import with_default_calibration
+from .calibration import chooses_heads_by_entropy, with_default_calibration
 from .heads import attention_entropy, check_calibration_ids, check_head_fraction, resolve_heads, top_entropy_heads
-from .mapping import TensorMapping, check_method
-from .sources import INDEX_FILE, CheckpointDir
+from .mapping import TensorMapping, check_method, tied_as_loaded
+from .sources import INDEX_FILE, SINGLE_FILE, CheckpointDir
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_ANNEAL_STEPS = 1000
+DEFAULT_HEAD_FRACTION = 0.5
+DEFAULT_NOISE_INIT = "copy"
 # Files of a checkpoint directory that are rewritten, not copied: weights and config.
 _REWRITTEN = ("config.json", INDEX_FILE)
 # An output directory that `overwrite` may replace holds one of these (an earlier conversion, a checkpoint).
@@ -73,25 +75,29 @@ def calibration_ids_from(calibration, tokenizer=None, max_tokens: int = 512) -> 
         if tokenizer is None:
             raise ValueError("calibration text needs a tokenizer: pass tokenizer=... or token ids")
         text = calibration[: max_tokens * CHARS_PER_TOKEN_AT_MOST]
-        return tokenizer(text, return_tensors="pt").input_ids[:, :max_tokens]
+        ids = tokenizer(text, return_tensors="pt").input_ids[:, :max_tokens]
+        if ids.shape[1] < 2:
+            raise ValueError(f"calibration text (--calibration-file) must give at least 2 tokens with the source's "
+                             f"tokenizer (an attention row over more than one position), got {ids.shape[1]}")
+        return ids
     raise ValueError(f"calibration must be text or a tensor of token ids, got {type(calibration).__name__}")
 
 
 def check_arguments(method, heads, head_fraction, anneal_steps, noise_init) -> None:
     """The checks that need no model: method, noise_init, anneal_steps and (for an entropy selection) head_fraction."""
     check_method(method, anneal_steps, noise_init)
-    if method == "dex" and (heads is None or heads == "entropy"):
+    if chooses_heads_by_entropy(method, heads):
         check_head_fraction(head_fraction)
 
 
 class _Plan:
-    """A conversion checked before any expensive work: every argument validated, every source tensor checked
-    against the source config, the heads chosen unless an entropy calibration is still to run (in `mapping`)."""
+    """A conversion checked before any expensive work (its arguments by `check_arguments` first): every source
+    tensor checked against the source config, the heads chosen unless an entropy calibration is still to run (in
+    `mapping`)."""
 
     def __init__(self, source_config, method, heads, head_fraction, calibration, anneal_steps, noise_init,
                  source_tensors, source_name: str):
         """`source_tensors` yields (name, shape, dtype, where) for every tensor of the source."""
-        check_arguments(method, heads, head_fraction, anneal_steps, noise_init)
         self.args = (source_config, method, anneal_steps, noise_init)
         self.unselected = TensorMapping.for_source(source_config, method, None, anneal_steps, noise_init)
         kept = [name for name, shape, dtype, where in source_tensors if self.unselected.check(name, shape, dtype, where)]
@@ -126,11 +132,11 @@ def convert_model(
     model: PreTrainedModel,
     method: str = "dex",
     heads=None,
-    head_fraction: float = 0.5,
+    head_fraction: float = DEFAULT_HEAD_FRACTION,
     calibration: torch.Tensor | str | None = None,
     tokenizer=None,
     anneal_steps: int = DEFAULT_ANNEAL_STEPS,
-    noise_init: str = "copy",
+    noise_init: str = DEFAULT_NOISE_INIT,
     progress: bool = True,
 ) -> DiffLlamaForCausalLM:
     """Convert an in-memory Llama / Mistral / Qwen2 causal LM into a `DiffLlamaForCausalLM` with the same logits.
@@ -146,10 +152,13 @@ def convert_model(
         noise_init: `v2` only: the noise head 2i+1 starts as a `"copy"` of the signal head or with `"zeros"`.
     """
     state = model.state_dict()
-    if calibration is not None:
-        calibration = calibration_ids_from(calibration, tokenizer)
-    plan = _Plan(model.config, method, heads, head_fraction, calibration, anneal_steps, noise_init,
-                 ((n, t.shape, t.dtype, "the source model") for n, t in state.items()), "the source model")
+    check_arguments(method, heads, head_fraction, anneal_steps, noise_init)
+    # only an entropy selection reads it (a text's tokenizer is not needed otherwise)
+    calibration = calibration_ids_from(calibration, tokenizer) if (
+        calibration is not None and chooses_heads_by_entropy(method, heads)) else None
+    plan = _Plan(tied_as_loaded(model.config, state, state.__getitem__), method, heads, head_fraction, calibration,
+                 anneal_steps, noise_init, ((n, t.shape, t.dtype, "the source model") for n, t in state.items()),
+                 "the source model")
     mapping = plan.mapping(state.__getitem__, progress)
     converted = {}
     for name, tensor in state.items():
@@ -182,8 +191,8 @@ def _convert_directory(source: CheckpointDir, tmp: Path, mapping: TensorMapping,
             converted.update(mapping.convert(name, tensor))
             if name in anchors:
                 converted.update(mapping.layer_extras(anchors[name], tensor.dtype))
-        if converted:
-            save_file(converted, tmp / file, metadata={"format": "pt"})
+        if converted:  # one file of another name (config.json's transformers_weights) as the standard name
+            save_file(converted, tmp / (file if source.is_sharded else SINGLE_FILE), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(converted, file))
         total_size += sum(t.numel() * t.element_size() for t in converted.values())
         del converted
@@ -197,10 +206,10 @@ def convert_checkpoint(
     dst: str | Path,
     method: str | None = None,
     heads=None,
-    head_fraction: float = 0.5,
+    head_fraction: float = DEFAULT_HEAD_FRACTION,
     calibration: torch.Tensor | str | None = None,
     anneal_steps: int = DEFAULT_ANNEAL_STEPS,
-    noise_init: str = "copy",
+    noise_init: str = DEFAULT_NOISE_INIT,
     overwrite: bool | str = False,
     progress: bool = True,
     to: str = "diff_llama",
@@ -227,8 +236,8 @@ def convert_checkpoint(
     between_diffllamas = diffllama.applies(src, to)
     if not between_diffllamas:
         method = method or "dex"
-        calibration = with_default_calibration(method, heads, calibration, progress)
         check_arguments(method, heads, head_fraction, anneal_steps, noise_init)
+        calibration = with_default_calibration(method, heads, calibration, progress)
     if src.is_file() and src.suffix == ".gguf":
         require("gguf", f"converting the .gguf file {src.name}")
         try:
@@ -254,8 +263,8 @@ def convert_checkpoint(
     # Everything that can be refused is refused here, before the destination is touched or the calibration runs.
     source = CheckpointDir(src)
     _check_source_dtype(source.config, src)
-    source_config = _source_config(src)
-    if isinstance(calibration, str):
+    source_config = tied_as_loaded(_source_config(src), source.weight_map, source.get)
+    if isinstance(calibration, str) and chooses_heads_by_entropy(method, heads):
         calibration = calibration_ids_from(calibration, _source_tokenizer(src))
     headers = ((name, shape, dtype, file)
                for file in source.files for name, (shape, dtype) in source.headers(file).items())

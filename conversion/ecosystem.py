@@ -48,7 +48,8 @@ def run_export(args: argparse.Namespace) -> str:
     from transformers.utils import logging as transformers_logging
 
     from modeling_diff.atomic import check_destination, overwrite_from_flags
-    from modeling_diff.checkpoint_files import LOADING_ERRORS, check_loading_info, check_side_files
+    from modeling_diff.checkpoint_files import (LOADING_ERRORS, check_loading_info, check_side_files,
+                                                check_weight_files)
     from modeling_diff.configuration import DiffLlamaConfig
     from modeling_diff.hub import check_repo_id, save_for_hub
     
@@ -57,8 +58,10 @@ def run_export(args: argparse.Namespace) -> str:
     if args.repo_id is not None:  # pasted into the model card's title and loading snippet
         check_repo_id(args.repo_id, "--repo-id")
 
-    # The converter's checks of a source (its config, index and shards: regular files inside it), read once
+    # The converter's checks of a source (its config, index and shards: regular files inside it), read once; and
+    # every weight file from_pretrained could read (a model.safetensors beside an index, leading out, is loaded)
     source = CheckpointDir(args.src)
+    check_weight_files(args.src)
     overwrite = overwrite_from_flags(args.overwrite)
     protect = (args.src, source.root)  # a Hub cache snapshot's blobs are its repository folder's
     check_destination(args.dst, overwrite, protect, name="dst", expected=("config.json",))

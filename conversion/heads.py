@@ -67,7 +67,8 @@ def check_calibration_ids(ids: torch.Tensor, vocab_size: int) -> None:
     if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise ValueError(f"calibration must be integer token ids, got {getattr(ids, 'dtype', type(ids).__name__)}")
     if ids.ndim != 2 or ids.shape[0] < 1 or ids.shape[1] < 2:
-        raise ValueError(f"calibration_ids must have shape (batch, length >= 2), got {tuple(ids.shape)}")
+        raise ValueError(f"calibration token ids must have shape (batch, length >= 2): at least 2 tokens a sequence, "
+                         f"got {tuple(ids.shape)}")
     if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
         raise ValueError(f"calibration token ids must lie in [0, vocab_size={vocab_size}), got ids from "
                          f"{int(ids.min())} to {int(ids.max())}")
@@ -113,6 +114,10 @@ def attention_entropy(
         hidden = layer(hidden, attention_mask=causal_mask, position_embeddings=position_embeddings)
         hook.remove()
         maps = captured["maps"]  # (B, h, L, L), rows sum to 1, zeros above the diagonal
+        if not torch.isfinite(maps).all():  # NaN maps scored an entropy of 0: the heads chosen were arbitrary
+            raise ValueError(f"the attention of layer {layer_idx} is not finite (NaN or inf) on the calibration: the "
+                             f"source's weights or activations hold non-finite values, so its heads cannot be ranked by "
+                             f"entropy; check the checkpoint, or choose the heads (heads='all' or a list)")
         entropies.append(diagnostics.attention_entropy(maps, causal_keys, every_query))  # (h,)
     return torch.stack(entropies)
 

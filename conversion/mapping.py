@@ -13,6 +13,7 @@ shard by shard; the tensors a layer gains come from `TensorMapping.layer_extras`
 """
 
 import copy
+import logging
 import re
 
 import torch
@@ -22,6 +23,7 @@ from modeling_diff.configuration import DiffLlamaConfig
 from modeling_diff.diff_attention import layer_lambda_init
 from modeling_diff.modeling_diff_llama import DiffLlamaForCausalLM
 
+logger = logging.getLogger(__name__)
 METHODS = ("dex", "v2")
 NOISE_INITS = ("copy", "zeros")
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -34,6 +36,7 @@ _SHARED_FIELDS = (
 )
 # Tensors older checkpoints carry that are recomputed from the config.
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+_HEAD, _EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
@@ -47,6 +50,24 @@ def check_method(method: str, anneal_steps: int, noise_init: str = "copy") -> No
     if method == "v2" and anneal_steps == 0:
         # Without annealing the noise head enters at full weight and the converted model is no longer the source.
         raise ValueError("anneal_steps must be >= 1 for method='v2': the noise term is annealed in from 0")
+
+
+def tied_as_loaded(source_config: PreTrainedConfig, names, get_tensor) -> PreTrainedConfig:
+    """`source_config`, or a copy untied (`tie_word_embeddings=False`) where it ties lm_head to the embedding but the
+    source (`names`, `get_tensor(name)`) holds an lm_head.weight of other values: transformers loads such a
+    checkpoint untied (it warns and keeps both), so that is the source whose logits the conversion keeps. Tied, the
+    converted model dropped that lm_head.weight and answered with the embedding's."""
+    names = set(names)
+    if not getattr(source_config, "tie_word_embeddings", False) or not {_HEAD, _EMBEDDING} <= names:
+        return source_config
+    head, embedding = get_tensor(_HEAD), get_tensor(_EMBEDDING)
+    if head.shape == embedding.shape and torch.equal(head, embedding):
+        return source_config
+    logger.warning(f"config.json ties lm_head to the embedding (tie_word_embeddings=True), but the source holds an "
+                   f"{_HEAD} of other values: converted untied, as transformers loads the source (both kept)")
+    untied = copy.deepcopy(source_config)
+    untied.tie_word_embeddings = False
+    return untied
 
 
 def _qwen2_slides(config: PreTrainedConfig) -> bool:
@@ -75,6 +96,9 @@ def diff_config_from_source(
                          f"{getattr(source_config, 'max_window_layers', None)}")
     fields = {name: getattr(source_config, name) for name in _SHARED_FIELDS}
     head_dim = getattr(source_config, "head_dim", None)
+    if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1):
+        raise ValueError(f"head_dim must be a positive integer, or absent (hidden_size // num_attention_heads), "
+                         f"got {head_dim!r}")
     head_dim = head_dim or source_config.hidden_size // source_config.num_attention_heads
     # Qwen2's q/k/v biases need attention_bias=True; its missing o_proj bias then becomes a zero bias.
     attention_bias = bool(getattr(source_config, "attention_bias", False)) or model_type == "qwen2"

@@ -1,8 +1,11 @@
 """Read-only access to the tensors of a local safetensors checkpoint, one shard (or one tensor) at a time.
 
 A checkpoint directory holds `config.json` and either `model.safetensors` or shards listed in
-`model.safetensors.index.json` (`{"weight_map": {tensor name: shard file}}`). Only headers are read to list
-and check tensors; tensor data is read when asked for, so memory stays near one shard.
+`model.safetensors.index.json` (`{"weight_map": {tensor name: shard file}}`). The weights read are those
+transformers' `from_pretrained` loads: the file config.json names in `transformers_weights`, else
+`model.safetensors`, else the index's shards (a folder holding both a model.safetensors and an index loads the
+former). Only headers are read to list and check tensors; tensor data is read when asked for, so memory stays
+near one shard.
 
 Every file name read from the checkpoint (the shards of the index) must be a plain `.safetensors` file name,
 and every file must lie inside the checkpoint (`modeling_diff.checkpoint_files.checkpoint_root`): a crafted index
@@ -41,19 +44,18 @@ class CheckpointDir:
         self.root = checkpoint_root(self.path)
         check_side_files(self.path, CONFIG_FILES)  # another model's config or index, linked, is not this one's
         self.config = read_json_object(self.path / "config.json")
-        if (self.path / INDEX_FILE).is_file():
-            weight_map = read_json_object(self.path / INDEX_FILE).get("weight_map")
+        self.index, single = self._weights_loaded()
+        self.is_sharded = self.index is not None
+        if self.is_sharded:
+            weight_map = read_json_object(self.path / self.index).get("weight_map")
             if not isinstance(weight_map, dict):
-                raise ValueError(f"{INDEX_FILE} in {self.path} must be JSON with a 'weight_map' object "
+                raise ValueError(f"{self.index} in {self.path} must be JSON with a 'weight_map' object "
                                  f"(tensor name -> shard file), got {type(weight_map).__name__}")
             for tensor, file in weight_map.items():
                 _check_shard_name(file, tensor)
             self.files = list(dict.fromkeys(weight_map.values()))  # shard order of first appearance
-        elif (self.path / SINGLE_FILE).is_file():
-            self.files = [SINGLE_FILE]
         else:
-            raise ValueError(f"source {str(self.path)!r} must hold {SINGLE_FILE} or {INDEX_FILE} (only safetensors)")
-        self.is_sharded = self.files != [SINGLE_FILE]
+            self.files = [single]
         # name -> file, from the shard headers themselves, so an index naming a tensor its shard lacks is caught.
         self.weight_map: dict[str, str] = {}
         for file in self.files:
@@ -64,9 +66,32 @@ class CheckpointDir:
         if self.is_sharded:
             listed_only = sorted(set(weight_map) - set(self.weight_map))
             if listed_only:
-                raise ValueError(f"tensor {listed_only[0]!r} is listed in {INDEX_FILE} but missing from its shard "
+                raise ValueError(f"tensor {listed_only[0]!r} is listed in {self.index} but missing from its shard "
                                  f"{weight_map[listed_only[0]]}")
         self._check_layers()
+
+    def _weights_loaded(self) -> tuple[str | None, str | None]:
+        """(index, None) or (None, single file): the weights `from_pretrained` loads from this folder, in its order
+        (transformers 5: config.json's `transformers_weights`, `model.safetensors`, the index). Read in another
+        order, a folder holding both a model.safetensors and an index converted the index's shards while
+        transformers loads model.safetensors as the source."""
+        explicit = self.config.get("transformers_weights")
+        if explicit is not None:
+            if (not isinstance(explicit, str) or not explicit.endswith((".safetensors", ".safetensors.index.json"))
+                    or explicit != Path(explicit).name or explicit.startswith(".") or "\\" in explicit
+                    or "\0" in explicit):
+                raise ValueError(f"config.json in {str(self.path)!r}: transformers_weights must be the plain name of "
+                                 f"a .safetensors file or a .safetensors.index.json in the checkpoint folder (no "
+                                 f"directory, not hidden), got {explicit!r}")
+            if explicit.endswith(".json"):
+                check_side_files(self.path, (explicit,))  # read whole, like the standard index
+                return explicit, None
+            return None, explicit
+        if (self.path / SINGLE_FILE).is_file():
+            return None, SINGLE_FILE
+        if (self.path / INDEX_FILE).is_file():
+            return INDEX_FILE, None
+        raise ValueError(f"source {str(self.path)!r} must hold {SINGLE_FILE} or {INDEX_FILE} (only safetensors)")
 
     def _check_layers(self) -> None:
         """config.json's num_hidden_layers against the layers of the shard headers (`model.layers.<i>.`), before
@@ -79,7 +104,8 @@ class CheckpointDir:
         if not (self.path / file).is_file():
             there = (self.path / file).exists() or (self.path / file).is_symlink()
             what = "is not a regular file (a FIFO, a device, a link to nothing) in" if there else "is missing from"
-            raise ValueError(f"shard {file!r} listed in {INDEX_FILE} {what} {self.path}")
+            listed = f"shard {file!r} listed in {self.index}" if self.index else f"weight file {file!r}"
+            raise ValueError(f"{listed} {what} {self.path}")
         if not is_inside(self.path / file, self.root):
             raise ValueError(f"shard {file!r} in {self.path} is a link to {str((self.path / file).resolve())!r}, "
                              f"outside the checkpoint {str(self.root)!r}")

@@ -202,11 +202,23 @@ def check_gguf(path: Path) -> None:
 
 def weight_files(path: Path, gguf_file: str | None = None) -> list[str]:
     """The names, relative to checkpoint `path`, of the weight files from_pretrained would read: `gguf_file`, or
-    those of WEIGHT_FILES that are there and the shards the indexes there name (checked whole first)."""
+    those of WEIGHT_FILES that are there, the file config.json names in `transformers_weights` (which from_pretrained
+    loads instead, checking only its name) and the shards the indexes there name (checked whole first)."""
     if gguf_file is not None:
         return [gguf_file]
     names = [name for name in WEIGHT_FILES if (path / name).exists() or (path / name).is_symlink()]
-    for index in (INDEX_FILE, PT_INDEX_FILE):
+    indexes = [INDEX_FILE, PT_INDEX_FILE]
+    explicit = read_json_object(path / "config.json").get("transformers_weights") if (path / "config.json").exists() \
+        else None
+    if explicit is not None:
+        if not isinstance(explicit, str) or "\0" in explicit:
+            raise ValueError(f"config.json in {str(path)!r}: transformers_weights must be a file name, got "
+                             f"{json.dumps(explicit)[:40]}")
+        _check_inside(path, explicit, checkpoint_root(path))  # before it is read as an index
+        names.append(explicit)
+        if explicit.endswith(".json"):
+            indexes.append(explicit)
+    for index in dict.fromkeys(indexes):
         if (path / index).exists() or (path / index).is_symlink():
             weight_map = read_json_object(path / index).get("weight_map")
             if not isinstance(weight_map, dict) or not all(isinstance(name, str) and "\0" not in name

@@ -72,7 +72,11 @@ def test_heads_argument(source_dir, tmp_path, heads, expected):
     "extra,message",
     [
         (["--heads", "best"], "--heads must be 'entropy', 'all'"),
-        (["--heads", "all", "--head-fraction", "2"], None),  # head_fraction is only used by entropy selection
+        # options of one method are refused elsewhere (they were ignored, as if applied)
+        (["--heads", "all", "--head-fraction", "0.25"], "--head-fraction applies to --method dex with --heads entropy"),
+        (["--method", "v2", "--head-fraction", "0.25"], "--head-fraction applies to --method dex with --heads entropy"),
+        (["--noise-init", "zeros"], "--noise-init applies to --method v2 only (its noise heads), got --method dex"),
+        (["--method", "dex", "--noise-init", "copy"], "--noise-init applies to --method v2 only"),
         (["--calibration-file", "/nonexistent.txt"], "is not a file"),
         (["--method", "v2", "--anneal-steps", "0"], "anneal_steps must be >= 1"),
         (["--method", "v3"], "invalid choice"),

@@ -199,7 +199,8 @@ def test_resolve_heads():
         (dict(calibration=token_ids() + 300), r"calibration token ids must lie in \[0, vocab_size=300\)"),
         (dict(calibration=token_ids() - 10), r"calibration token ids must lie in \[0, vocab_size=300\)"),
         (dict(calibration=token_ids().float()), "calibration must be integer token ids"),
-        (dict(calibration=torch.ones(2, 1, dtype=torch.long)), "calibration_ids must have shape"),
+        (dict(calibration=torch.ones(2, 1, dtype=torch.long)),
+         r"calibration token ids must have shape \(batch, length >= 2\): at least 2 tokens"),
         (dict(calibration="text"), "calibration text needs a tokenizer"),
     ],
 )

@@ -24,7 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import modeling_diff.conversion.convert as convert_module
 from modeling_diff import DiffLlamaForCausalLM
-from modeling_diff.conversion import convert_checkpoint
+from modeling_diff.conversion import convert_checkpoint, convert_model
 from modeling_diff.conversion.cli import main
 
 INDEX = "model.safetensors.index.json"
@@ -517,6 +517,8 @@ def test_broken_config_json(src, tmp_path, capsys, config_text, message):
         (dict(dtype=None, torch_dtype="int8"), "config.json in {src!r}: torch_dtype must be float32, float16 or "
                                                "bfloat16"),
         (dict(dtype="float8_e4m3fn"), "dtype must be float32, float16 or bfloat16 (what the output loads in"),
+        # transformers' own Llama fails to build with it (a ZeroDivisionError); the converter read 0 as "absent"
+        (dict(head_dim=0), "head_dim must be a positive integer, or absent"),
     ],
 )
 def test_bad_source_configs(src, tmp_path, capsys, fields, message):
@@ -985,6 +987,145 @@ def test_num_hidden_layers_other_than_the_checkpoints_is_refused_before_anything
                      capsys, quiet=command == "convert")
     assert f"config.json in {str(src)!r}: num_hidden_layers is {layers}, but its tensors hold {held}" in line
     assert tree_hash(src) == before and sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 9b. The source is what transformers loads: its weight file, its tying. The converted model keeps the logits of
+#     `from_pretrained(SRC)`, whatever else the folder holds.
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _logits(model, ids=None) -> torch.Tensor:
+    with torch.no_grad():
+        return model.eval()(token_ids() if ids is None else ids).logits
+
+
+def _loaded(path: Path):
+    return AutoModelForCausalLM.from_pretrained(path)
+
+
+def test_a_tied_config_whose_checkpoint_holds_another_lm_head_converts_untied(tmp_path, caplog):
+    """tie_word_embeddings=true in config.json, and an lm_head.weight of other values in the checkpoint: transformers
+    loads the two untied (with a warning). The converter dropped lm_head.weight and tied the output to the embedding:
+    other logits (by 1.3), exit status 0. Both paths now keep both, untied, and say so."""
+    src = tmp_path / "src"
+    tiny_llama().save_pretrained(src)  # untied
+    _edit_config(src, tie_word_embeddings=True)
+    source = _loaded(src)
+    assert source.lm_head.weight is not source.model.embed_tokens.weight  # transformers' reading of it
+    with caplog.at_level(logging.WARNING, logger="modeling_diff.conversion.mapping"):
+        dst = convert_checkpoint(src, tmp_path / "dst", heads="all", progress=False)
+        in_memory = convert_model(source, heads="all", progress=False)
+    assert sum("converted untied, as transformers loads the source" in r.getMessage() for r in caplog.records) == 2
+    converted = _loaded(dst)
+    assert not converted.config.tie_word_embeddings and not in_memory.config.tie_word_embeddings
+    torch.testing.assert_close(_logits(converted), _logits(source), rtol=0, atol=0)
+    torch.testing.assert_close(_logits(in_memory), _logits(source), rtol=0, atol=0)
+
+
+def test_a_tied_checkpoint_holding_the_same_lm_head_stays_tied(tmp_path):
+    """Checkpoints saved with torch's .bin writer hold both names of the tied tensor: equal values, still tied."""
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "src"
+    tiny_llama("llama-mqa-tied-bias").save_pretrained(src)
+    state = load_file(src / "model.safetensors")
+    save_file({**state, "lm_head.weight": state["model.embed_tokens.weight"].clone()}, src / "model.safetensors",
+              metadata={"format": "pt"})
+    converted = _loaded(convert_checkpoint(src, tmp_path / "dst", heads="all", progress=False))
+    assert converted.config.tie_word_embeddings and converted.lm_head.weight is converted.model.embed_tokens.weight
+    torch.testing.assert_close(_logits(converted), _logits(_loaded(src)), rtol=0, atol=0)
+
+
+def test_a_model_safetensors_beside_an_index_is_the_source_as_for_transformers(pristine, tmp_path, capsys):
+    """transformers loads model.safetensors before an index; the converter read the index's shards: (a) another
+    model's weights converted (logits off by 1.0), exit 0; (b) an index naming model.safetensors as one of its shards
+    gave an output of which from_pretrained loaded one shard, 23 tensors left random, exit 0."""
+    src = Path(shutil.copytree(pristine, tmp_path / "src"))
+    tiny_llama(seed=1).save_pretrained(tmp_path / "other")
+    shutil.copy(tmp_path / "other" / "model.safetensors", src / "model.safetensors")
+    dst = convert_checkpoint(src, tmp_path / "dst", heads="all", progress=False)
+    torch.testing.assert_close(_logits(_loaded(dst)), _logits(_loaded(src)), rtol=0, atol=0)
+    assert not (dst / INDEX).exists()  # one file, as the source transformers loads
+
+    first = json.loads((src / INDEX).read_text())["weight_map"]["model.embed_tokens.weight"]
+    (src / "model.safetensors").unlink()
+    (src / first).rename(src / "model.safetensors")
+    _rename_in_index(src, first, "model.safetensors")
+    capsys.readouterr()  # save_pretrained's and from_pretrained's progress bars
+    line = cli_error(["convert", str(src), str(tmp_path / "dst2"), "--heads", "all"], capsys)
+    assert "num_hidden_layers is 3, but its tensors hold 1 layer" in line and not (tmp_path / "dst2").exists()
+
+
+@pytest.mark.parametrize("name", ["weights.safetensors", "weights.safetensors.index.json"])
+def test_transformers_weights_in_config_json_names_the_source(pristine, tmp_path, name):
+    """config.json's `transformers_weights` names the file from_pretrained loads instead of model.safetensors (or the
+    index): the converter converted model.safetensors."""
+    src = Path(shutil.copytree(pristine, tmp_path / "src"))
+    tiny_llama(seed=1).save_pretrained(tmp_path / "other")
+    if name.endswith(".json"):
+        (src / INDEX).rename(src / name)
+        shutil.copy(tmp_path / "other" / "model.safetensors", src / "model.safetensors")  # not the source
+    else:
+        shutil.copy(tmp_path / "other" / "model.safetensors", src / name)  # the source, beside the index
+    _edit_config(src, transformers_weights=name)
+    source = _loaded(src)
+    dst = convert_checkpoint(src, tmp_path / "dst", heads="all", progress=False)
+    torch.testing.assert_close(_logits(_loaded(dst)), _logits(source), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("value,message", [
+    ("../other/model.safetensors", "transformers_weights must be the plain name of a .safetensors file"),
+    ("sub/model.safetensors", "transformers_weights must be the plain name of a .safetensors file"),
+    ("model.bin", "transformers_weights must be the plain name of a .safetensors file"),
+    (5, "transformers_weights must be the plain name of a .safetensors file"),
+    ("outside.safetensors", "is a link to"),
+])
+def test_a_crafted_transformers_weights_is_refused(pristine, tmp_path, capsys, value, message):
+    src = Path(shutil.copytree(pristine, tmp_path / "src"))
+    tiny_llama(seed=1).save_pretrained(tmp_path / "other")
+    (src / "outside.safetensors").symlink_to(tmp_path / "other" / "model.safetensors")
+    _edit_config(src, transformers_weights=value)
+    capsys.readouterr()  # save_pretrained's progress bars
+    line = cli_error(["convert", str(src), str(tmp_path / "dst"), "--heads", "all"], capsys)
+    assert message in line, line
+    assert not (tmp_path / "dst").exists()
+
+
+@pytest.mark.parametrize("argv", [["--method", "v2"], ["--heads", "all"], ["--heads", "0,1"]])
+def test_a_calibration_file_where_no_heads_are_chosen_by_entropy_is_refused(src, tmp_path, capsys, argv):
+    """--method v2 with --calibration-file failed on a source without a tokenizer ("calibration text needs the
+    source's tokenizer"), and with one the file was read and ignored; --heads with v2 was refused. (In Python an
+    unused calibration is left unread: `test_an_unused_calibration_text_needs_no_tokenizer`.)"""
+    (tmp_path / "sonnet.txt").write_text(TEXT)
+    line = cli_error(["convert", str(src), str(tmp_path / "dst"), *argv, "--calibration-file",
+                      str(tmp_path / "sonnet.txt")], capsys)
+    assert "--calibration-file applies to --method dex with --heads entropy (the default) only" in line
+    assert not (tmp_path / "dst").exists()
+
+
+@pytest.mark.parametrize("method,heads", [("v2", None), ("dex", "all")])
+def test_an_unused_calibration_text_needs_no_tokenizer(src, tmp_path, method, heads):
+    (src / "tokenizer.json").unlink()
+    dst = convert_checkpoint(src, tmp_path / "dst", method=method, heads=heads, calibration=TEXT, progress=False)
+    assert json.loads((dst / "config.json").read_text())["diff_mode"] == method
+
+
+def test_a_calibration_text_of_one_token_is_refused_naming_it(src, tmp_path, capsys):
+    (tmp_path / "one.txt").write_text("A")  # one byte: one token of the byte-level tokenizer
+    line = cli_error(["convert", str(src), str(tmp_path / "dst"), "--calibration-file", str(tmp_path / "one.txt")],
+                     capsys)
+    assert "calibration text (--calibration-file) must give at least 2 tokens with the source's tokenizer" in line
+
+
+def test_non_finite_weights_are_refused_by_the_entropy_selection(tmp_path, capsys):
+    """topk ranks NaN highest: the heads of a layer whose attention is NaN were chosen arbitrarily, exit 0."""
+    model = tiny_llama()
+    with torch.no_grad():
+        model.model.layers[1].self_attn.q_proj.weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="the attention of layer 1 is not finite"):
+        convert_model(model, calibration=token_ids(), progress=False)
+    assert convert_model(model, heads="all", progress=False) is not None  # chosen heads: converted as they are
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -388,6 +388,26 @@ def test_export_refuses_a_config_linking_out_of_the_source(model_dir, tmp_path, 
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("how", ["model.safetensors beside the index", "transformers_weights"])
+def test_export_refuses_weights_from_pretrained_would_load_from_outside_the_source(model_dir, tmp_path, capsys,
+                                                                                    no_model_loading, how):
+    """A sharded SRC with a model.safetensors linking to another model's (or config.json's transformers_weights
+    naming such a link): from_pretrained loads that file, not the index's shards, and export wrote the other model's
+    weights as SRC's, exit 0. The converter's checks read the index only."""
+    src = tmp_path / "src"
+    DiffLlamaForCausalLM.from_pretrained(model_dir).save_pretrained(src, max_shard_size="100KB")
+    other = Path(shutil.copytree(model_dir, tmp_path / "other"))
+    name = "model.safetensors" if how.startswith("model") else "weights.safetensors"
+    (src / name).symlink_to(other / "model.safetensors")
+    if how == "transformers_weights":
+        config = json.loads((src / "config.json").read_text())
+        (src / "config.json").write_text(json.dumps({**config, "transformers_weights": name}))
+    capsys.readouterr()  # save_pretrained's progress bars
+    line = export_error([str(src), str(tmp_path / "out")], capsys)
+    assert f"'{name}' in {src} is a link to {str(other / 'model.safetensors')!r}" in line, line
+    assert "outside the checkpoint" in line and not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("kind", ["3 GiB", "FIFO", "link out"])
 @pytest.mark.parametrize("name", SIDE_FILES)
 def test_export_refuses_a_side_file_transformers_would_read_whole(model_dir, tmp_path, capsys, no_model_loading,
