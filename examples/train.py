@@ -85,9 +85,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.seq_len > config.max_position_embeddings:
         parser.error(f"--seq-len {args.seq_len} is longer than the model's max_position_embeddings "
                      f"{config.max_position_embeddings}")
-    try:  # read here, once: a file that is not text (or not UTF-8) is refused before the model is built
+    try:  # read and tokenized here, once: a text that is not UTF-8, or too short, refused before the model is built
         args.text = (read_text_file(args.text_file, "--text-file", max_bytes=MAX_TEXT_BYTES)
                      if args.text_file is not None else None)
+        args.blocks = token_blocks(args, config.vocab_size)
     except ValueError as error:
         parser.error(str(error))
     # Trainer writes into --output-dir as it goes: refused up front what the converter refuses as its DST (the
@@ -122,9 +123,13 @@ def token_blocks(args: argparse.Namespace, vocab_size: int) -> torch.Tensor:
         ids = torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
     blocks = len(ids) // args.seq_len
     if blocks == 0:
-        raise SystemExit(f"the text has {len(ids)} tokens, fewer than --seq-len {args.seq_len}")
+        raise ValueError(f"the training text has {len(ids)} tokens, fewer than --seq-len {args.seq_len}: a longer "
+                         f"--text-file or a shorter --seq-len")
     if int(ids.max()) >= vocab_size:
-        raise SystemExit(f"token id {int(ids.max())} >= the model's vocab_size {vocab_size}: pass --tokenizer")
+        which = ("--tokenizer" if args.tokenizer else "the checkpoint's tokenizer" if tokenizer_dir is not None
+                 else "one token per byte (no tokenizer)")
+        raise ValueError(f"{which} gives token id {int(ids.max())}, beyond the model's vocab_size {vocab_size}: "
+                         f"the tokenizer must be the model's (--tokenizer)")
     return ids[: blocks * args.seq_len].view(blocks, args.seq_len)
 
 
@@ -144,7 +149,7 @@ def main(argv=None) -> None:
         print(f"{Path(sys.argv[0]).name}: error: --model {args.model!r} could not be loaded: "
               f"{' '.join(str(error).split())}", file=sys.stderr)
         sys.exit(2)
-    blocks = token_blocks(args, model.config.vocab_size)
+    blocks = args.blocks
     training_args = TrainingArguments(
         output_dir=str(args.output_dir), max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps, learning_rate=args.learning_rate,

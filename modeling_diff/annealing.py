@@ -16,6 +16,7 @@ Nothing to add:
 import torch
 from torch import nn
 from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
 
 from .diff_attention import DexAttention, DiffAttentionV2, anneal_fraction
 from .modeling_diff_llama import set_anneal_step
@@ -39,22 +40,34 @@ def anneal_state(model: nn.Module) -> dict[str, float]:
     return state
 
 
-class AnnealingCallback(TrainerCallback):
+class AnnealingCallback(TrainerCallback, ExportableState):
     """Keeps every attention's `anneal_step` equal to the model's t when the run began plus the run's optimizer steps
     (`state.global_step`), and logs the schedule.
 
-    The start is read at the beginning of training: a resumed run has its checkpoint's t and global step (so it
-    continues from its step), a new run on an adapted model (a second `train()`, a new Trainer, a saved model
-    trained on) the model's t and step 0 -- pinning t to the global step alone set it back to 0 there, and annealed
-    the differential term in again from nothing. t is then set after each optimizer step (before the Trainer saves a
-    checkpoint, so a checkpoint holds the step it was saved at).
+    The start is read at the beginning of training: a new run on an adapted model (a second `train()`, a new
+    Trainer, a saved model trained on) takes the model's t and step 0 -- pinning t to the global step alone set it
+    back to 0 there, and annealed the differential term in again from nothing. A resumed run takes the start its
+    checkpoint's trainer_state.json recorded (this callback's `state()`), or, from a checkpoint without it, its
+    model's t less its global step. A PEFT adapter holds no t (the attentions' buffers are the base model's, which
+    PEFT does not save): a resumed adapter's model has its base's t, and without this callback keeps counting from
+    it. t is set at the beginning and after each optimizer step (before the Trainer saves a checkpoint, so a
+    checkpoint holds the step it was saved at).
     """
 
     def __init__(self):
         self.start = 0
 
+    def state(self) -> dict:
+        return {"args": {}, "attributes": {"start": self.start}}
+
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        self.start = max(0, int(anneal_state(model).get("anneal_step", 0)) - state.global_step)
+        saved = (state.stateful_callbacks or {}).get(type(self).__name__)
+        saved = saved[0] if isinstance(saved, list) else saved
+        if state.global_step > 0 and isinstance(saved, dict) and "start" in saved.get("attributes", {}):
+            self.start = int(saved["attributes"]["start"])
+        else:
+            self.start = max(0, int(anneal_state(model).get("anneal_step", 0)) - state.global_step)
+        set_anneal_step(model, self.start + state.global_step)
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         set_anneal_step(model, self.start + state.global_step)

@@ -672,6 +672,19 @@ class DexAttention(_LlamaLayoutAttention):
         tokens = attn_output.numel() // (attn_output.shape[-2] * attn_output.shape[-1])
         return is_plain_linear(self.o_proj) and tokens > self.o_proj.out_features
 
+    def operator(self, x: torch.Tensor) -> torch.Tensor:
+        """f_D(x) through the module, so that PEFT's trained copy or adapter and the tensor-parallel hooks apply.
+        PEFT's DoRA scales its layer by magnitude / ||W + BA||: on f_D where it is still zero (at conversion, so that
+        the model computes its source's attention) that is 0 / 0, and every output was NaN from the first step."""
+        use_dora = getattr(self.dex_proj, "use_dora", None)
+        if (isinstance(use_dora, dict) and any(use_dora.get(name) for name in self.dex_proj.active_adapters)
+                and not self.dex_proj.get_base_layer().weight.any()):
+            raise ValueError("DoRA on dex_proj (f_D) divides by the norm of its weight, which is zero where DEX starts: "
+                             "every output would be NaN. Train f_D in full (PEFT's modules_to_save, as "
+                             "modeling_diff.lora.lora_config does) or leave it out of target_modules "
+                             "(exclude_modules=['dex_proj'])")
+        return self.dex_proj(x)
+
     def o_proj_with_operator(self, attn_output: torch.Tensor) -> torch.Tensor:
         """o_proj(O - lambda_h f_D(O)) as one linear map of O (..., h * d). o_proj reads head h's output through its
         columns W_h (hidden, d), and f_D is linear, f_D(O_h) = O_h F with F = f_D(I) (d, d):
@@ -688,7 +701,7 @@ class DexAttention(_LlamaLayoutAttention):
         t_over_T = anneal_fraction(self.anneal_step, self.config.anneal_steps)
         head_lambda = self.dex_lambda.per_head(t_over_T, self.head_mask).to(attn_output.dtype)  # (h,)
         # f_D(I) through the module, so that PEFT's trained copy applies
-        operator = head_lambda[:, None, None] * self.dex_proj(eye)  # (h, d, d): lambda_h F
+        operator = head_lambda[:, None, None] * self.operator(eye)  # (h, d, d): lambda_h F
         return F.linear(attn_output, dex_folded_weight(self.o_proj.weight, operator), self.o_proj.bias)
 
     def decode_applies(self, implementation, query, key, value, attention_mask, kwargs) -> bool:
@@ -730,11 +743,11 @@ class DexAttention(_LlamaLayoutAttention):
             # f_D(I) goes through the module, so that PEFT's trained copy and the tensor-parallel hooks apply.
             eye = torch.eye(self.head_dim, dtype=attn_output.dtype, device=attn_output.device)
             lam = self.current_lambda().to(attn_output.dtype)
-            attn_output = torch.matmul(attn_output, eye - lam * self.dex_proj(eye))
+            attn_output = torch.matmul(attn_output, eye - lam * self.operator(eye))
         else:
             t_over_T = anneal_fraction(self.anneal_step, self.config.anneal_steps)
             head_lambda = self.dex_lambda.per_head(t_over_T, self.head_mask).to(attn_output.dtype)  # (h_local,)
-            attn_output = attn_output - head_lambda[:, None] * self.dex_proj(attn_output)
+            attn_output = attn_output - head_lambda[:, None] * self.operator(attn_output)
         attn_output = self.o_proj(attn_output.reshape(*input_shape, -1))
         return attn_output, attn_weights
 

@@ -414,6 +414,19 @@ def test_training_script_saves_nothing_on_any_rank_when_training_diverges_under_
     assert not (tmp_path / "out").exists()
 
 
+def test_training_script_refuses_a_text_it_cannot_train_on_before_the_model_is_built(tmp_path):
+    """A text shorter than --seq-len, and token ids beyond the model's vocabulary, ended in exit status 1 after the
+    model was built, the second telling to "pass --tokenizer" where one was passed. One line, exit status 2."""
+    (tmp_path / "short.txt").write_text("short")
+    line = training_script_error(tmp_path, "--model", "tiny-v1", "--text-file", str(tmp_path / "short.txt"))
+    assert "the training text has 5 tokens, fewer than --seq-len 16" in line
+    checkpoint = tmp_path / "vocab-100"
+    DiffLlamaForCausalLM(preset_config("tiny-v1", vocab_size=100)).save_pretrained(checkpoint)
+    (tmp_path / "z.txt").write_text("z" * 64)  # byte 122 >= 100
+    line = training_script_error(tmp_path, "--model", str(checkpoint), "--text-file", str(tmp_path / "z.txt"))
+    assert "one token per byte (no tokenizer) gives token id 122, beyond the model's vocab_size 100" in line
+
+
 def test_training_script_refuses_an_output_dir_in_or_around_the_checkpoint(tmp_path):
     """README: the script refuses as --output-dir "the checkpoint being trained (or a folder in or around it)" -- a
     parent would be replaced with the checkpoint inside it, a sub-folder written into the checkpoint -- even with

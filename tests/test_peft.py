@@ -187,6 +187,57 @@ def test_plain_peft_and_trainer_train_save_and_resume_every_differential_paramet
         torch.testing.assert_close(active_value(resumed.model, 0, suffix), trained[suffix])
 
 
+@pytest.mark.parametrize("mode", ["v2", "dex"])
+def test_a_resumed_adapter_with_the_callback_continues_from_the_checkpoint_s_annealing_step(mode, batches, tmp_path):
+    """A PEFT adapter holds no t (the attentions' buffers are the base model's): a run resumed from checkpoint-2 began
+    at its base's t = 0, and its parameters ended 9e-3 away from the uninterrupted run's. AnnealingCallback records its
+    start in trainer_state.json and sets t when training begins: the resumed run is the uninterrupted one."""
+    from peft import get_peft_model
+    from transformers import Trainer, TrainingArguments
+
+    from modeling_diff.annealing import AnnealingCallback, anneal_state
+
+    data = [{"input_ids": b, "labels": b} for b in torch.cat(batches)]
+
+    def trainer():
+        torch.manual_seed(0)
+        model = get_peft_model(DiffLlamaForCausalLM(tiny_config(mode, anneal_steps=4)),
+                               lora_config(r=4, lora_alpha=8, lora_dropout=0.0))
+        args = TrainingArguments(str(tmp_path / "run"), max_steps=4, per_device_train_batch_size=4,
+                                 learning_rate=1e-2, save_strategy="steps", save_steps=2, report_to=[],
+                                 use_cpu=True, disable_tqdm=True, seed=0, data_seed=0)
+        return Trainer(model=model, args=args, train_dataset=data, callbacks=[AnnealingCallback()])
+
+    full = trainer()
+    full.train()
+    resumed = trainer()
+    resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+    assert anneal_state(resumed.model)["anneal_step"] == anneal_state(full.model)["anneal_step"] == 4
+    expected = full.model.state_dict()
+    for name, value in resumed.model.state_dict().items():
+        torch.testing.assert_close(value, expected[name], msg=name)
+
+
+def test_dora_on_a_zero_f_d_is_refused_naming_it_and_on_a_trained_one_works():
+    """DoRA divides by the norm of the weight it adapts: on DEX's f_D at its start (zero) the loss was NaN from the
+    first forward, with `target_modules="all-linear", use_dora=True` too. A LoRA of f_D, or DoRA on the rest, works."""
+    from peft import LoraConfig, get_peft_model
+
+    ids = torch.randint(3, 90, (2, 12))
+    with pytest.raises(ValueError, match=r"DoRA on dex_proj \(f_D\) divides by the norm of its weight, which is zero"):
+        get_peft_model(base_model("dex"), LoraConfig(r=4, target_modules="all-linear", use_dora=True))(ids)
+    for config in (LoraConfig(r=4, target_modules="all-linear"),
+                   LoraConfig(r=4, target_modules="all-linear", use_dora=True, exclude_modules=["dex_proj"]),
+                   lora_config(r=4, use_dora=True)):
+        assert torch.isfinite(get_peft_model(base_model("dex"), config)(ids, labels=ids).loss)
+    trained = base_model("dex")
+    with torch.no_grad():
+        for layer in trained.model.layers:
+            layer.self_attn.dex_proj.weight.normal_(0, 0.1)  # f_D after training: DoRA's norm is defined
+    dora = get_peft_model(trained, LoraConfig(r=4, target_modules=["dex_proj"], use_dora=True))
+    assert torch.isfinite(dora(ids, labels=ids).loss)
+
+
 def test_plain_peft_modules_to_save_trains_lambda_through_its_kernel_as_through_the_reference(batches, monkeypatch):
     """V1's lambda kernel (a GPU path; here under the interpreter) behind PEFT's own `modules_to_save` wrapper:
     the trained copy's four vectors get the reference's gradients, and the frozen originals none."""
