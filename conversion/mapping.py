@@ -24,6 +24,7 @@ from modeling_diff.diff_attention import layer_lambda_init
 from modeling_diff.modeling_diff_llama import DiffLlamaForCausalLM
 
 logger = logging.getLogger(__name__)
+
 METHODS = ("dex", "v2")
 NOISE_INITS = ("copy", "zeros")
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
