@@ -141,6 +141,15 @@ def outlier_stats(magnitudes: torch.Tensor) -> dict[str, torch.Tensor]:
     }
 
 
+def real_query_keys(valid: torch.Tensor) -> torch.Tensor:
+    """`valid` (B, 1, L, S) without the rows of padding queries. A real token's query may attend to its own position
+    (the last L keys are the queries' own); a padding query may not, but right of the text it attends to the real
+    keys before it, and its logits counted in the logit outliers and the quantization scale of the real tokens."""
+    length, keys = valid.shape[-2:]
+    own = valid.diagonal(offset=keys - length, dim1=-2, dim2=-1)  # (B, 1, L)
+    return valid & own[..., None]
+
+
 def absmax_quantize(logits: torch.Tensor, bits: int, valid: torch.Tensor) -> torch.Tensor:
     """Symmetric absmax quantization to `bits` bits, one scale per (batch, head) over the valid entries:
     x -> round(x / s) * s with s = max|x| / (2^(bits-1) - 1)."""
@@ -180,10 +189,11 @@ class LayerAttention:
         return self.probs[:, 1::2] if self.paired else None
 
     def head_logits(self) -> torch.Tensor:
-        """(h, N): the magnitudes of the valid logits of each output head (both maps of a pair together)."""
+        """(h, N): the magnitudes of the valid logits of the real queries of each output head (both maps of a pair
+        together)."""
         num_heads = self.maps.shape[1]
         magnitudes = self.logits.abs().unflatten(1, (num_heads, -1)).transpose(0, 1)  # (h, B, n, L, S)
-        keep = self.valid.expand(-1, magnitudes.shape[2], -1, -1)  # (B, n, L, S)
+        keep = real_query_keys(self.valid).expand(-1, magnitudes.shape[2], -1, -1)  # (B, n, L, S)
         return magnitudes[:, keep]
 
 
@@ -216,7 +226,7 @@ def probe_attention_forward(module, query, key, value, attention_mask, scaling, 
     logits = torch.matmul(query.float(), key.float().transpose(2, 3)) * scaling  # (B, H, L, S)
     valid = torch.ones_like(logits[:, :1], dtype=torch.bool) if attention_mask is None else attention_mask == 0
     if probe is not None and probe.logit_bits is not None:
-        logits = absmax_quantize(logits, probe.logit_bits, valid)
+        logits = absmax_quantize(logits, probe.logit_bits, real_query_keys(valid))
     # A query without any valid key gets a uniform map, as in eager attention.
     probs = logits.masked_fill(~valid, torch.finfo(torch.float32).min).softmax(dim=-1)
     if probe is not None and probe.clamp_negative:
@@ -544,17 +554,22 @@ def needle_attention_share(
     builder = NeedlePromptBuilder(tokenizer, shakespeare("hamlet") if haystack is None else haystack)
     device = next(model.parameters()).device
     shares = []
-    for length in tqdm(lengths, desc="needle share", disable=not progress):
-        rng = random.Random(f"{seed}-{length}")
-        (prompt,) = builder.build(length, depth, make_needles(1, rng), 1, rng)
-        per_layer = []
+    was_training = model.training
+    model.eval()  # as diagnose: in training mode attention dropout made the shares random
+    try:
+        for length in tqdm(lengths, desc="needle share", disable=not progress):
+            rng = random.Random(f"{seed}-{length}")
+            (prompt,) = builder.build(length, depth, make_needles(1, rng), 1, rng)
+            per_layer = []
 
-        def on_layer(layer: LayerAttention) -> None:
-            per_layer.append(needle_share(layer.maps[:, :, -1], layer.valid[:, :, -1], prompt.value_span))
+            def on_layer(layer: LayerAttention) -> None:
+                per_layer.append(needle_share(layer.maps[:, :, -1], layer.valid[:, :, -1], prompt.value_span))
 
-        with AttentionProbe(model, on_layer):
-            model(input_ids=torch.tensor([prompt.input_ids], device=device), use_cache=False)
-        shares.append(torch.stack(per_layer))
+            with AttentionProbe(model, on_layer):
+                model(input_ids=torch.tensor([prompt.input_ids], device=device), use_cache=False)
+            shares.append(torch.stack(per_layer))
+    finally:  # the model is left in the mode it was found in
+        model.train(was_training)
     return torch.stack(shares)
 
 

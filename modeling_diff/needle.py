@@ -97,6 +97,18 @@ class NeedlePromptBuilder:
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
+    def most_fixed_tokens(self, num_needles: int) -> int:
+        """The most tokens `num_needles` needles and a question on one of them can take in a prompt over every draw
+        of `make_needles` (the filler takes the rest): the longest value, the sentences of the keys with the longest
+        ones, the longest question. (The longest keys in characters, the first of them queried, missed the draws
+        that query a longer one: the check passed and a later cell raised.)"""
+        values = range(10 ** (VALUE_DIGITS - 1), 10**VALUE_DIGITS)
+        value = max(map(len, self.tokenizer([f" {v}" for v in values], add_special_tokens=False).input_ids))
+        tail = len(self._encode("."))
+        sentences = sorted(len(self._encode(" " + NEEDLE_HEAD.format(key=key))) + value + tail for key in KEYS)
+        question = max(len(self._encode("\n\n" + QUESTION_TEMPLATE.format(key=key))) for key in KEYS)
+        return len(self.prefix_ids) + sum(sentences[-num_needles:]) + question + value - 1
+
     def build(
         self, length: int, depth: float, needles: list[Needle], num_queries: int, rng: random.Random
     ) -> list[NeedlePrompt]:
@@ -227,9 +239,10 @@ def evaluate_needles(
         raise ValueError(f"lengths must not exceed max_position_embeddings ({limit}), "
                          f"got {max(lengths)}")
     builder = NeedlePromptBuilder(tokenizer, shakespeare("hamlet") if haystack is None else haystack)
-    # Refuse too-short lengths before any cell runs (the longest keys make the longest needles and questions).
-    longest = [Needle(key, "9" * VALUE_DIGITS) for key in sorted(KEYS, key=len)[-num_needles:]]
-    builder.build(min(lengths), 0.0, longest, num_queries, random.Random(seed))
+    fixed = builder.most_fixed_tokens(num_needles)  # too-short lengths refused before any cell runs
+    if min(lengths) <= fixed:
+        raise ValueError(f"lengths must leave room for filler text: {min(lengths)} tokens hold no more than the "
+                         f"{fixed} tokens that {num_needles} needles and a question can take")
 
     was_training = model.training
     model.eval()

@@ -121,6 +121,27 @@ def test_accuracy_grid_of_known_models(tokenizer):
     plt.close("all")
 
 
+def test_a_length_the_check_admits_holds_every_draw_and_a_shorter_one_is_refused_before_any_cell(tokenizer,
+                                                                                                  monkeypatch):
+    """The check took the keys longest in characters and queried the first of them: a draw that queried Santiago
+    (about one in 30) needed a token more, and the evaluation raised after 13 prompts were scored."""
+    import modeling_diff.needle as needle
+
+    scored = []
+    monkeypatch.setattr(needle, "score_prompt", lambda model, prompt: (scored.append(len(prompt.input_ids)),
+                                                                         (True, 0.0))[1])
+    fixed = NeedlePromptBuilder(tokenizer, HAYSTACK).most_fixed_tokens(2)
+    model = CopyingLM(len(tokenizer))
+    evaluate_needles(model, tokenizer, lengths=[fixed + 1], depths=[0.5], num_needles=2, num_queries=2, trials=300,
+                     haystack=HAYSTACK, progress=False)
+    assert len(scored) == 600
+    scored.clear()
+    with pytest.raises(ValueError, match=f"lengths must leave room for filler text: {fixed} tokens hold no more"):
+        evaluate_needles(model, tokenizer, lengths=[fixed + 1, fixed], depths=[0.5], num_needles=2, num_queries=1,
+                         haystack=HAYSTACK, progress=False)
+    assert scored == []
+
+
 def test_evaluate_rejects_bad_grids(tokenizer):
     model = CopyingLM(len(tokenizer))
     bad = [
@@ -155,6 +176,19 @@ def test_needle_attention_share_of_uniform_attention(tokenizer):
     value_tokens = len(tokenizer.encode(" 1234"))
     for row, length in zip(shares, [200, 300]):  # the prompt leaves room for the answer read after it
         torch.testing.assert_close(row, torch.full_like(row, value_tokens / (length - value_tokens + 1)))
+
+
+def test_needle_attention_share_measures_in_eval_mode_and_leaves_the_mode(tokenizer):
+    """A model in training mode (as its constructor leaves it) with attention dropout gave random shares: the probe
+    ran with dropout on. Measured in eval mode, as diagnose and evaluate_needles measure, and the mode restored."""
+    torch.manual_seed(0)
+    model = DiffLlamaForCausalLM(tiny_config("v2", max_position_embeddings=512, attention_dropout=0.3))
+    assert model.training
+    shares = [needle_attention_share(model, tokenizer, [200], haystack=HAYSTACK, progress=False) for _ in range(2)]
+    assert model.training
+    torch.testing.assert_close(shares[0], shares[1], rtol=0, atol=0)
+    torch.testing.assert_close(shares[0], needle_attention_share(model.eval(), tokenizer, [200], haystack=HAYSTACK,
+                                                                 progress=False), rtol=0, atol=0)
 
 
 def test_command_line_on_a_real_model(tokenizer, tmp_path):
