@@ -97,6 +97,22 @@ class NeedlePromptBuilder:
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
+    def _head(self, key: str) -> list[int]:
+        return self._encode(" " + NEEDLE_HEAD.format(key=key))
+
+    def _question(self, key: str) -> list[int]:
+        return self._encode("\n\n" + QUESTION_TEMPLATE.format(key=key))
+
+    def fixed_tokens(self, sentences: list[int], questions: list[int], values: list[int]) -> int:
+        """The tokens of a prompt that are not filler: the prefix, the needles' `sentences` (head, value and ".")
+        and the longest of the questions read after the context with their answers but its last token."""
+        return len(self.prefix_ids) + sum(sentences) + max(q + v - 1 for q, v in zip(questions, values))
+
+    def check_room(self, length: int, fixed: int, what: str) -> None:
+        if length <= fixed:
+            raise ValueError(f"lengths must leave room for filler text: {length} tokens hold no more than the "
+                             f"{fixed} tokens of {what}")
+
     def most_fixed_tokens(self, num_needles: int) -> int:
         """The most tokens `num_needles` needles and a question on one of them can take in a prompt over every draw
         of `make_needles` (the filler takes the rest): the longest value, the sentences of the keys with the longest
@@ -105,9 +121,8 @@ class NeedlePromptBuilder:
         values = range(10 ** (VALUE_DIGITS - 1), 10**VALUE_DIGITS)
         value = max(map(len, self.tokenizer([f" {v}" for v in values], add_special_tokens=False).input_ids))
         tail = len(self._encode("."))
-        sentences = sorted(len(self._encode(" " + NEEDLE_HEAD.format(key=key))) + value + tail for key in KEYS)
-        question = max(len(self._encode("\n\n" + QUESTION_TEMPLATE.format(key=key))) for key in KEYS)
-        return len(self.prefix_ids) + sum(sentences[-num_needles:]) + question + value - 1
+        sentences = sorted(len(self._head(key)) + value + tail for key in KEYS)[-num_needles:]
+        return self.fixed_tokens(sentences, [max(len(self._question(key)) for key in KEYS)], [value])
 
     def build(
         self, length: int, depth: float, needles: list[Needle], num_queries: int, rng: random.Random
@@ -116,17 +131,12 @@ class NeedlePromptBuilder:
         (`input_ids + answer_ids[:-1]`); the queried needles sit together at `depth` (0 = start of the filler,
         1 = end), the others at random depths."""
         # (head, value, tail) token pieces of each needle; the value span is known exactly by construction.
-        pieces = [
-            (self._encode(" " + NEEDLE_HEAD.format(key=n.key)), self._encode(" " + n.value), self._encode("."))
-            for n in needles
-        ]
-        questions = [self._encode("\n\n" + QUESTION_TEMPLATE.format(key=n.key)) for n in needles[:num_queries]]
-        read_after_context = max(len(q) + len(pieces[i][1]) - 1 for i, q in enumerate(questions))  # question, answer
-        fixed = len(self.prefix_ids) + sum(len(h) + len(v) + len(t) for h, v, t in pieces) + read_after_context
+        pieces = [(self._head(n.key), self._encode(" " + n.value), self._encode(".")) for n in needles]
+        questions = [self._question(n.key) for n in needles[:num_queries]]
+        fixed = self.fixed_tokens([len(h) + len(v) + len(t) for h, v, t in pieces], [len(q) for q in questions],
+                                  [len(v) for _, v, _ in pieces])
+        self.check_room(length, fixed, f"{len(needles)} needles and a question")
         filler_length = length - fixed
-        if filler_length < 1:
-            raise ValueError(f"lengths must leave room for filler text: {length} tokens hold no more than the "
-                             f"{fixed} tokens of {len(needles)} needles and a question")
         # The haystack repeats when it is shorter than the filler (the usual practice for long contexts).
         start = rng.randrange(len(self.haystack_ids))
         repeats = (start + filler_length) // len(self.haystack_ids) + 1
@@ -239,10 +249,9 @@ def evaluate_needles(
         raise ValueError(f"lengths must not exceed max_position_embeddings ({limit}), "
                          f"got {max(lengths)}")
     builder = NeedlePromptBuilder(tokenizer, shakespeare("hamlet") if haystack is None else haystack)
-    fixed = builder.most_fixed_tokens(num_needles)  # too-short lengths refused before any cell runs
-    if min(lengths) <= fixed:
-        raise ValueError(f"lengths must leave room for filler text: {min(lengths)} tokens hold no more than the "
-                         f"{fixed} tokens that {num_needles} needles and a question can take")
+    # too-short lengths refused before any cell runs
+    builder.check_room(min(lengths), builder.most_fixed_tokens(num_needles),
+                       f"{num_needles} needles and a question at their longest")
 
     was_training = model.training
     model.eval()
