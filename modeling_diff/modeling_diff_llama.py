@@ -11,8 +11,11 @@ and outputs carry the cache under the name the installed transformers expects.
 import functools
 import inspect
 import math
+import shutil
+import sys
 import threading
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 import transformers
@@ -21,6 +24,7 @@ from transformers import AutoModel, conversion_mapping
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+from transformers.dynamic_module_utils import get_relative_import_files
 from transformers.core_model_loading import ConversionOps, WeightConverter, WeightRenaming
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask
@@ -350,6 +354,32 @@ class DiffLlamaPreTrainedModel(PreTrainedModel):
     def __setstate__(self, state):  # a copy (copy.deepcopy, pickle) runs no post_init: registered here instead
         super().__setstate__(state)
         register_annealed_model(self)
+
+    def save_pretrained(self, save_directory, *args, push_to_hub: bool = False, **kwargs):
+        """transformers' save_pretrained. A model of an exported folder's code (`trust_remote_code=True`) writes the
+        folder's code whole: transformers copies only the model class's file and its imports, and names that file in
+        `auto_map` for the model's Auto class. The folder lost `remote_code.py`, which the other model entries name
+        (AutoModel and the task heads did not load from it) and which registers PEFT's default targets and Liger's
+        dispatch as the model loads. With `push_to_hub=True`, the folder is uploaded once it is whole."""
+        if self._auto_class is None or not self.config.auto_map or getattr(self, "_hf_peft_config_loaded", False):
+            return super().save_pretrained(save_directory, *args, push_to_hub=push_to_hub, **kwargs)
+        hub_kwargs = {name: kwargs.pop(name) for name in ("repo_id", "commit_message", "create_pr", "private")
+                      if name in kwargs}
+        auto_map = dict(self.config.auto_map)  # the folder's own entries, before transformers renames this class's
+        super().save_pretrained(save_directory, *args, **kwargs)
+        self.config.auto_map = auto_map
+        if not kwargs.get("is_main_process", True):
+            return None
+        code = Path(sys.modules[type(self).__module__].__file__).parent  # the loaded copy of the folder's code
+        for module in sorted({reference.rpartition(".")[0] for reference in auto_map.values()}):
+            if (code / f"{module}.py").is_file():
+                for needed in [code / f"{module}.py", *map(Path, get_relative_import_files(code / f"{module}.py"))]:
+                    shutil.copyfile(needed, Path(save_directory) / needed.name)
+        self.config.save_pretrained(save_directory)  # config.json with the folder's auto_map
+        if push_to_hub:
+            repo_id = hub_kwargs.pop("repo_id", Path(save_directory).name)
+            self.push_to_hub(repo_id, token=kwargs.get("token"), **hub_kwargs)
+        return None
 
     def _init_weights(self, module):
         super()._init_weights(module)

@@ -237,6 +237,62 @@ def test_peft_imported_after_an_exported_folders_model_is_built_has_its_default_
     assert result["targets"] == sorted(LORA_TARGETS["llama"]), result
 
 
+# A fresh process (WITHOUT_THE_PACKAGE) that saves an exported folder's models again with their own save_pretrained:
+# the causal LM, a task head, and the causal LM with push_to_hub=True (push_to_hub recorded, not run).
+RESAVE_PROCESS = WITHOUT_THE_PACKAGE + r"""
+from pathlib import Path
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+source, out = sys.argv[2], Path(sys.argv[3])
+AutoModelForCausalLM.from_pretrained(source, trust_remote_code=True).save_pretrained(out / "causal")
+AutoModelForSequenceClassification.from_pretrained(source, trust_remote_code=True).save_pretrained(out / "head")
+model = AutoModelForCausalLM.from_pretrained(source, trust_remote_code=True)
+result["pushed"] = []
+type(model).push_to_hub = lambda self, repo_id, **kwargs: result["pushed"].append([repo_id, kwargs])
+model.save_pretrained(out / "pushed", push_to_hub=True, repo_id="me/diff", commit_message="again")
+result["modeling_diff_loaded"] = any(name.startswith("modeling_diff") for name in sys.modules)
+print("RESULT" + json.dumps(result))
+"""
+
+
+def test_an_exported_folders_model_saved_again_with_save_pretrained_keeps_the_folders_code(tmp_path):
+    """transformers' save_pretrained of a remote-code model copies the model class's file and its imports and names
+    that file in auto_map for the class's Auto class: the folder lost remote_code.py, so AutoModel and the task heads
+    (whose entries name it) did not load from it, and PEFT's default targets were not registered. The re-saved folder
+    now holds the exported folder's code, byte for byte, and its auto_map; its model generates the exported model's
+    tokens, its heads load, and PEFT adapts it as a Llama (in fresh processes without the package)."""
+    model = trained_looking_model("dex")
+    folder = save_for_hub(model, tmp_path / "export")
+    out = subprocess.run([PYTHON, "-I", "-c", RESAVE_PROCESS, str(REPO), str(folder), str(tmp_path)], cwd=tmp_path,
+                         env=offline_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.split("RESULT", 1)[1])
+    assert result["modeling_diff_importable"] is False and result["modeling_diff_loaded"] is False
+    assert result["pushed"] == [["me/diff", {"token": None, "commit_message": "again"}]]
+    exported_code = {path.name: path.read_bytes() for path in folder.glob("*.py")}
+    exported_auto_map = json.loads((folder / "config.json").read_text())["auto_map"]
+    for saved in ("causal", "head", "pushed"):
+        assert {path.name: path.read_bytes() for path in (tmp_path / saved).glob("*.py")} == exported_code, saved
+        assert json.loads((tmp_path / saved / "config.json").read_text())["auto_map"] == exported_auto_map, saved
+
+    resaved = str(tmp_path / "causal")
+    loaded = subprocess.run([PYTHON, "-I", "-c", FRESH_PROCESS, str(REPO), json.dumps(PROMPT), resaved],
+                            cwd=tmp_path, env=offline_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    loaded = json.loads(loaded.stdout.split("RESULT", 1)[1])
+    assert loaded["modeling_diff_loaded"] is False
+    assert loaded[resaved]["tokens"] == greedy(model, PROMPT)
+    with torch.no_grad():
+        hidden = model.model(torch.tensor(PROMPT)).last_hidden_state
+    for auto in ("AutoModelForSequenceClassification", "AutoModelForTokenClassification",
+                 "AutoModelForQuestionAnswering"):
+        torch.testing.assert_close(torch.tensor(loaded[resaved][auto]["hidden"]), hidden)
+    peft = subprocess.run([PYTHON, "-I", "-c", PEFT_PROCESS, str(REPO), resaved], cwd=tmp_path,
+                          env=offline_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert peft.returncode == 0, peft.stderr[-3000:]
+    peft = json.loads(peft.stdout.split("RESULT", 1)[1])
+    assert peft["lora"]["got"] == peft["lora"]["expected"] != [], peft
+
+
 @pytest.mark.parametrize("trust_remote_code", [False, True])
 def test_export_loads_with_the_package_classes_when_imported(tmp_path, trust_remote_code):
     """README (Liger Kernel): an exported remote-code folder loaded after `import modeling_diff`, with or without
