@@ -83,7 +83,7 @@ class DiffLlamaConfig(PreTrainedConfig):
         V2 and DEX: number of training steps over which the differential term is annealed in from zero
         (DEX: lambda schedule of the DEX paper; V2: a factor `min(1, t/T)` on the noise term). 0 disables
         annealing: the differential term is at full strength from the start. The current step is stored
-        in each attention module's `anneal_step` buffer, so it is saved with the weights.
+        in each attention's `annealing.step` buffer, so it is saved with the weights.
     """
 
     model_type = "diff_llama"

@@ -2,7 +2,7 @@
 
 A converted model computes exactly what the source computes at the moment of conversion:
 - `dex`: the Llama weights are kept unchanged; each layer gains f_D = 0 (`dex_proj`), `lambda_learn` =
-  lambda_init and `anneal_step` = 0, so O - lambda * f_D(O) = O.
+  lambda_init and the annealing step t = 0, so O - lambda * f_D(O) = O.
 - `v2`: query head i of the source becomes the signal head 2i of pair i; its noise head 2i+1 starts as a copy
   of it (`noise_init="copy"`) or with zero query weights, i.e. uniform attention (`noise_init="zeros"`), and
   `lambda_proj` = 0. The noise term is multiplied by the anneal factor min(1, t/T), 0 at t = 0.
@@ -147,7 +147,7 @@ class TensorMapping:
         dex_config.diff_mode, dex_config.dex_heads = "dex", None
         with torch.device("meta"):
             state = DiffLlamaForCausalLM(dex_config).state_dict()
-        added = ("dex_proj.weight", "lambda_learn", "anneal_step") + (("o_proj.bias",) if self.add_o_proj_bias else ())
+        added = ("dex_proj.weight", "lambda_learn", "annealing.step") + (("o_proj.bias",) if self.add_o_proj_bias else ())
         shapes = {name: tuple(t.shape) for name, t in state.items() if not name.endswith(added)}
         if self.config.tie_word_embeddings:
             shapes.pop("lm_head.weight")
@@ -190,7 +190,7 @@ class TensorMapping:
     def layer_extras(self, layer_idx: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """Tensors layer `layer_idx` gains, set so that the layer computes what the source layer computes."""
         prefix = f"model.layers.{layer_idx}.self_attn."
-        extras = {prefix + "anneal_step": torch.zeros((), dtype=torch.int64)}
+        extras = {prefix + "annealing.step": torch.zeros((), dtype=torch.int64)}
         if self.config.diff_mode == "dex":
             d = self.config.head_dim
             extras[prefix + "dex_proj.weight"] = torch.zeros(d, d, dtype=dtype)

@@ -1,7 +1,8 @@
 """Annealing the differential term in during adaptation (DEX lambda schedule, V2 noise factor).
 
-The step t lives in every V2/DEX attention's integer `anneal_step` buffer, so a checkpoint saved mid-adaptation
-resumes exactly; T is `config.anneal_steps`. t is the number of training steps taken, and it keeps itself so:
+The step t lives in every V2/DEX attention's `annealing` module (an integer buffer, `anneal_step` of the attention),
+so a checkpoint saved mid-adaptation resumes exactly, and a PEFT adapter whose modules_to_save hold `annealing`
+(`lora_config()`'s) has its own t, saved with it; T is `config.anneal_steps`. t is the number of training steps taken, and it keeps itself so:
 after the optimizer steps that update the model, t grows by one a training step however many optimizers share it
 (an optimizer step hook, `diff_attention.py`), whatever runs the loop -- Trainer, TRL, accelerate or a custom loop.
 Nothing to add:
@@ -48,9 +49,9 @@ class AnnealingCallback(TrainerCallback, ExportableState):
     Trainer, a saved model trained on) takes the model's t and step 0 -- pinning t to the global step alone set it
     back to 0 there, and annealed the differential term in again from nothing. A resumed run takes the start its
     checkpoint's trainer_state.json recorded (this callback's `state()`), or, from a checkpoint without it, its
-    model's t less its global step. A PEFT adapter holds no t (the attentions' buffers are the base model's, which
-    PEFT does not save): a resumed adapter's model has its base's t, and without this callback keeps counting from
-    it. t is set at the beginning and after each optimizer step (before the Trainer saves a checkpoint, so a
+    model's t less its global step. A PEFT adapter whose modules_to_save leave out `annealing` holds no t (the
+    attentions' buffers are then the base model's, which PEFT does not save): a resumed adapter's model has its base's
+    t, and without this callback keeps counting from it. t is set at the beginning and after each optimizer step (before the Trainer saves a checkpoint, so a
     checkpoint holds the step it was saved at).
     """
 

@@ -46,17 +46,24 @@ def layer_lambda_init(config: DiffLlamaConfig, layer_idx: int) -> float:
 
 
 def anneal_fraction(anneal_step: torch.Tensor, anneal_steps: int) -> torch.Tensor | None:
-    """t / T as a float32 scalar tensor (t the integer `anneal_step` buffer); None when annealing is off (T = 0),
+    """t / T as a float32 scalar tensor (t the integer `AnnealingStep` buffer); None when annealing is off (T = 0),
     where the schedule's factor is 1 and its arithmetic is left out (a few launches a layer: host work in training)."""
     if anneal_steps == 0:
         return None
     return anneal_step.float() / anneal_steps
 
 
-def anneal_step_buffer() -> nn.Buffer:
-    """The step t of the annealing schedule: an integer, so that no dtype cast of the model (`.to(bfloat16)`,
-    mixed precision) rounds it (a bfloat16 257 would be 256)."""
-    return nn.Buffer(torch.zeros((), dtype=torch.int64))
+class AnnealingStep(nn.Module):
+    """The step t of the annealing schedule (V2's noise factor, DEX's lambda(t)), one per attention, in its `step`
+    buffer: an integer, so that no dtype cast of the model (`.to(bfloat16)`, mixed precision) rounds it (a bfloat16
+    257 would be 256). A module of its own so that PEFT's `modules_to_save` (`lora_config()` lists `annealing`) gives
+    each adapter its own t and saves it with the adapter: t of the base model's buffer was not in an adapter folder,
+    so `PeftModel.from_pretrained(base, folder)` computed the schedule at the base's t, and the base model with the
+    adapter disabled (TRL's reference model) moved with training."""
+
+    def __init__(self):
+        super().__init__()
+        self.step = nn.Buffer(torch.zeros((), dtype=torch.int64))
 
 
 # The V2 / DEX attentions with annealing on (anneal_steps > 0). t advances by itself: after every optimizer step
@@ -518,8 +525,9 @@ class DiffAttentionV1(_DiffAttentionBase):
 
 class _LlamaLayoutAttention(_DiffAttentionBase):
     """Llama's projections with `query_heads` query heads of d, h_kv kv heads and h output heads (V2 and DEX),
-    RoPE, the cache update and one attention call; and the annealing schedule's step t (`anneal_step`), which the
-    optimizer steps of its model advance where annealing is on (`_ANNEALED_ATTENTIONS`, above)."""
+    RoPE, the cache update and one attention call; and the annealing schedule's step t (`anneal_step`, held by its
+    `annealing` module), which the optimizer steps of its model advance where annealing is on
+    (`_ANNEALED_ATTENTIONS`, above)."""
 
     def __init__(self, config: DiffLlamaConfig, layer_idx: int, query_heads: int):
         super().__init__(config, layer_idx)
@@ -531,8 +539,13 @@ class _LlamaLayoutAttention(_DiffAttentionBase):
         self.k_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * d, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * d, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * d, config.hidden_size, bias=bias)
-        self.anneal_step = anneal_step_buffer()
+        self.annealing = AnnealingStep()
         self._count_optimizer_steps()
+
+    @property
+    def anneal_step(self) -> torch.Tensor:
+        """t, the int64 scalar of `annealing` (of the active adapter's copy where PEFT's modules_to_save holds it)."""
+        return self.annealing.step
 
     def __setstate__(self, state):
         # A copy (copy.deepcopy, pickle, torch.save and torch.load of the model) runs no __init__: unregistered, its

@@ -4,8 +4,10 @@ The differential parameters are few (per layer: V1 4d + 2d, V2 hidden * h, DEX d
 differential attention adds, so they are trained alongside the adapter rather than adapted. Each lives in a
 module of its own -- V1 `diff_lambda` (lambda_q1 .. lambda_k2) and `subln`, V2 `lambda_proj`, DEX `dex_proj`
 (f_D) and `dex_lambda` (lambda_learn) -- so PEFT's own `modules_to_save` trains a copy of each and saves it with
-the adapter. `lora_config()` is therefore all a user needs, through any tool: `peft.get_peft_model(model,
-lora_config())`, TRL's `SFTTrainer(peft_config=lora_config())`, Trainer checkpoints and `resume_from_checkpoint`.
+the adapter. So does the annealing step t of V2 and DEX (`annealing`, no parameters): each adapter counts its own t,
+saved with it, and the base model keeps its own. `lora_config()` is therefore all a user needs, through any tool:
+`peft.get_peft_model(model, lora_config())`, TRL's `SFTTrainer(peft_config=lora_config())`, Trainer checkpoints and
+`resume_from_checkpoint`, `PeftModel.from_pretrained(base, folder)`.
 """
 
 import os
@@ -22,13 +24,15 @@ LoraConfig, PeftModel, get_peft_model = peft.LoraConfig, peft.PeftModel, peft.ge
 
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DIFFERENTIAL_MODULES = ("diff_lambda", "subln", "lambda_proj", "dex_proj", "dex_lambda")
+ANNEALING_MODULES = ("annealing",)  # saved with the adapter, nothing to train: t of V2 / DEX (`AnnealingStep`)
 
 
 def lora_config(r: int = 16, lora_alpha: int = 32, lora_dropout: float = 0.05, **kwargs) -> LoraConfig:
-    """The recommended `LoraConfig`: LoRA on attention and MLP projections, differential modules trained in full.
+    """The recommended `LoraConfig`: LoRA on attention and MLP projections, differential modules trained in full, the
+    annealing step saved with the adapter.
     Keyword arguments override or extend it (any `LoraConfig` field)."""
     fields = dict(r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, task_type="CAUSAL_LM",
-                  target_modules=list(LORA_TARGET_MODULES), modules_to_save=list(DIFFERENTIAL_MODULES))
+                  target_modules=list(LORA_TARGET_MODULES), modules_to_save=[*DIFFERENTIAL_MODULES, *ANNEALING_MODULES])
     return LoraConfig(**{**fields, **kwargs})
 
 
@@ -77,5 +81,5 @@ def save_lora(peft_model: PeftModel, save_directory: str | os.PathLike, overwrit
 register_peft_default_targets()  # PEFT is imported: `import modeling_diff` imports this module where it is installed
 
 
-__all__ = ["DIFFERENTIAL_MODULES", "LORA_TARGET_MODULES", "check_adapter_name", "get_lora_model", "lora_config",
-           "save_lora"]
+__all__ = ["ANNEALING_MODULES", "DIFFERENTIAL_MODULES", "LORA_TARGET_MODULES", "check_adapter_name", "get_lora_model",
+           "lora_config", "save_lora"]

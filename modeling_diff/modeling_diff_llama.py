@@ -44,7 +44,7 @@ from . import tensor_parallel  # noqa: F401  (registers the plan's styles for th
 from .decode_graphs import decode_step
 from .generation import graphed_greedy_generate
 from .diff_attention import (
-    ATTENTION_CLASSES, DexAttention, DexLambda, DifferentialLambda, DiffAttentionV1, DiffAttentionV2,
+    ATTENTION_CLASSES, AnnealingStep, DexAttention, DexLambda, DifferentialLambda, DiffAttentionV1, DiffAttentionV2,
     register_annealed_model,
 )
 from .kernels import (
@@ -253,12 +253,13 @@ def defers_residual_adds(layers) -> bool:
     )
 
 
-# Where the differential parameters were saved before they had modules of their own (PEFT's `modules_to_save` and
-# the tensor-parallel plan name modules): old name under `self_attn.` -> current one. DEX's lambda_learn was a
-# scalar then; it is a 1-element vector now (FSDP2 refuses scalars).
+# Where the differential parameters and the annealing step were saved before they had modules of their own (PEFT's
+# `modules_to_save` and the tensor-parallel plan name modules): old name under `self_attn.` -> current one. DEX's
+# lambda_learn was a scalar then; it is a 1-element vector now (FSDP2 refuses scalars).
 LEGACY_ATTENTION_NAMES = {
     **{name: f"diff_lambda.{name}" for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")},
     "lambda_learn": "dex_lambda.lambda_learn",
+    "anneal_step": "annealing.step",
 }
 
 
@@ -355,26 +356,28 @@ class DiffLlamaPreTrainedModel(PreTrainedModel):
         super().__setstate__(state)
         register_annealed_model(self)
 
-    def save_pretrained(self, save_directory, *args, push_to_hub: bool = False, **kwargs):
+    def save_pretrained(self, save_directory, is_main_process: bool = True, state_dict=None, push_to_hub: bool = False,
+                        **kwargs):
         """transformers' save_pretrained. A model of an exported folder's code (`trust_remote_code=True`) writes the
         folder's code whole: transformers copies only the model class's file and its imports, and names that file in
         `auto_map` for the model's Auto class. The folder lost `remote_code.py`, which the other model entries name
         (AutoModel and the task heads did not load from it) and which registers PEFT's default targets and Liger's
         dispatch as the model loads. With `push_to_hub=True`, the folder is uploaded once it is whole."""
         if self._auto_class is None or not self.config.auto_map or getattr(self, "_hf_peft_config_loaded", False):
-            return super().save_pretrained(save_directory, *args, push_to_hub=push_to_hub, **kwargs)
+            return super().save_pretrained(save_directory, is_main_process, state_dict, push_to_hub, **kwargs)
         hub_kwargs = {name: kwargs.pop(name) for name in ("repo_id", "commit_message", "create_pr", "private")
                       if name in kwargs}
         auto_map = dict(self.config.auto_map)  # the folder's own entries, before transformers renames this class's
-        super().save_pretrained(save_directory, *args, **kwargs)
+        super().save_pretrained(save_directory, is_main_process, state_dict, **kwargs)
         self.config.auto_map = auto_map
-        if not kwargs.get("is_main_process", True):
+        if not is_main_process:
             return None
         code = Path(sys.modules[type(self).__module__].__file__).parent  # the loaded copy of the folder's code
-        for module in sorted({reference.rpartition(".")[0] for reference in auto_map.values()}):
-            if (code / f"{module}.py").is_file():
-                for needed in [code / f"{module}.py", *map(Path, get_relative_import_files(code / f"{module}.py"))]:
-                    shutil.copyfile(needed, Path(save_directory) / needed.name)
+        # The modules auto_map names, as transformers' loader takes them: files of the folder's code (never a path)
+        modules = {reference.rpartition(".")[0] for reference in auto_map.values() if isinstance(reference, str)}
+        for module in sorted(name for name in modules if name.isidentifier() and (code / f"{name}.py").is_file()):
+            for needed in [code / f"{module}.py", *map(Path, get_relative_import_files(code / f"{module}.py"))]:
+                shutil.copyfile(needed, Path(save_directory) / needed.name)
         self.config.save_pretrained(save_directory)  # config.json with the folder's auto_map
         if push_to_hub:
             repo_id = hub_kwargs.pop("repo_id", Path(save_directory).name)
@@ -388,12 +391,11 @@ class DiffLlamaPreTrainedModel(PreTrainedModel):
                 init.normal_(vector, 0.0, self.config.lambda_std_dev)
         elif isinstance(module, DexLambda):
             init.constant_(module.lambda_learn, module.lambda_init)
+        elif isinstance(module, AnnealingStep):
+            init.zeros_(module.step)
         elif isinstance(module, DexAttention):
             init.zeros_(module.dex_proj.weight)
-            init.zeros_(module.anneal_step)
             init.copy_(module.head_mask, module.selected_head_mask())
-        elif isinstance(module, DiffAttentionV2):
-            init.zeros_(module.anneal_step)
 
 
 class DiffLlamaModel(DiffLlamaPreTrainedModel):
@@ -633,21 +635,20 @@ MAX_ANNEAL_STEP = 2**62
 
 
 def _check_anneal_steps(model: nn.Module) -> None:
-    """After a load: every attention's step t (its `anneal_step` buffer) a whole number in [0, MAX_ANNEAL_STEP). A
-    crafted or corrupt checkpoint's NaN or inf became -2**63 as an integer, and lambda -1.7e33 made every logit 0,
-    silently."""
+    """After a load: every attention's step t (the buffer of its `AnnealingStep`) a whole number in [0,
+    MAX_ANNEAL_STEP). A crafted or corrupt checkpoint's NaN or inf became -2**63 as an integer, and lambda -1.7e33
+    made every logit 0, silently."""
     for name, module in model.named_modules():
-        step = getattr(module, "anneal_step", None)
-        if isinstance(step, torch.Tensor) and step.device.type != "meta":
-            value = int(step)
+        if isinstance(module, AnnealingStep) and module.step.device.type != "meta":
+            value = int(module.step)
             if not 0 <= value < MAX_ANNEAL_STEP:
-                raise ValueError(f"{name}.anneal_step is {value} in the checkpoint: the annealing step t must be a "
+                raise ValueError(f"{name}.step is {value} in the checkpoint: the annealing step t must be a "
                                  f"whole number of optimizer steps in [0, 2**62) (NaN and inf read as -2**63)")
 
 
 def set_anneal_step(model: nn.Module, step: int) -> None:
     """Set the annealing step t (the number of optimizer steps taken) of every V2 / DEX attention in `model`,
-    stored exactly in its integer `anneal_step` buffer."""
+    stored exactly in its integer `AnnealingStep` buffer (the active adapter's copy under PEFT's modules_to_save)."""
     try:
         whole = not isinstance(step, bool) and math.isfinite(step) and int(step) == step
     except (TypeError, ValueError, OverflowError, RuntimeError):  # not a number

@@ -104,7 +104,7 @@ def test_trainer_callback_anneals_and_resumes_exactly(tmp_path):
 
     checkpoint = tmp_path / "run" / "checkpoint-2"
     with safe_open(checkpoint / "model.safetensors", framework="pt") as saved:
-        assert saved.get_tensor("model.layers.1.self_attn.anneal_step").item() == 2
+        assert saved.get_tensor("model.layers.1.self_attn.annealing.step").item() == 2
 
     resumed = dex_model(anneal_steps=3)
     resumed_probe = StepProbe()

@@ -79,7 +79,7 @@ def test_sharded_checkpoint_is_converted_shard_by_shard(tmp_path, sharded_source
         assert index["weight_map"][name] == file
     for layer in range(3):  # a layer's new tensors sit in the shard of its o_proj
         prefix = f"model.layers.{layer}.self_attn."
-        assert index["weight_map"][prefix + "anneal_step"] == index["weight_map"][prefix + "o_proj.weight"]
+        assert index["weight_map"][prefix + "annealing.step"] == index["weight_map"][prefix + "o_proj.weight"]
     on_disk = {}
     for file in set(index["weight_map"].values()):
         on_disk.update({name: (file, t) for name, t in load_file(dst / file).items()})

@@ -1,7 +1,7 @@
 """Checkpoints saved before the scale-out layout load unchanged: V1's lambda vectors at `self_attn.lambda_q1 ..`
-(float32), DEX's scalar float32 `self_attn.lambda_learn`, a float32 `anneal_step`; full checkpoints through
-`from_pretrained`, LoRA adapter files (the old `save_lora` wrote the bare parameters into them) through
-`PeftModel.from_pretrained`. Saving always writes the current layout."""
+(float32), DEX's scalar float32 `self_attn.lambda_learn`, a float32 `self_attn.anneal_step` (now
+`self_attn.annealing.step`); full checkpoints through `from_pretrained`, LoRA adapter files (the old `save_lora`
+wrote the bare parameters into them) through `PeftModel.from_pretrained`. Saving always writes the current layout."""
 
 import json
 import os
@@ -22,7 +22,7 @@ from modeling_diff.lora import lora_config
 
 
 def legacy_key(name: str) -> str:
-    return re.sub(r"\.(diff_lambda|dex_lambda)\.", ".", name)
+    return re.sub(r"\.(diff_lambda|dex_lambda)\.", ".", name).replace(".annealing.step", ".anneal_step")
 
 
 def legacy_tensor(name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -87,7 +87,7 @@ def test_an_anneal_step_no_training_reaches_is_refused_when_the_checkpoint_loads
     """A crafted (or corrupt) anneal_step loaded unchecked: NaN and inf read as -2**63, and lambda -1.7e33 made every
     logit 0, silently; -50 gave t/T = -0.5. A ValueError naming the buffer (set_anneal_step's rule)."""
     save_legacy(tiny_model("dex", anneal_steps=100), tmp_path, anneal_step=step)
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.anneal_step is -\d+ in the checkpoint: the "
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.annealing\.step is -\d+ in the checkpoint: the "
                                          r"annealing step t must be a whole number of optimizer steps in \[0, 2\*\*62\)"):
         AutoModelForCausalLM.from_pretrained(tmp_path)
 

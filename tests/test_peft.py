@@ -188,10 +188,50 @@ def test_plain_peft_and_trainer_train_save_and_resume_every_differential_paramet
 
 
 @pytest.mark.parametrize("mode", ["v2", "dex"])
-def test_a_resumed_adapter_with_the_callback_continues_from_the_checkpoint_s_annealing_step(mode, batches, tmp_path):
-    """A PEFT adapter holds no t (the attentions' buffers are the base model's): a run resumed from checkpoint-2 began
-    at its base's t = 0, and its parameters ended 9e-3 away from the uninterrupted run's. AnnealingCallback records its
-    start in trainer_state.json and sets t when training begins: the resumed run is the uninterrupted one."""
+def test_an_adapter_holds_its_own_annealing_step_and_the_base_model_keeps_its_own(mode, batches, tmp_path):
+    """t was a buffer of the base model only: the adapter folder held none, so `PeftModel.from_pretrained(base,
+    folder)` computed the schedule at the base's t = 0 (the trained differential term off), and the base model with
+    the adapter disabled (TRL's reference model) moved with training. lora_config() saves `annealing` with the
+    adapter: the reloaded adapter has the trained t and logits, merging keeps t, the disabled adapter is the base."""
+    from modeling_diff.annealing import anneal_state
+
+    def base():
+        torch.manual_seed(0)
+        return DiffLlamaForCausalLM(tiny_config(mode, anneal_steps=10))
+
+    model = get_lora_model(base(), lora_config(r=4, lora_alpha=8, lora_dropout=0.0)).train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for batch in batches[:3]:
+        model(input_ids=batch, labels=batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+    probe = batches[0][:2]
+    attentions = [layer.self_attn for layer in model.get_base_model().model.layers]
+    assert [attention.anneal_step.item() for attention in attentions] == [3] * len(attentions)
+    with torch.no_grad():
+        expected = model(input_ids=probe).logits
+        with model.disable_adapter():
+            assert [attention.anneal_step.item() for attention in attentions] == [0] * len(attentions)
+            torch.testing.assert_close(model(input_ids=probe).logits, base().eval()(input_ids=probe).logits)
+
+    save_lora(model, tmp_path / "adapter")
+    reloaded = PeftModel.from_pretrained(base(), tmp_path / "adapter").eval()
+    assert anneal_state(reloaded)["anneal_step"] == 3
+    merged = model.merge_and_unload()
+    assert anneal_state(merged)["anneal_step"] == 3
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=probe).logits, expected)
+        torch.testing.assert_close(merged(input_ids=probe).logits, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("callback", [True, False])
+@pytest.mark.parametrize("mode", ["v2", "dex"])
+def test_a_resumed_adapter_continues_from_the_checkpoint_s_annealing_step(mode, callback, batches, tmp_path):
+    """When the adapter held no t (the attentions' buffers were the base model's), a run resumed from checkpoint-2
+    began at its base's t = 0, and its parameters ended 9e-3 away from the uninterrupted run's. The checkpoint's
+    adapter holds t now (`annealing` in lora_config's modules_to_save); AnnealingCallback also records its start in
+    trainer_state.json and sets t when training begins. Either way the resumed run is the uninterrupted one."""
     from peft import get_peft_model
     from transformers import Trainer, TrainingArguments
 
@@ -206,7 +246,7 @@ def test_a_resumed_adapter_with_the_callback_continues_from_the_checkpoint_s_ann
         args = TrainingArguments(str(tmp_path / "run"), max_steps=4, per_device_train_batch_size=4,
                                  learning_rate=1e-2, save_strategy="steps", save_steps=2, report_to=[],
                                  use_cpu=True, disable_tqdm=True, seed=0, data_seed=0)
-        return Trainer(model=model, args=args, train_dataset=data, callbacks=[AnnealingCallback()])
+        return Trainer(model=model, args=args, train_dataset=data, callbacks=[AnnealingCallback()] if callback else [])
 
     full = trainer()
     full.train()

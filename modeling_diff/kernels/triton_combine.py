@@ -58,7 +58,7 @@ def _differential_lambda_bwd(
 
 @triton.jit
 def anneal_fraction(AnnealStep, anneal_steps, ANNEALED: tl.constexpr):
-    """t / T, t from the `anneal_step` buffer; 1 when annealing is off (`diff_attention.anneal_fraction`)."""
+    """t / T, t from the `AnnealingStep` buffer; 1 when annealing is off (`diff_attention.anneal_fraction`)."""
     if ANNEALED:
         return tl.load(AnnealStep).to(tl.float32) / anneal_steps
     else:
