@@ -1,12 +1,13 @@
 """TRL through its own paths: `SFTTrainer(model=<path>)` resolves our model (never transformers' built-in DiffLlama,
 whose class has the same name), trains it with the package's recommended LoRA config and on packed padding-free
-batches (each sequence attending to itself), and annealing advances with no callback."""
+batches (each sequence attending to itself), and annealing advances with no callback; `DPOTrainer` with the
+recommended LoRA config keeps the base model as its reference while the adapter's annealing step advances."""
 
 import pytest
 import torch
 from datasets import Dataset
 from ecosystem_helpers import byte_tokenizer, tiny_config
-from trl import SFTConfig, SFTTrainer
+from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
 from modeling_diff import DiffLlamaForCausalLM
 from modeling_diff.data import shakespeare
@@ -77,3 +78,29 @@ def test_sft_trainer_with_the_recommended_lora_config_trains_every_differential_
         trained = getattr(attention, name).modules_to_save["default"].state_dict()
         assert any(not torch.equal(trained[k], v) for k, v in state.items()), f"{name} was not trained"
     assert attention.anneal_step.item() == 3  # t advanced with the optimizer steps, no callback given
+
+
+def test_dpo_trainer_with_the_recommended_lora_config_keeps_the_base_model_as_its_reference(tmp_path):
+    """Given `peft_config` and no reference model, DPOTrainer scores the reference with the adapter disabled. t was a
+    buffer of the base model that training advanced, so the reference moved with it (DEX's lambda(t) f_D turned on in
+    the reference too). The adapter counts its own t now: after three steps (t = 3) the trained trainer's reference
+    log-probabilities are an untrained one's."""
+    _, path = saved_model(tmp_path, "dex", anneal_steps=10)
+    lines = [line for line in shakespeare("hamlet").splitlines() if len(line) > 50][:24]
+    data = Dataset.from_dict({"prompt": [line[:10] for line in lines], "chosen": [line[10:30] for line in lines],
+                              "rejected": [line[30:50] for line in lines]})
+    args = DPOConfig(output_dir=str(tmp_path / "dpo"), max_steps=3, per_device_train_batch_size=4, max_length=48,
+                     learning_rate=1e-2, report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True,
+                     dataloader_num_workers=0)
+
+    def trainer():
+        return DPOTrainer(model=str(path), args=args, train_dataset=data, processing_class=byte_tokenizer(),
+                          peft_config=lora_config(r=4, lora_alpha=8, lora_dropout=0.0))
+
+    trained, untrained = trainer(), trainer()
+    trained.train()
+    assert trained.model.get_base_model().model.layers[0].self_attn.anneal_step.item() == 3
+    batch = next(iter(trained.get_train_dataloader()))
+    for reference, expected in zip(trained.compute_ref_log_probs(trained.model, batch),
+                                   untrained.compute_ref_log_probs(untrained.model, batch)):
+        torch.testing.assert_close(reference, expected)
