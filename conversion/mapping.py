@@ -147,7 +147,8 @@ class TensorMapping:
         dex_config.diff_mode, dex_config.dex_heads = "dex", None
         with torch.device("meta"):
             state = DiffLlamaForCausalLM(dex_config).state_dict()
-        added = ("dex_proj.weight", "lambda_learn", "annealing.step") + (("o_proj.bias",) if self.add_o_proj_bias else ())
+        added = ("dex_proj.weight", "lambda_learn", "annealing.step")
+        added += ("o_proj.bias",) if self.add_o_proj_bias else ()
         shapes = {name: tuple(t.shape) for name, t in state.items() if not name.endswith(added)}
         if self.config.tie_word_embeddings:
             shapes.pop("lm_head.weight")

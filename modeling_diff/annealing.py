@@ -2,10 +2,10 @@
 
 The step t lives in every V2/DEX attention's `annealing` module (an integer buffer, `anneal_step` of the attention),
 so a checkpoint saved mid-adaptation resumes exactly, and a PEFT adapter whose modules_to_save hold `annealing`
-(`lora_config()`'s) has its own t, saved with it; T is `config.anneal_steps`. t is the number of training steps taken, and it keeps itself so:
-after the optimizer steps that update the model, t grows by one a training step however many optimizers share it
-(an optimizer step hook, `diff_attention.py`), whatever runs the loop -- Trainer, TRL, accelerate or a custom loop.
-Nothing to add:
+(`lora_config()`'s) has its own t, saved with it; T is `config.anneal_steps`. t is the number of training steps
+taken, and it keeps itself so: after the optimizer steps that update the model, t grows by one a training step
+however many optimizers share it (an optimizer step hook, `diff_attention.py`), whatever runs the loop -- Trainer,
+TRL, accelerate or a custom loop. Nothing to add:
 
 - with `Trainer`, `callbacks=[AnnealingCallback()]` also pins t to the model's t when training began plus
   `state.global_step` (after a resume too) and logs the schedule;
@@ -51,8 +51,8 @@ class AnnealingCallback(TrainerCallback, ExportableState):
     checkpoint's trainer_state.json recorded (this callback's `state()`), or, from a checkpoint without it, its
     model's t less its global step. A PEFT adapter whose modules_to_save leave out `annealing` holds no t (the
     attentions' buffers are then the base model's, which PEFT does not save): a resumed adapter's model has its base's
-    t, and without this callback keeps counting from it. t is set at the beginning and after each optimizer step (before the Trainer saves a checkpoint, so a
-    checkpoint holds the step it was saved at).
+    t, and without this callback keeps counting from it. t is set at the beginning and after each optimizer step
+    (before the Trainer saves a checkpoint, so a checkpoint holds the step it was saved at).
     """
 
     def __init__(self):
