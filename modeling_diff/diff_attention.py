@@ -65,6 +65,28 @@ class AnnealingStep(nn.Module):
         super().__init__()
         self.step = nn.Buffer(torch.zeros((), dtype=torch.int64))
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # torch's loading path (PEFT adapter files, Trainer's resume): t checked as `from_pretrained` checks it
+        if prefix + "step" in state_dict:
+            check_loaded_anneal_step(prefix + "step", state_dict[prefix + "step"])
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+# Annealing steps t stop here: far beyond any training, and an int64 that counts on from it never wraps.
+MAX_ANNEAL_STEP = 2**62
+
+
+def check_loaded_anneal_step(name: str, step: torch.Tensor) -> None:
+    """A ValueError naming the tensor unless a loaded t, read as the int64 buffer reads it, lies in [0,
+    MAX_ANNEAL_STEP). A crafted or corrupt checkpoint's NaN or inf became -2**63 as an integer, and lambda -1.7e33
+    made every logit 0, silently."""
+    if step.device.type == "meta":
+        return
+    value = int(step.to(torch.int64))
+    if not 0 <= value < MAX_ANNEAL_STEP:
+        raise ValueError(f"{name} is {value} in the checkpoint: the annealing step t must be a whole number of "
+                         f"optimizer steps in [0, 2**62) (NaN and inf read as -2**63)")
+
 
 # The V2 / DEX attentions with annealing on (anneal_steps > 0). t advances by itself: after every optimizer step
 # that updates their model (any optimizer, any training loop: Trainer, TRL, accelerate, a custom loop), t of every
@@ -233,6 +255,17 @@ class DexLambda(nn.Module):
         return self(t_over_T) * head_mask[self.head_slice].float()  # a call: its hooks run (tensor parallelism's)
 
 
+# Where the differential parameters and the annealing step were saved before they had modules of their own (PEFT's
+# `modules_to_save` and the tensor-parallel plan name modules): old name under `self_attn.` -> current one. DEX's
+# lambda_learn was a scalar then; it is a 1-element vector now (FSDP2 refuses scalars). transformers' `from_pretrained`
+# and PEFT's adapter loading map them (`modeling_diff_llama.py`), torch's loading path here.
+LEGACY_ATTENTION_NAMES = {
+    **{name: f"diff_lambda.{name}" for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")},
+    "lambda_learn": "dex_lambda.lambda_learn",
+    "anneal_step": "annealing.step",
+}
+
+
 class _DiffAttentionBase(nn.Module, metaclass=abc.ABCMeta):
     """What the three variants share: sizes, scaling, dropout and the choice of attention implementation."""
 
@@ -261,6 +294,14 @@ class _DiffAttentionBase(nn.Module, metaclass=abc.ABCMeta):
         self.scaling = self.head_dim**-0.5
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # torch's loading path (Trainer's resume, `load_state_dict`): a checkpoint of `LEGACY_ATTENTION_NAMES` lost
+        # those tensors (unexpected keys), and t and lambda kept the model's values
+        for old, new in LEGACY_ATTENTION_NAMES.items():
+            if prefix + old in state_dict:
+                state_dict.setdefault(prefix + new, state_dict.pop(prefix + old))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def implementation(self, hidden_states: torch.Tensor) -> str:
         """The attention implementation of this call (`sdpa` on CUDA -> `diff_triton`). Read once per forward:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from huggingface_hub import HfApi
 from torch import nn
 from transformers import AutoModel, conversion_mapping
 from transformers import initialization as init
@@ -34,7 +35,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.modeling_utils import PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils import TransformersKwargs, can_return_tuple, logging
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
@@ -44,8 +45,8 @@ from . import tensor_parallel  # noqa: F401  (registers the plan's styles for th
 from .decode_graphs import decode_step
 from .generation import graphed_greedy_generate
 from .diff_attention import (
-    ATTENTION_CLASSES, AnnealingStep, DexAttention, DexLambda, DifferentialLambda, DiffAttentionV1, DiffAttentionV2,
-    register_annealed_model,
+    ATTENTION_CLASSES, LEGACY_ATTENTION_NAMES, MAX_ANNEAL_STEP, AnnealingStep, DexAttention, DexLambda,
+    DifferentialLambda, DiffAttentionV1, DiffAttentionV2, check_loaded_anneal_step, register_annealed_model,
 )
 from .kernels import (
     add_rms_norm, add_rms_norm_applies, check_static_cache_fits, gated_projection, gated_projection_applies,
@@ -53,6 +54,8 @@ from .kernels import (
     silu_mul, silu_mul_applies, split_linear, split_linear_applies, static_step_mask, swiglu_mlp,
     swiglu_mlp_applies, uses_fast_kernels,
 )
+
+logger = logging.get_logger(__name__)
 
 # "cache" (transformers > 5.17) or "past_key_values" (5.17): the keyword of masks and model outputs.
 CACHE_KWARG = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
@@ -253,16 +256,6 @@ def defers_residual_adds(layers) -> bool:
     )
 
 
-# Where the differential parameters and the annealing step were saved before they had modules of their own (PEFT's
-# `modules_to_save` and the tensor-parallel plan name modules): old name under `self_attn.` -> current one. DEX's
-# lambda_learn was a scalar then; it is a 1-element vector now (FSDP2 refuses scalars).
-LEGACY_ATTENTION_NAMES = {
-    **{name: f"diff_lambda.{name}" for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")},
-    "lambda_learn": "dex_lambda.lambda_learn",
-    "anneal_step": "annealing.step",
-}
-
-
 class _AsVector(ConversionOps):
     """A scalar -> a 1-element vector (DEX's lambda_learn was a scalar before FSDP2 support)."""
 
@@ -319,6 +312,15 @@ def _legacy_layout_readable():
                 conversion_mapping.USER_REGISTERED_MAPPINGS.discard(model_type)
 
 
+def _copy_folder_code(code: Path, auto_map: dict, save_directory: Path) -> None:
+    """Copy from `code` (the loaded copy of an exported folder's code) each module `auto_map` names and the modules it
+    imports, as transformers' loader takes them: files of that folder, named by identifiers (never a path)."""
+    modules = {reference.rpartition(".")[0] for reference in auto_map.values() if isinstance(reference, str)}
+    for module in sorted(name for name in modules if name.isidentifier() and (code / f"{name}.py").is_file()):
+        for needed in [code / f"{module}.py", *map(Path, get_relative_import_files(code / f"{module}.py"))]:
+            shutil.copyfile(needed, save_directory / needed.name)
+
+
 class DiffLlamaPreTrainedModel(PreTrainedModel):
     config_class = DiffLlamaConfig
     config: DiffLlamaConfig
@@ -356,32 +358,50 @@ class DiffLlamaPreTrainedModel(PreTrainedModel):
         super().__setstate__(state)
         register_annealed_model(self)
 
-    def save_pretrained(self, save_directory, is_main_process: bool = True, state_dict=None, push_to_hub: bool = False,
-                        **kwargs):
-        """transformers' save_pretrained. A model of an exported folder's code (`trust_remote_code=True`) writes the
-        folder's code whole: transformers copies only the model class's file and its imports, and names that file in
-        `auto_map` for the model's Auto class. The folder lost `remote_code.py`, which the other model entries name
-        (AutoModel and the task heads did not load from it) and which registers PEFT's default targets and Liger's
-        dispatch as the model loads. With `push_to_hub=True`, the folder is uploaded once it is whole."""
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """transformers' save_pretrained (its arguments, positional or named), for two kinds of models that hold an
+        exported folder's `auto_map` (`modeling_diff.hub.save_for_hub`):
+        - a model of the folder's code (loaded with `trust_remote_code=True` where modeling_diff is not imported)
+          writes the folder's code whole: transformers copies only the model class's file and its imports, and names
+          that file in `auto_map` for the model's Auto class. The folder lost `remote_code.py`, which the other model
+          entries name (AutoModel and the task heads did not load from it) and which registers PEFT's default targets
+          and Liger's dispatch as the model loads. With `push_to_hub=True` the folder is uploaded once it is whole.
+        - a model of the package's classes (the same folder loaded after `import modeling_diff`) writes no code, so
+          its config.json leaves out the `auto_map` that named the code (a Python without the package failed on the
+          missing files): `save_for_hub` writes a folder that loads without the package."""
+        if self._auto_class is None and self.config.auto_map:
+            logger.warning("save_pretrained of modeling_diff's classes writes no model code: the exported folder's "
+                           "auto_map is left out of config.json (modeling_diff.hub.save_for_hub writes a folder that "
+                           "loads without the package)")
+            auto_map, self.config.auto_map = self.config.auto_map, {}
+            try:
+                return super().save_pretrained(save_directory, *args, **kwargs)
+            finally:
+                self.config.auto_map = auto_map
         if self._auto_class is None or not self.config.auto_map or getattr(self, "_hf_peft_config_loaded", False):
-            return super().save_pretrained(save_directory, is_main_process, state_dict, push_to_hub, **kwargs)
-        hub_kwargs = {name: kwargs.pop(name) for name in ("repo_id", "commit_message", "create_pr", "private")
-                      if name in kwargs}
+            return super().save_pretrained(save_directory, *args, **kwargs)
+        arguments = inspect.signature(PreTrainedModel.save_pretrained).bind(self, save_directory, *args, **kwargs)
+        arguments = {**arguments.arguments, **arguments.arguments.pop("kwargs", {})}
+        del arguments["self"]
+        push_to_hub, main = arguments.pop("push_to_hub", False), arguments.get("is_main_process", True)
+        hub_kwargs = {name: arguments.pop(name) for name in ("repo_id", "commit_message", "create_pr", "private")
+                      if name in arguments}
+        if push_to_hub and main:  # what the folder held before, as transformers' own push compares it
+            Path(save_directory).mkdir(parents=True, exist_ok=True)
+            files_timestamps = self._get_files_timestamps(save_directory)
         auto_map = dict(self.config.auto_map)  # the folder's own entries, before transformers renames this class's
-        super().save_pretrained(save_directory, is_main_process, state_dict, **kwargs)
+        super().save_pretrained(**arguments)
         self.config.auto_map = auto_map
-        if not is_main_process:
+        if not main:
             return None
-        code = Path(sys.modules[type(self).__module__].__file__).parent  # the loaded copy of the folder's code
-        # The modules auto_map names, as transformers' loader takes them: files of the folder's code (never a path)
-        modules = {reference.rpartition(".")[0] for reference in auto_map.values() if isinstance(reference, str)}
-        for module in sorted(name for name in modules if name.isidentifier() and (code / f"{name}.py").is_file()):
-            for needed in [code / f"{module}.py", *map(Path, get_relative_import_files(code / f"{module}.py"))]:
-                shutil.copyfile(needed, Path(save_directory) / needed.name)
+        _copy_folder_code(Path(sys.modules[type(self).__module__].__file__).parent, auto_map, Path(save_directory))
         self.config.save_pretrained(save_directory)  # config.json with the folder's auto_map
         if push_to_hub:
-            repo_id = hub_kwargs.pop("repo_id", Path(save_directory).name)
-            self.push_to_hub(repo_id, token=kwargs.get("token"), **hub_kwargs)
+            repo_id = HfApi().create_repo(hub_kwargs.get("repo_id", Path(save_directory).name), exist_ok=True,
+                                          private=hub_kwargs.get("private"), token=arguments.get("token")).repo_id
+            self._upload_modified_files(save_directory, repo_id, files_timestamps, token=arguments.get("token"),
+                                        commit_message=hub_kwargs.get("commit_message"),
+                                        create_pr=hub_kwargs.get("create_pr", False))
         return None
 
     def _init_weights(self, module):
@@ -630,20 +650,12 @@ class DiffLlamaForQuestionAnswering(GenericForQuestionAnswering, _DiffLlamaHead)
     pass
 
 
-# Annealing steps t stop here: far beyond any training, and an int64 that counts on from it never wraps.
-MAX_ANNEAL_STEP = 2**62
-
-
 def _check_anneal_steps(model: nn.Module) -> None:
-    """After a load: every attention's step t (the buffer of its `AnnealingStep`) a whole number in [0,
-    MAX_ANNEAL_STEP). A crafted or corrupt checkpoint's NaN or inf became -2**63 as an integer, and lambda -1.7e33
-    made every logit 0, silently."""
+    """After transformers' load (which bypasses `AnnealingStep`'s own check on torch's loading path): every t in
+    [0, MAX_ANNEAL_STEP)."""
     for name, module in model.named_modules():
-        if isinstance(module, AnnealingStep) and module.step.device.type != "meta":
-            value = int(module.step)
-            if not 0 <= value < MAX_ANNEAL_STEP:
-                raise ValueError(f"{name}.step is {value} in the checkpoint: the annealing step t must be a "
-                                 f"whole number of optimizer steps in [0, 2**62) (NaN and inf read as -2**63)")
+        if isinstance(module, AnnealingStep):
+            check_loaded_anneal_step(f"{name}.step", module.step)
 
 
 def set_anneal_step(model: nn.Module, step: int) -> None:

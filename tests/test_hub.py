@@ -238,17 +238,24 @@ def test_peft_imported_after_an_exported_folders_model_is_built_has_its_default_
 
 
 # A fresh process (WITHOUT_THE_PACKAGE) that saves an exported folder's models again with their own save_pretrained:
-# the causal LM, a task head, and the causal LM with push_to_hub=True (push_to_hub recorded, not run).
+# the causal LM, a task head, the causal LM in shards of 20 KB with transformers' positional arguments, and with
+# push_to_hub=True (the Hub's commit recorded, nothing sent).
 RESAVE_PROCESS = WITHOUT_THE_PACKAGE + r"""
 from pathlib import Path
+from huggingface_hub import HfApi
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 source, out = sys.argv[2], Path(sys.argv[3])
 AutoModelForCausalLM.from_pretrained(source, trust_remote_code=True).save_pretrained(out / "causal")
 AutoModelForSequenceClassification.from_pretrained(source, trust_remote_code=True).save_pretrained(out / "head")
-model = AutoModelForCausalLM.from_pretrained(source, trust_remote_code=True)
-result["pushed"] = []
-type(model).push_to_hub = lambda self, repo_id, **kwargs: result["pushed"].append([repo_id, kwargs])
-model.save_pretrained(out / "pushed", push_to_hub=True, repo_id="me/diff", commit_message="again")
+AutoModelForCausalLM.from_pretrained(source, trust_remote_code=True).save_pretrained(out / "shards", True, None,
+                                                                                     False, "20KB")
+result["commits"] = []
+HfApi.create_repo = lambda self, repo_id, **kwargs: type("Url", (), {"repo_id": repo_id})()
+HfApi.create_commit = lambda self, repo_id, operations, **kwargs: result["commits"].append(
+    {"repo_id": repo_id, "commit_message": kwargs.get("commit_message"),
+     "files": {op.path_in_repo: Path(op.path_or_fileobj).read_bytes().hex() for op in operations}})
+AutoModelForCausalLM.from_pretrained(source, trust_remote_code=True).save_pretrained(
+    out / "pushed", push_to_hub=True, repo_id="me/diff", commit_message="again", max_shard_size="20KB")
 result["modeling_diff_loaded"] = any(name.startswith("modeling_diff") for name in sys.modules)
 print("RESULT" + json.dumps(result))
 """
@@ -259,7 +266,9 @@ def test_an_exported_folders_model_saved_again_with_save_pretrained_keeps_the_fo
     that file in auto_map for the class's Auto class: the folder lost remote_code.py, so AutoModel and the task heads
     (whose entries name it) did not load from it, and PEFT's default targets were not registered. The re-saved folder
     now holds the exported folder's code, byte for byte, and its auto_map; its model generates the exported model's
-    tokens, its heads load, and PEFT adapts it as a Llama (in fresh processes without the package)."""
+    tokens, its heads load, and PEFT adapts it as a Llama (in fresh processes without the package). transformers'
+    positional arguments are taken (they raised a TypeError), and push_to_hub=True uploads the folder as written (it
+    saved the model again, in one file, leaving out the shards asked for)."""
     model = trained_looking_model("dex")
     folder = save_for_hub(model, tmp_path / "export")
     out = subprocess.run([PYTHON, "-I", "-c", RESAVE_PROCESS, str(REPO), str(folder), str(tmp_path)], cwd=tmp_path,
@@ -267,12 +276,17 @@ def test_an_exported_folders_model_saved_again_with_save_pretrained_keeps_the_fo
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.split("RESULT", 1)[1])
     assert result["modeling_diff_importable"] is False and result["modeling_diff_loaded"] is False
-    assert result["pushed"] == [["me/diff", {"token": None, "commit_message": "again"}]]
     exported_code = {path.name: path.read_bytes() for path in folder.glob("*.py")}
     exported_auto_map = json.loads((folder / "config.json").read_text())["auto_map"]
-    for saved in ("causal", "head", "pushed"):
+    for saved in ("causal", "head", "shards", "pushed"):
         assert {path.name: path.read_bytes() for path in (tmp_path / saved).glob("*.py")} == exported_code, saved
         assert json.loads((tmp_path / saved / "config.json").read_text())["auto_map"] == exported_auto_map, saved
+    assert len(list((tmp_path / "shards").glob("model-*.safetensors"))) > 1
+    # push_to_hub=True uploads in one commit the folder it wrote, as it wrote it (its shards, the whole code)
+    [commit] = result["commits"]
+    assert commit["repo_id"] == "me/diff" and commit["commit_message"] == "again"
+    written = {path.name: path.read_bytes().hex() for path in (tmp_path / "pushed").iterdir()}
+    assert commit["files"] == written and "model.safetensors.index.json" in written
 
     resaved = str(tmp_path / "causal")
     loaded = subprocess.run([PYTHON, "-I", "-c", FRESH_PROCESS, str(REPO), json.dumps(PROMPT), resaved],
@@ -291,6 +305,27 @@ def test_an_exported_folders_model_saved_again_with_save_pretrained_keeps_the_fo
     assert peft.returncode == 0, peft.stderr[-3000:]
     peft = json.loads(peft.stdout.split("RESULT", 1)[1])
     assert peft["lora"]["got"] == peft["lora"]["expected"] != [], peft
+
+
+def test_an_exported_folder_loaded_as_the_package_s_classes_saves_without_the_folder_s_auto_map(tmp_path):
+    """After `import modeling_diff` an exported folder loads as the package's classes, whose save_pretrained writes no
+    model code: config.json kept the folder's auto_map, which names files the new folder does not hold, and a Python
+    without the package failed to load it (no configuration_diff_llama.py). The auto_map is left out now, with a
+    warning naming save_for_hub; the folder loads with the package, and the loaded model keeps its auto_map."""
+    from transformers.testing_utils import CaptureLogger
+
+    import modeling_diff.modeling_diff_llama as modeling
+
+    model = trained_looking_model("v2")
+    folder = save_for_hub(model, tmp_path / "export")
+    loaded = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+    assert type(loaded) is DiffLlamaForCausalLM
+    with CaptureLogger(modeling.logger) as captured:
+        loaded.save_pretrained(tmp_path / "saved")
+    assert "save_for_hub" in captured.out
+    assert "auto_map" not in json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert loaded.config.auto_map == json.loads((folder / "config.json").read_text())["auto_map"]
+    assert greedy(AutoModelForCausalLM.from_pretrained(tmp_path / "saved"), PROMPT) == greedy(model, PROMPT)
 
 
 @pytest.mark.parametrize("trust_remote_code", [False, True])

@@ -53,6 +53,27 @@ def test_old_full_checkpoint_loads_with_the_same_logits_and_resaves_in_the_curre
     assert load_file(tmp_path / "new" / "model.safetensors").keys() == model.state_dict().keys()
 
 
+@pytest.mark.parametrize("mode", ["v1", "v2", "dex"])
+def test_old_checkpoint_through_torch_s_load_state_dict_keeps_every_tensor(mode):
+    """Trainer's resume and `load_state_dict` load through torch, where transformers' renaming does not run: an old
+    checkpoint's `self_attn.anneal_step`, `lambda_learn` and `lambda_q1 ..` were unexpected keys, and t and lambda
+    kept the model's values (a resumed DEX run ended 2 steps behind and 8.7e-3 away from the uninterrupted one). They
+    land in their modules now: strict loading finds nothing missing or unexpected, and the logits are the saved
+    model's."""
+    model = tiny_model(mode, anneal_steps=0 if mode == "v1" else 10).eval()
+    if mode != "v1":
+        set_anneal_step(model, 7)
+    old_state = {legacy_key(n): legacy_tensor(legacy_key(n), t) for n, t in model.state_dict().items()}
+    torch.manual_seed(1)
+    loaded = tiny_model(mode, anneal_steps=0 if mode == "v1" else 10).eval()
+    loaded.load_state_dict(old_state)
+    ids = torch.randint(3, 97, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+    if mode != "v1":
+        assert {layer.self_attn.anneal_step.item() for layer in loaded.model.layers} == {7}
+
+
 @pytest.mark.parametrize("mode", ["v1", "dex"])
 def test_old_lora_adapter_with_bare_differential_parameters_loads_them(mode, tmp_path):
     old_modules = ["subln", "lambda_proj", "dex_proj"]  # the old lora_config(): bare parameters saved beside them
@@ -90,6 +111,26 @@ def test_an_anneal_step_no_training_reaches_is_refused_when_the_checkpoint_loads
     with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.annealing\.step is -\d+ in the checkpoint: the "
                                          r"annealing step t must be a whole number of optimizer steps in \[0, 2\*\*62\)"):
         AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("step", [float("nan"), -5])
+def test_an_adapter_or_state_dict_whose_annealing_step_no_training_reaches_is_refused(step, tmp_path):
+    """PEFT's adapter loading and torch's `load_state_dict` bypassed the check of `from_pretrained`: an adapter whose
+    t was NaN loaded as -2**63 and every logit was 0, silently; -5 loaded too. A ValueError naming the tensor."""
+    peft_model = get_peft_model(tiny_model("dex", anneal_steps=10), lora_config(r=4))
+    peft_model.save_pretrained(tmp_path)
+    adapter = load_file(tmp_path / "adapter_model.safetensors")
+    keys = [key for key in adapter if key.endswith("annealing.step")]
+    assert keys
+    adapter.update({key: torch.tensor(step) for key in keys})
+    save_file(adapter, tmp_path / "adapter_model.safetensors", metadata={"format": "pt"})
+    rule = r"annealing\.step is -\d+ in the checkpoint: the annealing step t must be a whole number"
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.annealing\..*step is -\d+ in the checkpoint"):
+        PeftModel.from_pretrained(tiny_model("dex", anneal_steps=10), tmp_path)
+    state = {n: torch.tensor(step) if n.endswith("annealing.step") else t
+             for n, t in tiny_model("dex", anneal_steps=10).state_dict().items()}
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\." + rule):
+        tiny_model("dex", anneal_steps=10).load_state_dict(state)
 
 
 @pytest.mark.parametrize("step", [float("nan"), float("inf"), 10**30, 2**63, -1, 2.5, "3", True])
