@@ -370,9 +370,9 @@ class DiffLlamaPreTrainedModel(PreTrainedModel):
           its config.json leaves out the `auto_map` that named the code (a Python without the package failed on the
           missing files): `save_for_hub` writes a folder that loads without the package."""
         if self._auto_class is None and self.config.auto_map:
-            logger.warning("save_pretrained of modeling_diff's classes writes no model code: the exported folder's "
-                           "auto_map is left out of config.json (modeling_diff.hub.save_for_hub writes a folder that "
-                           "loads without the package)")
+            logger.warning_once("save_pretrained of modeling_diff's classes writes no model code: the exported "
+                                "folder's auto_map is left out of config.json (modeling_diff.hub.save_for_hub writes "
+                                "a folder that loads without the package)")
             auto_map, self.config.auto_map = self.config.auto_map, {}
             try:
                 return super().save_pretrained(save_directory, *args, **kwargs)
