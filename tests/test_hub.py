@@ -271,6 +271,11 @@ def test_an_exported_folders_model_saved_again_with_save_pretrained_keeps_the_fo
     saved the model again, in one file, leaving out the shards asked for)."""
     model = trained_looking_model("dex")
     folder = save_for_hub(model, tmp_path / "export")
+    # A crafted entry of the folder's auto_map names a file outside the folder's code by its path: never copied.
+    (tmp_path / "secret.py").write_text("TOKEN = 'not to be published'\n")
+    config = json.loads((folder / "config.json").read_text())
+    config["auto_map"]["AutoModelForMaskedLM"] = f"{tmp_path}/secret.DiffLlamaModel"
+    (folder / "config.json").write_text(json.dumps(config))
     out = subprocess.run([PYTHON, "-I", "-c", RESAVE_PROCESS, str(REPO), str(folder), str(tmp_path)], cwd=tmp_path,
                          env=offline_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
