@@ -360,15 +360,10 @@ class DiffLlamaPreTrainedModel(PreTrainedModel):
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """transformers' save_pretrained (its arguments, positional or named), for two kinds of models that hold an
-        exported folder's `auto_map` (`modeling_diff.hub.save_for_hub`):
-        - a model of the folder's code (loaded with `trust_remote_code=True` where modeling_diff is not imported)
-          writes the folder's code whole: transformers copies only the model class's file and its imports, and names
-          that file in `auto_map` for the model's Auto class. The folder lost `remote_code.py`, which the other model
-          entries name (AutoModel and the task heads did not load from it) and which registers PEFT's default targets
-          and Liger's dispatch as the model loads. With `push_to_hub=True` the folder is uploaded once it is whole.
-        - a model of the package's classes (the same folder loaded after `import modeling_diff`) writes no code, so
-          its config.json leaves out the `auto_map` that named the code (a Python without the package failed on the
-          missing files): `save_for_hub` writes a folder that loads without the package."""
+        exported folder's `auto_map` (`modeling_diff.hub.save_for_hub`): a model of the folder's code writes that code
+        whole (`_save_with_folder_code`); a model of the package's classes (the same folder loaded after `import
+        modeling_diff`) writes no code, so its config.json leaves out the `auto_map` that named the code (a Python
+        without the package failed on the missing files): `save_for_hub` writes a folder that loads without it."""
         if self._auto_class is None and self.config.auto_map:
             logger.warning_once("save_pretrained of modeling_diff's classes writes no model code: the exported "
                                 "folder's auto_map is left out of config.json (modeling_diff.hub.save_for_hub writes "
@@ -378,8 +373,17 @@ class DiffLlamaPreTrainedModel(PreTrainedModel):
                 return super().save_pretrained(save_directory, *args, **kwargs)
             finally:
                 self.config.auto_map = auto_map
-        if self._auto_class is None or not self.config.auto_map or getattr(self, "_hf_peft_config_loaded", False):
-            return super().save_pretrained(save_directory, *args, **kwargs)
+        if self._auto_class is not None and self.config.auto_map and not getattr(self, "_hf_peft_config_loaded", False):
+            return self._save_with_folder_code(save_directory, *args, **kwargs)
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
+    def _save_with_folder_code(self, save_directory, *args, **kwargs) -> None:
+        """save_pretrained of a model of an exported folder's code (loaded with `trust_remote_code=True` where
+        modeling_diff is not imported): transformers copies only the model class's file and its imports, and names
+        that file in `auto_map` for the model's Auto class. The folder lost `remote_code.py`, which the other model
+        entries name (AutoModel and the task heads did not load from it) and which registers PEFT's default targets
+        and Liger's dispatch as the model loads. Here the folder's code is written whole, with the folder's
+        `auto_map`, and with `push_to_hub=True` the folder is uploaded once it is whole."""
         arguments = inspect.signature(PreTrainedModel.save_pretrained).bind(self, save_directory, *args, **kwargs)
         arguments = {**arguments.arguments, **arguments.arguments.pop("kwargs", {})}
         del arguments["self"]
@@ -393,7 +397,7 @@ class DiffLlamaPreTrainedModel(PreTrainedModel):
         super().save_pretrained(**arguments)
         self.config.auto_map = auto_map
         if not main:
-            return None
+            return
         _copy_folder_code(Path(sys.modules[type(self).__module__].__file__).parent, auto_map, Path(save_directory))
         self.config.save_pretrained(save_directory)  # config.json with the folder's auto_map
         if push_to_hub:
@@ -402,7 +406,6 @@ class DiffLlamaPreTrainedModel(PreTrainedModel):
             self._upload_modified_files(save_directory, repo_id, files_timestamps, token=arguments.get("token"),
                                         commit_message=hub_kwargs.get("commit_message"),
                                         create_pr=hub_kwargs.get("create_pr", False))
-        return None
 
     def _init_weights(self, module):
         super()._init_weights(module)
