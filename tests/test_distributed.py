@@ -214,6 +214,23 @@ def test_fsdp_config_wraps_the_no_split_layer_and_saves_a_full_model():
     assert "accelerate launch --config_file configuration/fsdp.yaml" in text and "examples/train.py" in text
 
 
+def test_fsdp_config_s_cpu_note_holds_accelerate_runs_one_plain_process_with_cpu(tmp_path):
+    """The config's note for CPU machines: `accelerate launch --config_file configuration/fsdp.yaml --cpu` starts one
+    process without a process group, whatever --num_processes says (it told CPU users to add --cpu, for a run of
+    one process they took for two ranks); two CPU ranks are torchrun's."""
+    script = tmp_path / "world.py"
+    script.write_text("import os, torch.distributed as dist\n"
+                      "print('world', os.environ.get('WORLD_SIZE', '1'), dist.is_initialized())\n")
+    out = run_launcher([PYTHON, "-m", "accelerate.commands.launch", "--config_file",
+                        str(REPO / "configuration" / "fsdp.yaml"), "--cpu", "--num_processes", "2",
+                        "--mixed_precision", "no", str(script)],
+                       cwd=tmp_path, env=offline_env(tmp_path), timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split().count("world") == 1 and "world 1 False" in out.stdout
+    text = (REPO / "configuration" / "fsdp.yaml").read_text()
+    assert "add --cpu" not in text and "torchrun --nproc_per_node 2" in text
+
+
 @pytest.mark.parametrize("launcher", ["python", "torchrun"])
 def test_shipped_training_script_trains_and_saves_a_loadable_model(tmp_path, launcher):
     """`examples/train.py` as the README launches it: one process, and DDP on 2 processes (gloo)."""
