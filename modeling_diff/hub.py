@@ -287,7 +287,8 @@ def save_for_hub(model, save_directory: str | os.PathLike, tokenizer=None, repo_
     `overwrite=True` and only if it is an earlier output (holds a config.json), any folder with `overwrite="force"`;
     `save_directory` may not be, contain or lie inside a path of `protect` (the checkpoint it was loaded from), and
     must be valid UTF-8 (`check_destination`). `repo_id`, named in the model card, must be a Hub repository id
-    (`check_repo_id`)."""
+    (`check_repo_id`). With `is_main_process=False` (another rank of a distributed run) nothing is written, as
+    `save_pretrained` writes nothing then."""
     if repo_id is not None:
         check_repo_id(repo_id)
     classes = registered_classes(type(model.config))
@@ -300,6 +301,8 @@ def save_for_hub(model, save_directory: str | os.PathLike, tokenizer=None, repo_
         raise ValueError(f"model must be of a class registered with an Auto class {registered}, got "
                          f"{type(model).__module__}.{type(model).__name__}")
     sources = flatten_modules(sorted({_entry_module(cls) for cls in classes.values()}))
+    if not save_pretrained_kwargs.get("is_main_process", True):  # (its folder had no config.json to add auto_map to)
+        return Path(save_directory).resolve()
 
     with atomic_directory(save_directory, overwrite, protect, name="save_directory",
                           expected=("config.json",)) as staging:

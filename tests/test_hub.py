@@ -376,6 +376,20 @@ def test_save_for_hub_writes_whole_folders_only(tmp_path):
         save_for_hub(model, target / "sub", protect=(target,))
 
 
+def test_save_for_hub_off_the_main_process_writes_nothing_and_keeps_an_earlier_export(tmp_path):
+    """Every rank of a DDP script saving, as with `save_pretrained`: on a rank with `is_main_process=False`
+    transformers writes nothing, and save_for_hub then failed on the staging folder's missing config.json."""
+    model = trained_looking_model("v2")
+    assert save_for_hub(model, tmp_path / "rank1", is_main_process=False) == (tmp_path / "rank1").resolve()
+    assert list(tmp_path.iterdir()) == []
+    export = save_for_hub(model, tmp_path / "export")
+    before = {p.name: p.read_bytes() for p in export.iterdir()}
+    save_for_hub(model, export, overwrite=True, is_main_process=False)
+    assert {p.name: p.read_bytes() for p in export.iterdir()} == before
+    with pytest.raises(ValueError, match="repo_id"):  # the arguments are checked on every rank alike
+        save_for_hub(model, tmp_path / "rank1", repo_id="a/b/c", is_main_process=False)
+
+
 @pytest.mark.parametrize("with_tokenizer", [False, True])
 def test_save_for_hub_refuses_a_folder_whose_path_is_not_utf8(tmp_path, with_tokenizer):
     """safetensors opens and tokenizers writes UTF-8 paths only: with a tokenizer the writer failed with a
