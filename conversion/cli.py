@@ -13,8 +13,7 @@ from modeling_diff.text_files import read_text_file
 
 from . import diffllama, ecosystem
 from .calibration import chooses_heads_by_entropy
-from .convert import (CHARS_PER_TOKEN_AT_MOST, DEFAULT_ANNEAL_STEPS, DEFAULT_HEAD_FRACTION, DEFAULT_NOISE_INIT,
-                      convert_checkpoint)
+from .convert import CHARS_PER_TOKEN_AT_MOST, convert_checkpoint
 
 
 _HEADS_RULE = ("--heads must be 'entropy', 'all', comma-separated head indices or a JSON list of head indices or of "
@@ -129,13 +128,10 @@ def _main(argv: list[str] | None) -> int:
         except ValueError as error:
             parser.error(str(error))
     try:
-        dst = convert_checkpoint(
-            args.src, args.dst, method=args.method, heads=args.heads,
-            head_fraction=DEFAULT_HEAD_FRACTION if args.head_fraction is None else args.head_fraction,
-            calibration=calibration,
-            anneal_steps=DEFAULT_ANNEAL_STEPS if args.anneal_steps is None else args.anneal_steps,
-            noise_init=args.noise_init or DEFAULT_NOISE_INIT, overwrite=overwrite_from_flags(args.overwrite),
-            progress=not args.quiet, to=args.to,
+        dst = convert_checkpoint(  # an option not given is None: a transformers diffllama source refuses any given
+            args.src, args.dst, method=args.method, heads=args.heads, head_fraction=args.head_fraction,
+            calibration=calibration, anneal_steps=args.anneal_steps, noise_init=args.noise_init,
+            overwrite=overwrite_from_flags(args.overwrite), progress=not args.quiet, to=args.to,
         )
     except (ValueError, OSError, SafetensorError) as error:  # a refused input, or the disk (full, read-only)
         parser.error(" ".join(str(error).split()))  # one line; exits with status 2

@@ -17,20 +17,21 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from transformers.initialization import no_init_weights
 
 from modeling_diff.atomic import atomic_directory, check_destination
 from modeling_diff.checkpoint_files import (CHAT_TEMPLATE_DIR, TOKENIZER_CONFIG, TOKENIZER_READS, check_gguf,
-                                            check_side_files, check_whole_read, checkpoint_root, fast_tokenizer_files,
-                                            is_inside, read_json_object, side_files)
+                                            check_no_adapter, check_side_files, check_whole_read, checkpoint_root,
+                                            fast_tokenizer_files, is_inside, load_tokenizer, read_json_object,
+                                            side_files)
 from modeling_diff.extras import require
 from modeling_diff.modeling_diff_llama import DiffLlamaForCausalLM
 
 from . import diffllama
 from .calibration import chooses_heads_by_entropy, with_default_calibration
 from .heads import attention_entropy, check_calibration_ids, check_head_fraction, resolve_heads, top_entropy_heads
-from .mapping import TensorMapping, check_method, tied_as_loaded
+from .mapping import TensorMapping, check_finite, check_method, tied_as_loaded, tied_renames
 from .sources import INDEX_FILE, SINGLE_FILE, CheckpointDir
 
 logger = logging.getLogger(__name__)
@@ -75,7 +76,11 @@ def calibration_ids_from(calibration, tokenizer=None, max_tokens: int = 512) -> 
         if tokenizer is None:
             raise ValueError("calibration text needs a tokenizer: pass tokenizer=... or token ids")
         text = calibration[: max_tokens * CHARS_PER_TOKEN_AT_MOST]
-        ids = tokenizer(text, return_tensors="pt").input_ids[:, :max_tokens]
+        try:
+            ids = tokenizer(text, return_tensors="pt").input_ids[:, :max_tokens]
+        except Exception as error:  # tokenizers' own, a bare Exception (a WordLevel vocabulary without its unk_token)
+            raise ValueError(f"calibration text (--calibration-file, or the packaged text) could not be tokenised "
+                             f"with the source's tokenizer: {type(error).__name__}: {error}") from error
         if ids.shape[1] < 2:
             raise ValueError(f"calibration text (--calibration-file) must give at least 2 tokens with the source's "
                              f"tokenizer (an attention row over more than one position), got {ids.shape[1]}")
@@ -163,6 +168,7 @@ def convert_model(
     converted = {}
     for name, tensor in state.items():
         if mapping.check(name, tensor.shape, tensor.dtype, "the source model"):
+            check_finite(name, tensor, "the source model")
             converted.update(mapping.convert(name, tensor.detach().clone()))
     dtype = state["model.layers.0.self_attn.q_proj.weight"].dtype
     for layer_idx in range(mapping.config.num_hidden_layers):
@@ -188,6 +194,7 @@ def _convert_directory(source: CheckpointDir, tmp: Path, mapping: TensorMapping,
         for name, tensor in source.read_shard(file).items():
             if not mapping.check(name, tensor.shape, tensor.dtype, file):
                 continue
+            check_finite(name, tensor, file)
             converted.update(mapping.convert(name, tensor))
             if name in anchors:
                 converted.update(mapping.layer_extras(anchors[name], tensor.dtype))
@@ -206,10 +213,10 @@ def convert_checkpoint(
     dst: str | Path,
     method: str | None = None,
     heads=None,
-    head_fraction: float = DEFAULT_HEAD_FRACTION,
+    head_fraction: float | None = None,
     calibration: torch.Tensor | str | None = None,
-    anneal_steps: int = DEFAULT_ANNEAL_STEPS,
-    noise_init: str = DEFAULT_NOISE_INIT,
+    anneal_steps: int | None = None,
+    noise_init: str | None = None,
     overwrite: bool | str = False,
     progress: bool = True,
     to: str = "diff_llama",
@@ -224,18 +231,26 @@ def convert_checkpoint(
     calibration runs or anything is written; the output is written to a temporary directory renamed to `dst` at the
     end (`modeling_diff.atomic.atomic_directory`); a non-empty `dst` is replaced only with `overwrite=True` when it
     holds a config.json, any with `overwrite="force"`; `src` is only read. Other arguments as in `convert_model`
-    (`method` None: "dex"; text `calibration` is tokenised with the source's tokenizer; without any, DEX's entropy
-    heads are chosen on the packaged text, `calibration.py`).
+    (None: its default, `method` "dex"; text `calibration` is tokenised with the source's tokenizer; without any,
+    DEX's entropy heads are chosen on the packaged text, `calibration.py`). A source that from_pretrained would load
+    otherwise than its weights (a PEFT adapter beside them) or whose weights are not finite is refused.
 
     A transformers `diffllama` checkpoint converts to an exact V1, and our V1 with `to="diffllama"` to transformers'
-    DiffLlama (`diffllama.py`); `method` and `heads` are then left unset.
+    DiffLlama (`diffllama.py`); `method`, `heads`, `head_fraction`, `calibration`, `anneal_steps` and `noise_init`
+    are then left unset.
     """
     src = Path(src)
     protect = (src, checkpoint_root(src))  # a Hub cache snapshot's blobs are its repository folder's
     started = time.perf_counter()
     between_diffllamas = diffllama.applies(src, to)
-    if not between_diffllamas:
+    if between_diffllamas:
+        diffllama.check_unset(to, method=method, heads=heads, head_fraction=head_fraction, calibration=calibration,
+                              anneal_steps=anneal_steps, noise_init=noise_init)
+    else:
         method = method or "dex"
+        head_fraction = DEFAULT_HEAD_FRACTION if head_fraction is None else head_fraction
+        anneal_steps = DEFAULT_ANNEAL_STEPS if anneal_steps is None else anneal_steps
+        noise_init = noise_init or DEFAULT_NOISE_INIT
         check_arguments(method, heads, head_fraction, anneal_steps, noise_init)
         calibration = with_default_calibration(method, heads, calibration, progress)
     if src.is_file() and src.suffix == ".gguf":
@@ -245,7 +260,10 @@ def convert_checkpoint(
         except ValueError as error:
             raise ValueError(f"source {error}") from None
         check_side_files(src.parent, _GGUF_SIDE_FILES)
-        # before loading the model
+        check_no_adapter(src.parent)  # from_pretrained(src.parent, gguf_file=...) would apply it
+        # The tokenizer (from the file's metadata, in a moment; the output needs it), then the destination, before
+        # the model is dequantised.
+        tokenizer = load_tokenizer(src.parent, " from the file's tokenizer.ggml.* metadata", gguf_file=src.name)
         dst = check_destination(dst, overwrite, protect=protect, expected=EARLIER_OUTPUT_FILES)
         with atomic_directory(dst, overwrite, protect=protect, expected=EARLIER_OUTPUT_FILES) as tmp:
             try:  # a file gguf's reader parses whose tensors do not match its metadata fails in transformers
@@ -253,7 +271,6 @@ def convert_checkpoint(
                                                              local_files_only=True)
             except RuntimeError as error:
                 raise ValueError(f"source {str(src)!r} could not be loaded as a model: {error}") from None
-            tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name, local_files_only=True)
             converted = convert_model(model, method, heads, head_fraction, calibration, tokenizer, anneal_steps,
                                       noise_init, progress)
             converted.save_pretrained(tmp)
@@ -263,13 +280,15 @@ def convert_checkpoint(
     # Everything that can be refused is refused here, before the destination is touched or the calibration runs.
     source = CheckpointDir(src)
     _check_source_dtype(source.config, src)
-    source_config = tied_as_loaded(_source_config(src), source.weight_map, source.get)
+    source_config = _source_config(src)
+    source.load_as(tied_renames(source_config, source.weight_map))  # the tensors as from_pretrained(src) names them
+    source_config = tied_as_loaded(source_config, source.weight_map, source.get)
     if isinstance(calibration, str) and chooses_heads_by_entropy(method, heads):
         calibration = calibration_ids_from(calibration, _source_tokenizer(src))
     headers = ((name, shape, dtype, file)
                for file in source.files for name, (shape, dtype) in source.headers(file).items())
     if between_diffllamas:
-        plan = diffllama.DiffLlamaPlan(source_config, to, method, heads, headers, str(src))
+        plan = diffllama.DiffLlamaPlan(source_config, to, headers, str(src))
     else:
         plan = _Plan(source_config, method, heads, head_fraction, calibration, anneal_steps, noise_init, headers,
                      str(src))
@@ -320,11 +339,7 @@ def _source_tokenizer(src: Path):
     if not any((src / name).is_file() for name in _TOKENIZER_FILES):
         raise ValueError(f"calibration text needs the source's tokenizer, but {str(src)!r} holds none of "
                          f"{', '.join(_TOKENIZER_FILES)}: add the tokenizer files or pass token ids")
-    try:
-        return AutoTokenizer.from_pretrained(src, local_files_only=True)
-    except Exception as error:  # tokenizers fail in many ways (missing sentencepiece, a broken file, ...)
-        raise ValueError(f"the tokenizer in {str(src)!r} could not be loaded for the calibration text: "
-                         f"{error}") from error
+    return load_tokenizer(src, " for the calibration text")
 
 
 def _carried_files(source: CheckpointDir) -> list[Path]:
@@ -383,5 +398,4 @@ def _versioned_tokenizers(source: CheckpointDir, carried: list[Path]) -> tuple[d
     return {**read_json_object(source.path / TOKENIZER_CONFIG), "fast_tokenizer_files": kept}, files
 
 
-__all__ = ["calibration_ids_from", "convert_checkpoint", "convert_model",
-           "save_model"]
+__all__ = ["calibration_ids_from", "convert_checkpoint", "convert_model", "save_model"]

@@ -29,7 +29,7 @@ from transformers import DiffLlamaConfig as TransformersDiffLlamaConfig
 from transformers import DiffLlamaForCausalLM as TransformersDiffLlamaForCausalLM
 from transformers import PreTrainedConfig
 
-from modeling_diff.checkpoint_files import read_json_object
+from modeling_diff.checkpoint_files import read_checkpoint_json
 from modeling_diff.configuration import DiffLlamaConfig
 from modeling_diff.diff_attention import depth_lambda_init
 from modeling_diff.modeling_diff_llama import DiffLlamaForCausalLM
@@ -217,21 +217,37 @@ def applies(src: Path, to: str) -> bool:
             raise ValueError(f"to={to!r} needs a {DiffLlamaConfig.model_type!r} checkpoint directory (config.json "
                              f"and safetensors), got {str(src)!r}")
         return True
-    try:
-        return read_json_object(src / "config.json").get("model_type") == SOURCE_MODEL_TYPE
+    try:  # read as every source's config is (a config.json linking to /proc/kmsg hung here)
+        return read_checkpoint_json(src, "config.json").get("model_type") == SOURCE_MODEL_TYPE
     except ValueError:  # not a readable config: the Llama path names the problem
         return False
 
 
+# What `convert_checkpoint` chooses for a Llama-family source only, with its command-line option. Between the
+# DiffLlamas every head maps to a V1 head (no selection, so no calibration) and V1 does not anneal: given, the last
+# four were ignored as if applied (exit 0), and a calibration text asked for a tokenizer it never used.
+_LLAMA_ONLY = {"method": "--method", "heads": "--heads", "head_fraction": "--head-fraction",
+               "calibration": "--calibration-file", "anneal_steps": "--anneal-steps", "noise_init": "--noise-init"}
+
+
+def check_unset(to: str, **options) -> None:
+    """Before the source's weights or tokenizer are read: a ValueError naming the `options` (those of `_LLAMA_ONLY`)
+    that are set, for a conversion to `to` that this module runs (`applies`)."""
+    given = [name for name, value in options.items() if value is not None]
+    if given:
+        source = DiffLlamaConfig.model_type if to == SOURCE_MODEL_TYPE else SOURCE_MODEL_TYPE
+        raise ValueError(f"{', '.join(f'{name} ({_LLAMA_ONLY[name]})' for name in given)} given, but method and heads "
+                         f"must be left unset to convert {source!r} to {to!r} (every head maps to a V1 head), and so "
+                         f"must head_fraction and calibration (no heads are chosen) and anneal_steps and noise_init "
+                         f"(V1 does not anneal)")
+
+
 class DiffLlamaPlan:
     """A conversion between transformers' DiffLlama and our V1 checked before anything is written, as
-    `convert_checkpoint` runs it (the interface of its `_Plan`). `source_tensors` yields (name, shape, dtype, where).
-    `method` and `heads` (choices for Llama-family sources) must be None: every head maps to a V1 head."""
+    `convert_checkpoint` runs it (the interface of its `_Plan`; the choices for Llama-family sources are refused by
+    `check_unset`). `source_tensors` yields (name, shape, dtype, where)."""
 
-    def __init__(self, source_config: PreTrainedConfig, to: str, method, heads, source_tensors, source_name: str):
-        if method is not None or heads is not None:
-            raise ValueError(f"method and heads must be left unset to convert {source_config.model_type!r} to "
-                             f"{to!r} (every head maps to a V1 head), got method={method!r}, heads={heads!r}")
+    def __init__(self, source_config: PreTrainedConfig, to: str, source_tensors, source_name: str):
         if to == DiffLlamaConfig.model_type:
             self._mapping = DiffLlamaImport(source_config)
         elif source_config.model_type != DiffLlamaConfig.model_type:
@@ -248,6 +264,6 @@ class DiffLlamaPlan:
 
 
 __all__ = [
-    "DiffLlamaExport", "DiffLlamaImport", "DiffLlamaPlan", "TARGETS", "applies", "diffllama_config_from_v1",
-    "v1_config_from_diffllama",
+    "DiffLlamaExport", "DiffLlamaImport", "DiffLlamaPlan", "TARGETS", "applies", "check_unset",
+    "diffllama_config_from_v1", "v1_config_from_diffllama",
 ]

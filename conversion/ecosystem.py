@@ -41,18 +41,19 @@ def run_eval(argv: list[str]) -> int:
 
 def run_export(args: argparse.Namespace) -> str:
     """`modeling-diff export SRC DST`; returns the summary to print. ValueError for every refused input (a --repo-id
-    that is no Hub repository id, a source that is not ours, a DST that is SRC or inside it, or not an earlier output
-    without --overwrite twice) checked before the model loads; for a model or tokenizer that does not load, and for
-    weights that are not exactly the model's (a tensor missing, unexpected or of another shape), after."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    that is no Hub repository id, a source that is not ours or that holds a PEFT adapter, a DST that is SRC or inside
+    it, or not an earlier output without --overwrite twice) checked before the model loads; for a model or tokenizer
+    that does not load, and for weights that are not exactly the model's (a tensor missing, unexpected or of another
+    shape), after."""
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as transformers_logging
 
     from modeling_diff.atomic import check_destination, overwrite_from_flags
     from modeling_diff.checkpoint_files import (LOADING_ERRORS, check_loading_info, check_side_files,
-                                                check_weight_files)
+                                                check_weight_files, load_tokenizer)
     from modeling_diff.configuration import DiffLlamaConfig
     from modeling_diff.hub import check_repo_id, save_for_hub
-    
+
     from .sources import CheckpointDir
 
     if args.repo_id is not None:  # pasted into the model card's title and loading snippet
@@ -73,12 +74,13 @@ def run_export(args: argparse.Namespace) -> str:
     has_tokenizer = any((args.src / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
     verbosity = transformers_logging.get_verbosity()
     transformers_logging.set_verbosity_error()  # its load report: the refusal below names what it would list
-    try:  # the tokenizer first: it loads in a moment
-        tokenizer = AutoTokenizer.from_pretrained(args.src, local_files_only=True) if has_tokenizer else None
-        model, info = AutoModelForCausalLM.from_pretrained(args.src, dtype="auto", local_files_only=True,
-                                                           output_loading_info=True, ignore_mismatched_sizes=True)
-    except LOADING_ERRORS as error:  # what broken files raise inside transformers, a corrupt shard's included
-        raise ValueError(f"src {str(args.src)!r} could not be loaded: {type(error).__name__}: {error}") from error
+    try:  # the tokenizer first: it loads in a moment (whatever it raises is a ValueError naming its files)
+        tokenizer = load_tokenizer(args.src) if has_tokenizer else None
+        try:
+            model, info = AutoModelForCausalLM.from_pretrained(args.src, dtype="auto", local_files_only=True,
+                                                               output_loading_info=True, ignore_mismatched_sizes=True)
+        except LOADING_ERRORS as error:  # what broken files raise inside transformers, a corrupt shard's included
+            raise ValueError(f"src {str(args.src)!r} could not be loaded: {type(error).__name__}: {error}") from error
     finally:
         transformers_logging.set_verbosity(verbosity)
     check_loading_info(args.src, info)  # a missing tensor was exported as random weights, with exit status 0

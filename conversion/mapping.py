@@ -53,6 +53,22 @@ def check_method(method: str, anneal_steps: int, noise_init: str = "copy") -> No
         raise ValueError("anneal_steps must be >= 1 for method='v2': the noise term is annealed in from 0")
 
 
+# Elements checked at a time by `check_finite`: the mask of a whole embedding would take as many bytes as it has
+# elements (a shard-sized peak the streaming conversion does not otherwise have).
+_FINITE_CHUNK = 2**20
+
+
+def check_finite(name: str, tensor: torch.Tensor, where: str) -> None:
+    """Raise unless every value of source tensor `name` (in `where`) is finite, as it is converted (it is in memory
+    then). A NaN or inf weight makes the logits non-finite: it was converted silently (exit 0) wherever no entropy
+    calibration ran through it (`--heads all`, `v2`, lm_head or the final norm)."""
+    flat = tensor.detach().reshape(-1)
+    for start in range(0, flat.numel(), _FINITE_CHUNK):
+        if not torch.isfinite(flat[start:start + _FINITE_CHUNK]).all():
+            raise ValueError(f"tensor {name!r} in {where} holds NaN or inf values: a source with non-finite weights "
+                             f"has non-finite logits, which no conversion keeps; it is not converted")
+
+
 def tied_as_loaded(source_config: PreTrainedConfig, names, get_tensor) -> PreTrainedConfig:
     """`source_config`, or a copy untied (`tie_word_embeddings=False`) where it ties lm_head to the embedding but the
     source (`names`, `get_tensor(name)`) holds an lm_head.weight of other values: transformers loads such a
@@ -69,6 +85,16 @@ def tied_as_loaded(source_config: PreTrainedConfig, names, get_tensor) -> PreTra
     untied = copy.deepcopy(source_config)
     untied.tie_word_embeddings = False
     return untied
+
+
+def tied_renames(source_config: PreTrainedConfig, names) -> dict[str, str]:
+    """{stored name: the name transformers loads it as} for a source (`names`) whose tensors it loads under other
+    names: a config tying lm_head to the embedding whose checkpoint stores lm_head.weight alone is loaded with that
+    tensor as the embedding both share (it was refused: "model.embed_tokens.weight missing")."""
+    names = set(names)
+    if getattr(source_config, "tie_word_embeddings", False) and _HEAD in names and _EMBEDDING not in names:
+        return {_HEAD: _EMBEDDING}
+    return {}
 
 
 def _qwen2_slides(config: PreTrainedConfig) -> bool:

@@ -19,8 +19,8 @@ import torch
 from safetensors import safe_open
 
 from modeling_diff.atomic import check_utf8_path
-from modeling_diff.checkpoint_files import (CONFIG_FILES, INDEX_FILE, check_layer_count, check_side_files,
-                                            checkpoint_root, is_inside, read_json_object)
+from modeling_diff.checkpoint_files import (CONFIG_FILES, INDEX_FILE, check_layer_count, check_no_adapter,
+                                            check_side_files, checkpoint_root, is_inside, read_checkpoint_json)
 
 SINGLE_FILE = "model.safetensors"
 _LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\..+")
@@ -43,11 +43,12 @@ class CheckpointDir:
         check_utf8_path(self.path, "source")
         self.root = checkpoint_root(self.path)
         check_side_files(self.path, CONFIG_FILES)  # another model's config or index, linked, is not this one's
-        self.config = read_json_object(self.path / "config.json")
+        check_no_adapter(self.path)  # from_pretrained would apply it: the source is not these weights alone
+        self.config = read_checkpoint_json(self.path, "config.json")
         self.index, single = self._weights_loaded()
         self.is_sharded = self.index is not None
         if self.is_sharded:
-            weight_map = read_json_object(self.path / self.index).get("weight_map")
+            weight_map = read_checkpoint_json(self.path, self.index).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise ValueError(f"{self.index} in {self.path} must be JSON with a 'weight_map' object "
                                  f"(tensor name -> shard file), got {type(weight_map).__name__}")
@@ -58,6 +59,7 @@ class CheckpointDir:
             self.files = [single]
         # name -> file, from the shard headers themselves, so an index naming a tensor its shard lacks is caught.
         self.weight_map: dict[str, str] = {}
+        self._renames: dict[str, str] = {}  # a tensor's name here -> the name from_pretrained loads it as
         for file in self.files:
             for name in self._header_names(file):
                 if name in self.weight_map:
@@ -83,8 +85,7 @@ class CheckpointDir:
                 raise ValueError(f"config.json in {str(self.path)!r}: transformers_weights must be the plain name of "
                                  f"a .safetensors file or a .safetensors.index.json in the checkpoint folder (no "
                                  f"directory, not hidden), got {explicit!r}")
-            if explicit.endswith(".json"):
-                check_side_files(self.path, (explicit,))  # read whole, like the standard index
+            if explicit.endswith(".json"):  # read whole, like the standard index (`read_checkpoint_json`)
                 return explicit, None
             return None, explicit
         if (self.path / SINGLE_FILE).is_file():
@@ -118,18 +119,28 @@ class CheckpointDir:
         with self._open(file) as handle:
             return list(handle.keys())
 
+    def load_as(self, renames: dict[str, str]) -> None:
+        """From now on, tensor `stored` of the checkpoint is read as `renames[stored]`, the name from_pretrained loads
+        it as (`mapping.tied_renames`), by every method below and in `weight_map`."""
+        self._renames = dict(renames)
+        self.weight_map = {renames.get(name, name): file for name, file in self.weight_map.items()}
+
+    def _loaded(self, handle) -> dict[str, str]:
+        """name as loaded -> name stored, for every tensor of the open file `handle`."""
+        return {self._renames.get(name, name): name for name in handle.keys()}
+
     def headers(self, file: str) -> dict[str, tuple[tuple[int, ...], str]]:
         """name -> (shape, safetensors dtype string) for every tensor of `file`, from its header alone."""
         with self._open(file) as handle:
-            return {name: (tuple(handle.get_slice(name).get_shape()), handle.get_slice(name).get_dtype())
-                    for name in handle.keys()}
+            return {name: (tuple(handle.get_slice(stored).get_shape()), handle.get_slice(stored).get_dtype())
+                    for name, stored in self._loaded(handle).items()}
 
     def read_shard(self, file: str) -> dict[str, torch.Tensor]:
         with self._open(file) as handle:
-            return {name: handle.get_tensor(name) for name in handle.keys()}
+            return {name: handle.get_tensor(stored) for name, stored in self._loaded(handle).items()}
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self.weight_map:
             raise ValueError(f"tensor {name!r} missing from {self.path}")
         with self._open(self.weight_map[name]) as handle:
-            return handle.get_tensor(name)
+            return handle.get_tensor(self._loaded(handle)[name])

@@ -20,14 +20,14 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments,
+from transformers import (AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments,
                           default_data_collator)
 
 import modeling_diff
 from modeling_diff.annealing import AnnealingCallback
 from modeling_diff.atomic import check_destination, overwrite_from_flags
 from modeling_diff.checkpoint_files import (CONFIG_FILES, LOADING_ERRORS, SIDE_FILES, check_loading_info,
-                                            check_side_files, check_weight_files)
+                                            check_side_files, check_weight_files, load_tokenizer)
 from modeling_diff.data import shakespeare, token_ids
 from modeling_diff.text_files import read_text_file
 
@@ -118,7 +118,7 @@ def token_blocks(args: argparse.Namespace, vocab_size: int) -> torch.Tensor:
     text = args.text if args.text is not None else shakespeare("hamlet")
     tokenizer_dir = args.tokenizer or (args.model if Path(args.model, "tokenizer_config.json").is_file() else None)
     if tokenizer_dir is not None:
-        ids = token_ids(AutoTokenizer.from_pretrained(tokenizer_dir), text)
+        ids = token_ids(load_tokenizer(tokenizer_dir, local_files_only=False), text)
     else:
         ids = torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
     blocks = len(ids) // args.seq_len

@@ -7,9 +7,16 @@ What `atomic_directory` guarantees, and how:
 - one writer per destination: a lock file `.<name>.lock` next to it, held (`flock`) from the checks to the
   rename, so a second writer is refused at once instead of racing the first;
 - no leftovers: staging directories are named `.<name>.<pid>.<random>.tmp` (`.old` for the output being
-  replaced); a failure, Ctrl-C or SIGTERM removes
-  its own, and the next writer to the same destination removes those of processes that no longer run (SIGKILL),
-  putting back first an output that a writer killed between its two renames had moved aside;
+  replaced); a failure, Ctrl-C or SIGTERM removes its own, and the next writer to the same destination removes
+  those a killed writer left (SIGKILL, the OOM killer, a power cut), putting back first an output that a writer
+  killed between its two renames had moved aside. Every writer holds the lock for as long as any of its staging
+  directories exists, so those that the lock's holder finds are a dead writer's whatever the pid in their name
+  (which tells nothing: a container's writer is PID 1 on every run); a live writer's are never touched, since it
+  holds the lock;
+- any name the filesystem allows: where `<name>` plus what a staging name adds would be longer than that (231 bytes
+  or more, of 255), the lock file and staging directories are named after the start of `<name>` and a hash of all
+  of it (`.<start>~<hash>.lock`), the same for every writer; a longer name than the filesystem allows is refused
+  in one line;
 - an `overwrite` replaces only what looks like an earlier output (holds one of `expected`) unless it is
   `"force"`, checked at the start and again on what the final rename moves aside, and never the current working
   directory or a protected source;
@@ -23,8 +30,10 @@ What `atomic_directory` guarantees, and how:
 import contextlib
 import errno
 import fcntl
+import hashlib
 import os
 import re
+import secrets
 import shutil
 import signal
 import stat
@@ -79,16 +88,54 @@ def _signals_deferred():
             signal.raise_signal(received[0])  # now, through the handler that was in place
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, owned by another user
-        return True
-    except (OverflowError, ValueError):  # no process has that number: not a staging name we made, so not ours
-        return True
-    return True
+# What the name of a staging directory adds to the stem (`_stem`) it is named after, at most: `.` + `.<pid>.` (10
+# digits: any pid) + 8 random characters + `.tmp` (or `.old`). The lock file's `.` + `.lock` and `_put_back`'s
+# `.kept.` + 8 characters add less.
+_ADDED = 1 + 1 + 10 + 1 + 8 + 4
+_DIGEST = 16  # hex digits of the hash in a shortened stem: 64 bits, no two destinations' stems meet by chance
+
+
+def _name_max(directory: Path) -> int:
+    """The longest name, in bytes, that the filesystem of `directory` (or of its nearest existing parent) allows."""
+    for path in (directory, *directory.parents):
+        if os.path.isdir(path):
+            with contextlib.suppress(OSError, ValueError):
+                limit = os.pathconf(path, "PC_NAME_MAX")
+                if limit > 0:
+                    return limit
+            break
+    return 255  # Linux's NAME_MAX, where the filesystem does not say
+
+
+def _stem(dst: Path, name: str = "destination") -> str:
+    """What the names of `dst`'s lock file and staging directories are made of: its name, or where that would make
+    them longer than the filesystem allows (a valid name of 231 bytes or more, of 255), the start of its name and a
+    hash of all of it. Depends on `dst` only (and its filesystem), so that every writer of `dst` finds the same lock
+    file and recognises the others' staging directories."""
+    limit, encoded = _name_max(dst.parent), os.fsencode(dst.name)
+    if len(encoded) + _ADDED <= limit:
+        return dst.name
+    room = limit - _ADDED - 1 - _DIGEST
+    if room < 0:
+        raise ValueError(f"{name} {str(dst)!r}: its filesystem allows names of {limit} bytes only; the hidden "
+                         f"staging directories written next to it need {_ADDED + 1 + _DIGEST}; write it elsewhere")
+    # Cut at a character, not inside one: the staging path must stay UTF-8 (safetensors and tokenizers write in it).
+    start = encoded[:room].decode("utf-8", errors="ignore")
+    return f"{start}~{hashlib.sha256(encoded).hexdigest()[:_DIGEST]}"
+
+
+def _hidden_directory(parent: Path, prefix: str, suffix: str) -> Path:
+    """A new directory `<prefix><8 random characters><suffix>` in `parent`, private to the user (as mkdtemp makes
+    it). Named here, not by mkdtemp, whose random part is not documented: `_remove_stale_staging` must recognise
+    these names exactly, and nothing else."""
+    for _ in range(100):
+        path = parent / f"{prefix}{secrets.token_hex(4)}{suffix}"
+        try:
+            path.mkdir(mode=0o700)
+            return path
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, f"no free name {prefix}<random>{suffix} in {str(parent)!r}")
 
 
 def open_lock_file(path: Path, what: str) -> int:
@@ -112,9 +159,10 @@ def open_lock_file(path: Path, what: str) -> int:
 
 
 @contextlib.contextmanager
-def _exclusive_lock(dst: Path, name: str):
-    """Hold `.<dst name>.lock` next to `dst` (flock, exclusive, not waiting); removed when released."""
-    path = dst.parent / f".{dst.name}.lock"
+def _exclusive_lock(dst: Path, name: str, stem: str):
+    """Hold `.<stem>.lock` next to `dst` (flock, exclusive, not waiting); removed when released. The kernel releases
+    it when its holder dies, however (SIGKILL included): held, it proves that no other writer of `dst` runs."""
+    path = dst.parent / f".{stem}.lock"
     while True:
         fd = open_lock_file(path, f"{name} {str(dst)!r}")
         try:
@@ -140,20 +188,29 @@ def _exclusive_lock(dst: Path, name: str):
         os.close(fd)
 
 
-def _remove_stale_staging(dst: Path) -> None:
-    """Remove the `.<name>.<pid>.<random>.tmp` (staging) and `.old` (replaced output) directories of `dst` whose
-    process no longer runs (killed with SIGKILL, or a power cut). A writer killed between the two renames of a
-    replacement (`_replace`) left `dst` missing and the output it was replacing in its `.old`: that output is put back
-    first (the replacement never finished), not removed with it."""
-    pattern = re.compile(rf"\.{re.escape(dst.name)}\.(\d+)\.[A-Za-z0-9_]+\.(tmp|old)")
-    for path in dst.parent.iterdir():
-        match = pattern.fullmatch(path.name)
-        if match and path.is_dir() and not path.is_symlink() and not _pid_alive(int(match.group(1))):
-            replaced = path / dst.name
-            if (match.group(2) == "old" and not (dst.exists() or dst.is_symlink()) and replaced.is_dir()
-                    and not replaced.is_symlink()):
-                replaced.rename(dst)
-            shutil.rmtree(path, ignore_errors=True)
+def _remove_stale_staging(dst: Path, stem: str) -> None:
+    """Remove the `.<stem>.<pid>.<random>.tmp` (staging) and `.old` (replaced output) directories of `dst` that a
+    killed writer left (SIGKILL, the OOM killer, a power cut). Called with the lock held: every writer makes its
+    directories after it took the lock and removes them before it releases it (the kernel releases it when its
+    holder dies), so any found now is a dead writer's, whatever the pid in its name. That pid proves nothing: a
+    container's writer is PID 1 on every run (this very process's pid, then), and pids are reused; judged by it, a
+    dead writer's directories were kept for ever, and the output it had moved aside was never put back.
+    A writer killed between the two renames of a replacement (`_replace`) left `dst` missing and the output it was
+    replacing in its `.old`: that output is put back first (the replacement never finished), not removed with it.
+    (Put back by its own name: a shortened stem (`_stem`) that another destination's name equals shares its lock.)"""
+    # Exactly the names writers make (a pid of at most 10 digits, 8 random characters), so that no other directory
+    # is taken for one: the lock proves that no writer of `dst` runs, not that a look-alike name is a writer's.
+    pattern = re.compile(rf"\.{re.escape(stem)}\.\d{{1,10}}\.[a-z0-9_]{{8}}\.(tmp|old)")
+    for path in list(dst.parent.iterdir()):
+        if not pattern.fullmatch(path.name) or not path.is_dir() or path.is_symlink():
+            continue
+        if path.name.endswith(".old"):
+            for replaced in list(path.iterdir()):
+                target = dst.parent / replaced.name
+                if (replaced.is_dir() and not replaced.is_symlink() and not (target.exists() or target.is_symlink())
+                        and _stem(target) == stem):
+                    replaced.rename(target)
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def check_utf8_path(path: str | os.PathLike, name: str) -> None:
@@ -172,6 +229,7 @@ def check_destination(dst: str | os.PathLike, overwrite: bool | str = False, pro
     """Refuse, before any work, a `dst` that `atomic_directory` would refuse; returns it resolved. Every directory
     written here is a checkpoint (a model, an adapter) that safetensors must open again: its path must be UTF-8."""
     check_utf8_path(dst, name)
+    _check_name_lengths(dst, name)
     for path in (Path(dst), *Path(dst).parents):  # followed, it would write where it leads, creating folders there
         if path.is_symlink() and not path.exists():
             raise ValueError(f"{name} {str(dst)!r}: {str(path)!r} is a link to nothing ({os.readlink(path)!r}); "
@@ -207,6 +265,20 @@ def check_destination(dst: str | os.PathLike, overwrite: bool | str = False, pro
     return dst
 
 
+def _check_name_lengths(dst: str | os.PathLike, name: str) -> None:
+    """The folders of `dst` still to be created must have names that their filesystem allows (255 bytes on most):
+    a longer one failed with a bare "[Errno 36] File name too long" from wherever it was first looked at."""
+    path, new = Path(os.path.abspath(dst)), []
+    while not os.path.lexists(path) and path != path.parent:  # (lexists is False for a name too long, too)
+        new.append(path.name)
+        path = path.parent
+    limit = _name_max(path)
+    for part in new:
+        if len(os.fsencode(part)) > limit:
+            raise ValueError(f"{name} {str(dst)!r}: a name in it is {len(os.fsencode(part))} bytes long, and its "
+                             f"filesystem allows at most {limit} bytes per name; choose a shorter name")
+
+
 def _resolved(path, name: str) -> Path:
     try:
         return Path(path).resolve()
@@ -239,15 +311,19 @@ def atomic_directory(dst: str | os.PathLike, overwrite: bool | str = False, prot
     except OSError as error:
         raise ValueError(f"{name} {str(dst)!r}: cannot create its parent directory: {error}") from error
     try:
-        with _sigterm_as_interrupt(), _exclusive_lock(dst, name):
-            _remove_stale_staging(dst)
-            dst = check_destination(dst, overwrite, protect, name, expected)  # again, now that we hold the lock
-            staging = Path(tempfile.mkdtemp(prefix=f".{dst.name}.{os.getpid()}.", suffix=".tmp", dir=dst.parent))
+        stem = _stem(dst, name)
+        with _sigterm_as_interrupt(), _exclusive_lock(dst, name, stem):
+            _remove_stale_staging(dst, stem)
+            if check_destination(dst, overwrite, protect, name, expected) != dst:  # again, now that we hold the lock
+                # A link put on its way meanwhile: the lock held would not be the one that guards where it leads.
+                raise ValueError(f"{name} {str(dst)!r} came to lead elsewhere (a link on its path) while it was "
+                                 f"being locked; nothing was written")
+            staging = _hidden_directory(dst.parent, f".{stem}.{os.getpid()}.", ".tmp")
             try:
                 yield staging
-                staging.chmod(0o755)  # mkdtemp makes it private to the user
+                staging.chmod(0o755)  # made private to the user
                 with _signals_deferred():
-                    _replace(staging, dst, overwrite, name, expected)
+                    _replace(staging, dst, overwrite, name, expected, stem)
             finally:
                 shutil.rmtree(staging, ignore_errors=True)  # gone already after a successful rename
     except BaseException:
@@ -257,7 +333,8 @@ def atomic_directory(dst: str | os.PathLike, overwrite: bool | str = False, prot
         raise
 
 
-def _replace(staging: Path, dst: Path, overwrite: bool | str, name: str, expected: tuple[str, ...]) -> None:
+def _replace(staging: Path, dst: Path, overwrite: bool | str, name: str, expected: tuple[str, ...],
+             stem: str) -> None:
     """Rename `staging` to `dst`. Without `overwrite` the rename itself refuses a non-empty `dst`; with it, what is
     replaced is checked once moved aside (not only at the start: someone may have put another directory there
     meanwhile), and put back unless it is empty or, without "force", holds one of `expected`."""
@@ -271,7 +348,7 @@ def _replace(staging: Path, dst: Path, overwrite: bool | str, name: str, expecte
                                  f"written; it was left as it is and this output discarded{retry}") from error
             raise ValueError(f"{name} {str(dst)!r} could not be written: {error}") from error
         return
-    old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.{os.getpid()}.", suffix=".old", dir=dst.parent))
+    old = _hidden_directory(dst.parent, f".{stem}.{os.getpid()}.", ".old")
     try:
         try:
             dst.rename(old / dst.name)
@@ -281,31 +358,32 @@ def _replace(staging: Path, dst: Path, overwrite: bool | str, name: str, expecte
                              f"it is") from error
         replaced = old / dst.name
         if not replaced.is_dir() or replaced.is_symlink():
-            _put_back(replaced, dst, old, name)
+            _put_back(replaced, dst, old, name, stem)
             raise ValueError(f"{name} {str(dst)!r} became something other than a directory while this one was being "
                              f"written; it was left as it is and this output discarded")
         if expected and overwrite != FORCE and any(replaced.iterdir()) and not any(
                 (replaced / file).exists() for file in expected):
-            _put_back(replaced, dst, old, name)
+            _put_back(replaced, dst, old, name, stem)
             raise ValueError(f"{name} {str(dst)!r} was replaced while this one was being written by a directory "
                              f"holding no {' or '.join(expected)}, so not an earlier output; it was left as it is "
                              f"and this output discarded (overwrite='force', --overwrite twice, replaces it)")
         try:
             staging.rename(dst)
         except OSError as error:
-            _put_back(replaced, dst, old, name)
+            _put_back(replaced, dst, old, name, stem)
             raise ValueError(f"{name} {str(dst)!r} could not be replaced: {error}; it was left as it is") from error
     finally:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _put_back(replaced: Path, dst: Path, old: Path, name: str) -> None:
+def _put_back(replaced: Path, dst: Path, old: Path, name: str, stem: str) -> None:
     """Rename the directory moved aside to `replaced` back to `dst`. Should `dst` have been created again in
-    between, it is kept where it is (outside `old`, which the caller removes) and the error says where."""
+    between, it is kept where it is (outside `old`, which the caller removes) and the error says where. (Named after
+    the stem: `<name>.kept.<random>` may be longer than the filesystem allows, and failing here would lose it.)"""
     try:
         replaced.rename(dst)
     except OSError as error:
-        kept = Path(tempfile.mkdtemp(prefix=f"{dst.name}.kept.", dir=dst.parent))
+        kept = Path(tempfile.mkdtemp(prefix=f"{stem}.kept.", dir=dst.parent))
         replaced.rename(kept / dst.name)
         raise ValueError(f"{name} {str(dst)!r} was created again while being restored ({error}); what it held "
                          f"before is kept in {str(kept / dst.name)!r}") from error

@@ -6,7 +6,9 @@ out would be read as the checkpoint's) and be a regular file of at most MAX_WHOL
 waited on, a sparse file of gigabytes ended in a MemoryError inside transformers). "Inside" is the checkpoint
 folder itself or, for a snapshot of the Hugging Face cache (`models--org--name/snapshots/<revision>/`, whose files
 are links to `models--org--name/blobs/`), that repository's cache folder. (A checkpoint's path must also be valid
-UTF-8: `modeling_diff.atomic.check_utf8_path`.)
+UTF-8: `modeling_diff.atomic.check_utf8_path`.) A JSON file of a checkpoint is read through `read_checkpoint_json`,
+which applies these rules first. A folder holding a PEFT adapter, which from_pretrained applies on top of the weights,
+is refused where a checkpoint is converted or exported (`check_no_adapter`).
 
 One module for the converter (`modeling_diff.conversion`), the needle evaluation, the Hub export and LoRA: the
 model package does not import the converter.
@@ -38,6 +40,9 @@ CONFIG_FILES = ("config.json", INDEX_FILE, PT_INDEX_FILE)
 # The weights from_pretrained reads from a local folder (without `variant`): one file, or the shards of an index.
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
+# A PEFT adapter saved into a model's folder: from_pretrained(folder) applies it (`check_no_adapter`).
+ADAPTER_CONFIG = "adapter_config.json"
+
 # What loading a checkpoint that passed these rules may still raise from inside transformers, for broken contents:
 # besides OSError and ValueError, a corrupt shard's SafetensorError, a tokenizer_config.json mapping an id to a
 # number a TypeError, a field of the wrong kind an AttributeError or a KeyError. Loaders report them in one line.
@@ -67,22 +72,25 @@ def is_inside(path: Path, root: Path) -> bool:
 
 
 def check_whole_read(path: Path) -> None:
-    """Before `path` is read whole: a ValueError naming it unless it is a regular file of at most MAX_WHOLE_READ_BYTES.
-    A link to /dev/zero or a FIFO would be read forever, a file of gigabytes would end in a MemoryError (deep inside
-    transformers, for the files it reads)."""
+    """Before `path` is read whole: a ValueError naming it unless it is a regular file of at most MAX_WHOLE_READ_BYTES
+    that reports a size. A link to /dev/zero or a FIFO would be read forever, a file of gigabytes would end in a
+    MemoryError (deep inside transformers, for the files it reads), and the files of /proc report a size of 0 and may
+    block when read (/proc/kmsg hung the converter), as `modeling_diff.text_files.read_text_file` refuses them."""
     try:
         info = path.stat()
     except OSError as error:
         raise ValueError(f"{path.name} in {str(path.parent)!r} cannot be read: {error}") from error
-    if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_WHOLE_READ_BYTES:
-        what = "not a regular file" if not stat.S_ISREG(info.st_mode) else f"{info.st_size} bytes"
+    if not stat.S_ISREG(info.st_mode) or not 0 < info.st_size <= MAX_WHOLE_READ_BYTES:
+        what = ("not a regular file" if not stat.S_ISREG(info.st_mode)
+                else "an empty file, or one that reports no size (such as those of /proc), which is not read"
+                if info.st_size == 0 else f"{info.st_size} bytes")
         raise ValueError(f"{path.name} in {str(path.parent)!r} must be a regular file of at most "
                          f"{MAX_WHOLE_READ_BYTES} bytes (it is read whole), got {what}")
 
 
 def read_json_object(path: Path) -> dict:
-    """The JSON object in file `path`; a ValueError naming the file for anything else (garbage, empty, `null`), and
-    before reading it for what `check_whole_read` refuses."""
+    """The JSON object in file `path`; a ValueError naming the file for anything else (garbage, `null`), and before
+    reading it for what `check_whole_read` refuses. A file of a checkpoint is read with `read_checkpoint_json`."""
     check_whole_read(path)
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
@@ -91,6 +99,27 @@ def read_json_object(path: Path) -> dict:
     if not isinstance(value, dict):
         raise ValueError(f"{path.name} in {str(path.parent)!r} must hold a JSON object, got {json.dumps(value)[:40]}")
     return value
+
+
+def read_checkpoint_json(path: Path, name: str) -> dict:
+    """The JSON object in file `name` of checkpoint `path` (its config.json, an index, its tokenizer_config.json), read
+    only if it lies inside the checkpoint and `check_whole_read` admits it: the one rule for every such read (a
+    config.json linking to /proc/kmsg, or to another model's config, was read before it was checked)."""
+    _check_side_file(path, name, checkpoint_root(path))
+    return read_json_object(path / name)
+
+
+def check_no_adapter(path: Path) -> None:
+    """Before checkpoint `path` (a folder, or the folder of a .gguf file) is converted or exported: a ValueError unless
+    it holds no PEFT adapter. from_pretrained(path) finds ADAPTER_CONFIG (as `PeftModel.save_pretrained(path)` leaves
+    it, next to adapter_model.safetensors) and applies the adapter on top of the weights: the conversion of the
+    weights alone had other logits than the source, and carried adapter_config.json without the adapter's weights
+    into an output that did not load. The entry is never read (it may lead anywhere)."""
+    if (path / ADAPTER_CONFIG).exists() or (path / ADAPTER_CONFIG).is_symlink():
+        raise ValueError(f"{str(path)!r} holds a PEFT adapter ({ADAPTER_CONFIG}), which from_pretrained applies on top "
+                         f"of the model's weights: merge it into the model first (PeftModel's merge_and_unload(), "
+                         f"then save_pretrained to a new folder) and use that folder, or remove the adapter's files to "
+                         f"use the base model alone")
 
 
 def side_files(path: Path, patterns: tuple[str, ...] = SIDE_FILES) -> list[Path]:
@@ -105,10 +134,29 @@ def side_files(path: Path, patterns: tuple[str, ...] = SIDE_FILES) -> list[Path]
     return list(found)
 
 
+def load_tokenizer(path: str | Path, purpose: str = "", local_files_only: bool = True, **kwargs):
+    """`AutoTokenizer.from_pretrained(path, local_files_only=..., **kwargs)`, a checkpoint's files checked by the
+    caller first; whatever it raises is a ValueError naming `path`, the tokenizer's files there and `purpose`: the
+    tokenizers library raises a bare Exception for a tokenizer.json it rejects, a GGUF file without tokenizer metadata
+    is a KeyError (tracebacks, in `convert`, `export`, the needle evaluation and examples/train.py, which all load a
+    tokenizer through this)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=local_files_only, **kwargs)
+    except Exception as error:  # tokenizers fail in many ways (missing sentencepiece, a broken file, ...)
+        path = Path(path)
+        files = kwargs.get("gguf_file") or (", ".join(str(file.relative_to(path))
+                                                      for file in side_files(path, TOKENIZER_READS))
+                                            if path.is_dir() else "")  # (not a folder: a Hub id, train.py's)
+        raise ValueError(f"the tokenizer in {str(path)!r}{f' ({files})' if files else ''} could not be "
+                         f"loaded{purpose}: {type(error).__name__}: {error}") from error
+
+
 def fast_tokenizer_files(path: Path) -> list[str]:
     """The versioned tokenizer files the tokenizer_config.json of `path` names: transformers reads the one for its
     version, by a name relative to `path` that may lead anywhere (`../other/tokenizer.4.0.json`)."""
-    names = read_json_object(path / TOKENIZER_CONFIG).get("fast_tokenizer_files", [])
+    names = read_checkpoint_json(path, TOKENIZER_CONFIG).get("fast_tokenizer_files", [])
     if not isinstance(names, list) or not all(isinstance(name, str) and "\0" not in name for name in names):
         raise ValueError(f"{TOKENIZER_CONFIG} in {str(path)!r}: fast_tokenizer_files must be a list of file names, "
                          f"got {json.dumps(names)[:40]}")
@@ -208,8 +256,8 @@ def weight_files(path: Path, gguf_file: str | None = None) -> list[str]:
         return [gguf_file]
     names = [name for name in WEIGHT_FILES if (path / name).exists() or (path / name).is_symlink()]
     indexes = [INDEX_FILE, PT_INDEX_FILE]
-    explicit = read_json_object(path / "config.json").get("transformers_weights") if (path / "config.json").exists() \
-        else None
+    explicit = read_checkpoint_json(path, "config.json").get("transformers_weights") \
+        if (path / "config.json").exists() else None
     if explicit is not None:
         if not isinstance(explicit, str) or "\0" in explicit:
             raise ValueError(f"config.json in {str(path)!r}: transformers_weights must be a file name, got "
@@ -220,7 +268,7 @@ def weight_files(path: Path, gguf_file: str | None = None) -> list[str]:
             indexes.append(explicit)
     for index in dict.fromkeys(indexes):
         if (path / index).exists() or (path / index).is_symlink():
-            weight_map = read_json_object(path / index).get("weight_map")
+            weight_map = read_checkpoint_json(path, index).get("weight_map")
             if not isinstance(weight_map, dict) or not all(isinstance(name, str) and "\0" not in name
                                                            for name in weight_map.values()):
                 raise ValueError(f"{index} in {str(path)!r} must hold a 'weight_map' object of tensor name -> shard "

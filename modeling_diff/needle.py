@@ -32,7 +32,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .checkpoint_files import (CONFIG_FILES, LOADING_ERRORS, MAX_WHOLE_READ_BYTES, SIDE_FILES, check_loading_info,
-                               check_gguf, check_side_files, check_weight_files)
+                               check_gguf, check_side_files, check_weight_files, load_tokenizer)
 from .data import shakespeare
 from .extras import require
 from .text_files import read_text_file
@@ -374,13 +374,13 @@ def main(argv: list[str] | None = None) -> NeedleResult:
             parser.error(f"--gguf-file {error}")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     import modeling_diff  # noqa: F401  (registers the DiffLlama Auto classes)
 
     kwargs = {"gguf_file": args.gguf_file} if args.gguf_file else {}
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, **kwargs)
+        tokenizer = load_tokenizer(model_dir, **kwargs)
         model, info = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, output_loading_info=True,
                                                            ignore_mismatched_sizes=True, **kwargs)
         check_loading_info(model_dir, info)  # a tensor missing would be evaluated at its random start

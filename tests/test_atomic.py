@@ -125,3 +125,161 @@ def test_a_destination_through_a_link_to_nothing_is_refused(tmp_path, where, cap
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "is a link to nothing" in err and "Traceback" not in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "src"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Killed writers whose pid is this process's (a container's writer is PID 1 on every run), live writers in other
+# processes, and names as long as the filesystem allows.
+# ----------------------------------------------------------------------------------------------------------
+
+# A writer in a process of its own, loading `atomic_directory` from its file (without torch: it starts in
+# milliseconds). Given a pid, it names its directories with it, as a writer with that pid does: a container's
+# converter is PID 1 on every run, so a rerun's pid is the dead run's. It stops (prints READY and waits for a line
+# on stdin, or sleeps) mid-write or between the two renames of its replacement of `dst`, to be killed or resumed.
+_WRITER = """
+import importlib.util, os, sys, time
+from pathlib import Path
+spec = importlib.util.spec_from_file_location("atomic", sys.argv[1])
+atomic = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(atomic)
+dst, pid, stop = Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+if pid:
+    os.getpid = lambda: pid
+rename = Path.rename
+def rename_then_stop(self, target):
+    result = rename(self, target)
+    if self == dst and stop == "between the renames":  # the old output moved aside, the new one not yet in place
+        print("READY", flush=True)
+        time.sleep(120)
+    return result
+Path.rename = rename_then_stop
+with atomic.atomic_directory(dst, overwrite=True, expected=("config.json",)) as staging:
+    (staging / "model.safetensors").write_bytes(bytes(1 << 20))
+    (staging / "config.json").write_text("new")
+    if stop == "mid-write":
+        print("READY", flush=True)
+        sys.stdin.readline()
+"""
+
+
+def _start_writer(dst: Path, stop: str, pid: int = 0) -> subprocess.Popen:
+    import modeling_diff.atomic
+
+    process = subprocess.Popen([sys.executable, "-c", _WRITER, modeling_diff.atomic.__file__, str(dst), str(pid),
+                                stop], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert process.stdout.readline().strip() == "READY"
+    return process
+
+
+def _kill(process: subprocess.Popen) -> None:
+    process.kill()  # SIGKILL: nothing of the writer runs, as after the OOM killer or `docker kill`
+    process.communicate(timeout=60)
+    assert process.returncode == -signal.SIGKILL
+
+
+def _long_name(directory: Path, fill: str = "a") -> str:
+    """The longest name the filesystem of `directory` allows (255 bytes on most), of `fill` characters."""
+    return fill * (os.pathconf(directory, "PC_NAME_MAX") // len(fill.encode()))
+
+
+@pytest.mark.parametrize("dst_name", ["out", "longest"])
+def test_a_killed_writer_of_this_very_pid_leaves_nothing_to_the_next(tmp_path, dst_name):
+    """A writer SIGKILLed mid-write whose pid was this process's (containers: PID 1, run after run): its staging
+    directory was kept for ever, "its process still runs". Whoever holds the lock knows that no other writer of the
+    destination runs, whatever the pid in a name: the next writer removes it."""
+    dst = tmp_path / (_long_name(tmp_path) if dst_name == "longest" else dst_name)
+    _kill(_start_writer(dst, "mid-write", pid=os.getpid()))
+    (left,) = [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]  # with the half-written output
+    assert f".{os.getpid()}." in left.name and (left / "model.safetensors").is_file() and not dst.exists()
+    with atomic_directory(dst) as staging:
+        (staging / "config.json").write_text("rerun")
+    assert (dst / "config.json").read_text() == "rerun" and [p.name for p in tmp_path.iterdir()] == [dst.name]
+
+
+@pytest.mark.parametrize("dst_name", ["out", "longest"])
+def test_a_writer_of_this_very_pid_killed_between_the_two_renames_has_the_old_output_put_back(tmp_path, dst_name):
+    """Killed after it moved the old output aside and before the new one was in place, with this process's pid
+    (containers): the next writer wrote a fresh destination without overwrite (exit 0), the old output hidden in the
+    dead writer's `.old`, and a later writer of another pid deleted it. It is put back first: not replaced without
+    overwrite, and nothing hidden is left."""
+    dst = tmp_path / (_long_name(tmp_path) if dst_name == "longest" else dst_name)
+    with atomic_directory(dst) as staging:
+        (staging / "config.json").write_text("old")
+    _kill(_start_writer(dst, "between the renames", pid=os.getpid()))
+    assert not dst.exists() and any(p.name.endswith(".old") for p in tmp_path.iterdir())
+    with pytest.raises(ValueError, match="exists and is not empty"):  # the old output is back, not replaced
+        with atomic_directory(dst):
+            pass
+    assert (dst / "config.json").read_text() == "old" and [p.name for p in tmp_path.iterdir()] == [dst.name]
+    with atomic_directory(dst, overwrite=True, expected=("config.json",)) as staging:  # and replaced when asked
+        (staging / "config.json").write_text("new")
+    assert (dst / "config.json").read_text() == "new" and [p.name for p in tmp_path.iterdir()] == [dst.name]
+
+
+def test_leftovers_named_with_this_pid_are_removed_and_look_alikes_kept(tmp_path):
+    """Staging directories named with this process's pid that no writer holds (the lock is free) are a dead
+    writer's; those of another destination, and names no writer makes, are left alone."""
+    pid = os.getpid()
+    staging, old = tmp_path / f".out.{pid}.abcd1234.tmp", tmp_path / f".out.{pid}.0123abcd.old"
+    (staging / "half").mkdir(parents=True)
+    (old / "out").mkdir(parents=True)
+    (old / "out" / "config.json").write_text("old")
+    kept = [tmp_path / f".out2.{pid}.abcd1234.tmp", tmp_path / f".out.{pid}.abcd1234.tmp.1",
+            tmp_path / ".out.2024.backup.old", tmp_path / f".out.{pid}.abc.tmp", tmp_path / ".out.notes",
+            tmp_path / ".out.99999999999999999999.abcd1234.tmp"]  # (no pid has 20 digits)
+    for path in kept:
+        path.mkdir()
+    with pytest.raises(ValueError, match="exists and is not empty"):
+        with atomic_directory(tmp_path / "out"):
+            pass
+    assert (tmp_path / "out" / "config.json").read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", *(p.name for p in kept)])
+
+
+def test_a_live_writer_in_another_process_is_never_touched(tmp_path, monkeypatch):
+    """Two writers of one destination, in two processes: the second is refused (with its own pid, and with the
+    first one's, as two containers sharing a volume can have) and leaves the first's staging directory alone, as do
+    writers of other destinations beside it, one named like the first's staging; the first then completes."""
+    dst = tmp_path / "out"
+    first = _start_writer(dst, "mid-write")
+    try:
+        (staging,) = [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+        for pid in (os.getpid(), first.pid):
+            monkeypatch.setattr(os, "getpid", lambda: pid)
+            with pytest.raises(ValueError, match="is being written by another process"):
+                with atomic_directory(dst, overwrite=True):
+                    pass
+            monkeypatch.undo()
+        for other in ("out2", f"out.{first.pid}", "ou"):
+            with atomic_directory(tmp_path / other) as other_staging:
+                (other_staging / "config.json").write_text(other)
+        assert (staging / "model.safetensors").is_file() and not dst.exists()
+        first.communicate("go on\n", timeout=60)
+    finally:
+        first.kill()
+    assert first.returncode == 0 and (dst / "config.json").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", "out2", f"out.{first.pid}", "ou"])
+
+
+@pytest.mark.parametrize("length", [-25, -24, -15, -6, -5, 0, "é"])
+def test_any_name_the_filesystem_allows_is_written_and_replaced(tmp_path, length):
+    """A name of 234 to 249 bytes (of 255) failed with a bare "[Errno 36] File name too long" on the staging
+    directory (which adds up to 22 bytes), and one of 250 or more on the lock file: the names of both are made of
+    the start of the name and a hash of it where the whole would be too long, cut at a character."""
+    limit = os.pathconf(tmp_path, "PC_NAME_MAX")
+    name = _long_name(tmp_path, "é") if length == "é" else "a" * (limit + length)
+    dst = tmp_path / name
+    for content in ("first", "second"):  # the second replaces the first (its `.old`)
+        with atomic_directory(dst, overwrite=True, expected=("config.json",)) as staging:
+            assert len(os.fsencode(staging.name)) <= limit
+            staging.name.encode("utf-8")  # a UTF-8 path, as safetensors and tokenizers need
+            (staging / "config.json").write_text(content)
+    assert (dst / "config.json").read_text() == "second" and [p.name for p in tmp_path.iterdir()] == [name]
+
+
+def test_a_name_longer_than_the_filesystem_allows_is_refused_in_one_line(tmp_path):
+    dst = tmp_path / "new" / ("a" * (os.pathconf(tmp_path, "PC_NAME_MAX") + 1))
+    with pytest.raises(ValueError, match=r"a name in it is \d+ bytes long, and its filesystem allows at most \d+"):
+        with atomic_directory(dst):
+            pass
+    assert list(tmp_path.iterdir()) == []

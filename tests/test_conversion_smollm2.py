@@ -49,7 +49,7 @@ def test_gguf_file_is_converted_to_a_directory(smollm2, tmp_path, monkeypatch):
         return load
 
     monkeypatch.setattr(convert_module.AutoModelForCausalLM, "from_pretrained", from_pretrained(model))
-    monkeypatch.setattr(convert_module.AutoTokenizer, "from_pretrained", from_pretrained(tokenizer))
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", from_pretrained(tokenizer))
     dst = convert_checkpoint(gguf, tmp_path / "smollm2-dex", heads="all", progress=False)
     monkeypatch.undo()
     assert loaded == [(gguf.parent, SMOLLM2_GGUF)] * 2

@@ -431,6 +431,17 @@ def test_training_script_saves_nothing_on_any_rank_when_training_diverges_under_
     assert not (tmp_path / "out").exists()
 
 
+def test_training_script_reports_a_tokenizer_that_does_not_load_in_one_line(tmp_path):
+    """A tokenizer.json that the tokenizers library rejects (a model type it does not know) raised a bare Exception:
+    a traceback with exit status 1."""
+    tokenizer = tmp_path / "tokenizer"
+    byte_tokenizer().save_pretrained(tokenizer)
+    data = json.loads((tokenizer / "tokenizer.json").read_text())
+    (tokenizer / "tokenizer.json").write_text(json.dumps({**data, "model": {"type": "Nope"}}))
+    line = training_script_error(tmp_path, "--model", "tiny-v1", "--tokenizer", str(tokenizer))
+    assert f"the tokenizer in {str(tokenizer)!r} (" in line and "could not be loaded: Exception: " in line
+
+
 def test_training_script_refuses_a_text_it_cannot_train_on_before_the_model_is_built(tmp_path):
     """A text shorter than --seq-len, and token ids beyond the model's vocabulary, ended in exit status 1 after the
     model was built, the second telling to "pass --tokenizer" where one was passed. One line, exit status 2."""

@@ -358,15 +358,18 @@ def test_killed_and_terminated_writers_leave_nothing(src, tmp_path):
     assert hidden_leftovers(tmp_path) == [] and (tmp_path / "SIGKILL" / "config.json").is_file()
 
 
-def test_stale_staging_of_a_live_process_or_another_destination_is_kept(src, tmp_path):
-    live = tmp_path / f".dst.{os.getpid()}.abcd1234.tmp"  # this process is alive
+def test_stale_staging_of_this_destination_is_removed_whatever_its_pid_and_another_destination_s_kept(src, tmp_path):
+    """The lock held, every staging directory of DST is a dead writer's, even one named with this process's pid (a
+    container's converter is PID 1 on every run); another destination's and other names are kept. A live writer's
+    are never reached: it holds the lock (tests/test_atomic.py)."""
+    own_pid = tmp_path / f".dst.{os.getpid()}.abcd1234.tmp"
     other = tmp_path / ".dst2.999999999.abcd1234.tmp"  # another destination's
     unrelated = tmp_path / ".dst.notes"
-    dead = tmp_path / ".dst.999999999.abcd1234.old"  # no such process (above the kernel's pid_max)
-    for path in (live, other, unrelated, dead):
+    dead = tmp_path / ".dst.999999999.abcd1234.old"
+    for path in (own_pid, other, unrelated, dead):
         path.mkdir()
     convert_checkpoint(src, tmp_path / "dst", heads="all", progress=False)
-    assert hidden_leftovers(tmp_path) == sorted(p.name for p in (live, other, unrelated))
+    assert hidden_leftovers(tmp_path) == sorted(p.name for p in (other, unrelated))
 
 
 def test_a_failed_final_rename_leaves_the_old_output_and_nothing_else(src, tmp_path, monkeypatch):
@@ -488,7 +491,9 @@ def _edit_config(src: Path, **fields) -> None:
 
 @pytest.mark.parametrize(
     "config_text,message",
-    [("", "config.json in .* is not valid JSON"), ("{garbage", "is not valid JSON"),
+    # empty: refused before it is read, as the files of /proc that report a size of 0 (/proc/kmsg hung a read)
+    [("", "config.json in .* must be a regular file .* got an empty file, or one that reports no size \\(such as "
+      "those of /proc\\)"), ("{garbage", "is not valid JSON"),
      ("null", "must hold a JSON object, got null"), ("[1, 2]", "must hold a JSON object"),
      (b"\xff\xfe", "is not valid JSON")],
 )
@@ -643,7 +648,7 @@ def no_output_or_tokenizer(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("read or written before the source's files were checked")
 
-    monkeypatch.setattr(convert_module.AutoTokenizer, "from_pretrained", refuse)
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", refuse)
     monkeypatch.setattr(convert_module, "atomic_directory", refuse)
 
 
@@ -1119,13 +1124,16 @@ def test_a_calibration_text_of_one_token_is_refused_naming_it(src, tmp_path, cap
 
 
 def test_non_finite_weights_are_refused_by_the_entropy_selection(tmp_path, capsys):
-    """topk ranks NaN highest: the heads of a layer whose attention is NaN were chosen arbitrarily, exit 0."""
+    """topk ranks NaN highest: the heads of a layer whose attention is NaN were chosen arbitrarily, exit 0. With the
+    heads chosen, the tensor itself is refused (`test_non_finite_weights_are_refused_naming_the_tensor`)."""
     model = tiny_llama()
     with torch.no_grad():
         model.model.layers[1].self_attn.q_proj.weight[0, 0] = float("nan")
     with pytest.raises(ValueError, match="the attention of layer 1 is not finite"):
         convert_model(model, calibration=token_ids(), progress=False)
-    assert convert_model(model, heads="all", progress=False) is not None  # chosen heads: converted as they are
+    with pytest.raises(ValueError, match="tensor 'model.layers.1.self_attn.q_proj.weight' in the source model holds "
+                                         "NaN or inf values"):
+        convert_model(model, heads="all", progress=False)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1208,3 +1216,194 @@ def test_the_demo_replaces_an_existing_output_only_with_overwrite(tmp_path, caps
     assert result["same_tokens"] and not (precious / "NOTES.txt").exists()
     assert AutoConfig.from_pretrained(precious).model_type == "diff_llama"
     assert hidden_leftovers(tmp_path) == []
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 11. A source is what from_pretrained(SRC) loads, read by the rules above, or it is refused in one line: a PEFT
+#     adapter beside the weights, non-finite weights, a tokenizer that does not load or encode, options of
+#     another kind of source.
+# ----------------------------------------------------------------------------------------------------------
+
+
+def export_error(argv: list[str], capsys) -> str:
+    """`modeling-diff export ARGV`, which must exit with status 2 and one error line; returns that line."""
+    return cli_error(["export", *argv], capsys, quiet=False)
+
+
+def _save_lora(model, folder: Path) -> Path:
+    """A non-zero LoRA of `model` saved into `folder` as PEFT saves one (adapter_config.json and
+    adapter_model.safetensors)."""
+    from peft import LoraConfig, get_peft_model
+
+    get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+                   ).save_pretrained(folder)
+    return folder
+
+
+def _link_in(folder: Path, files: Path) -> None:
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        (folder / name).symlink_to(files / name)
+
+
+@pytest.mark.parametrize("where", ["saved into SRC", "linked from outside SRC"])
+def test_a_source_holding_a_peft_adapter_is_refused_before_anything_is_written(src, tmp_path, capsys, where):
+    """`PeftModel.save_pretrained(SRC)` leaves adapter_config.json and adapter_model.safetensors next to the model:
+    from_pretrained(SRC) applies the adapter. The converter converted the weights alone (other logits than
+    from_pretrained(SRC)) and carried adapter_config.json without the adapter's weights, exit 0: DST did not load.
+    Refused by name, the adapter's files never read (linked in, they lead anywhere)."""
+    if where == "saved into SRC":
+        _save_lora(AutoModelForCausalLM.from_pretrained(src), src)
+    else:
+        _link_in(src, _save_lora(AutoModelForCausalLM.from_pretrained(src), tmp_path / "lora"))
+    before, _ = tree_hash(src), capsys.readouterr()  # the progress bars of saving it
+    line = cli_error(["convert", str(src), str(tmp_path / "dst"), "--heads", "all"], capsys)
+    assert f"{str(src)!r} holds a PEFT adapter (adapter_config.json)" in line and "merge_and_unload()" in line, line
+    assert not (tmp_path / "dst").exists() and tree_hash(src) == before
+
+
+def test_export_of_a_source_holding_a_peft_adapter_is_refused_before_it_is_read(pristine, tmp_path, capsys):
+    """export read the adapter linked into SRC (transformers' PEFT lookup) and failed on PEFT's version, or with a
+    missing staging config.json once PEFT's version passed."""
+    src = convert_checkpoint(pristine, tmp_path / "dex", heads="all", progress=False)
+    _link_in(src, _save_lora(AutoModelForCausalLM.from_pretrained(src), tmp_path / "lora"))
+    capsys.readouterr()  # the progress bars of saving it
+    line = export_error([str(src), str(tmp_path / "out")], capsys)
+    assert "holds a PEFT adapter (adapter_config.json)" in line and "merge_and_unload()" in line, line
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("target", ["/proc/kmsg", "/proc/self/status", "a diffllama config"])
+def test_a_config_json_linking_out_of_the_source_is_refused_before_it_is_read(src, tmp_path, capsys, monkeypatch,
+                                                                             target):
+    """Telling a transformers diffllama source from a Llama, the converter read config.json before the checks that it
+    is a regular file inside SRC: `config.json -> /proc/kmsg` (a regular file of size 0, read forever) hung it. The
+    read of a config.json outside SRC fails here instead of hanging."""
+    if target == "/proc/kmsg" and not os.path.exists(target):
+        pytest.skip("no /proc/kmsg here")
+    if target == "a diffllama config":
+        (tmp_path / "other").mkdir()
+        (tmp_path / "other" / "config.json").write_text(json.dumps({"model_type": "diffllama"}))
+        target = tmp_path / "other" / "config.json"
+    read_text = Path.read_text
+
+    def checked_read_text(path, *args, **kwargs):
+        if path.name == "config.json" and not path.resolve().is_relative_to(src.resolve()):
+            raise AssertionError(f"{path} was read before it was checked")
+        return read_text(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", checked_read_text)
+    (src / "config.json").unlink()
+    (src / "config.json").symlink_to(target)
+    line = cli_error(["convert", str(src), str(tmp_path / "dst"), "--heads", "all"], capsys)
+    assert "config.json in" in line and "outside the checkpoint" in line, line
+    assert not (tmp_path / "dst").exists()
+
+
+def test_a_gguf_file_without_tokenizer_metadata_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """A .gguf whose tokenizer.ggml.* metadata is missing: a KeyError('tokens') traceback, after the whole model was
+    dequantised. The tokenizer now loads first (from the metadata, in a moment), and its failure is one line."""
+    import transformers
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("loaded"))
+    crafted = write_gguf_header(tmp_path / "model.gguf", 2, range(2))
+    line = cli_error(["convert", str(crafted), str(tmp_path / "dst"), "--heads", "all"], capsys)
+    assert f"the tokenizer in {str(tmp_path)!r} (model.gguf) could not be loaded from the file's tokenizer.ggml.* " \
+           f"metadata" in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]
+
+
+def test_export_of_a_tokenizer_json_that_tokenizers_rejects_is_one_line(pristine, tmp_path, capsys):
+    """The Rust tokenizers library raises a bare Exception for JSON it does not take: a traceback, exit status 1."""
+    src = convert_checkpoint(pristine, tmp_path / "dex", heads="all", progress=False)
+    tokenizer = json.loads((src / "tokenizer.json").read_text())
+    (src / "tokenizer.json").write_text(json.dumps({**tokenizer, "model": {"type": "Nope"}}))
+    line = export_error([str(src), str(tmp_path / "out")], capsys)
+    assert f"the tokenizer in {str(src)!r} (tokenizer.json" in line and "could not be loaded: Exception: " in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_calibration_text_the_tokenizer_cannot_encode_is_one_line(tmp_path, capsys):
+    """A WordLevel tokenizer whose unk_token is not in its vocabulary loads, and fails on the first unknown word:
+    tokenizers' bare Exception was a traceback (the default conversion, on the packaged text)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    src = tmp_path / "src"
+    tiny_llama().save_pretrained(src)
+    backend = Tokenizer(models.WordLevel(vocab={"a": 0, "b": 1, "<unk>": 2}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=backend).save_pretrained(src)
+    tokenizer = json.loads((src / "tokenizer.json").read_text())
+    del tokenizer["model"]["vocab"]["<unk>"]
+    (src / "tokenizer.json").write_text(json.dumps(tokenizer))
+    capsys.readouterr()  # the progress bars of saving it
+    line = cli_error(["convert", str(src), str(tmp_path / "dst")], capsys)
+    assert "calibration text (--calibration-file, or the packaged text) could not be tokenised with the source's " \
+           "tokenizer: Exception: " in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+@pytest.fixture
+def diffllama_src(tmp_path):
+    """A transformers `diffllama` checkpoint (it converts to an exact V1, every head kept)."""
+    from transformers import DiffLlamaConfig as TransformersDiffLlamaConfig
+    from transformers import DiffLlamaForCausalLM as TransformersDiffLlamaForCausalLM
+
+    torch.manual_seed(0)
+    TransformersDiffLlamaForCausalLM(TransformersDiffLlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2)).save_pretrained(tmp_path / "diffllama")
+    return tmp_path / "diffllama"
+
+
+@pytest.mark.parametrize("option,value", [("--head-fraction", "0.25"), ("--anneal-steps", "5"),
+                                          ("--calibration-file", "sonnet.txt")])
+def test_options_of_a_llama_source_are_refused_for_a_diffllama_source(diffllama_src, tmp_path, capsys, option,
+                                                                       value):
+    """--head-fraction and --anneal-steps were ignored, exit 0, as if applied; --calibration-file asked for a
+    tokenizer for a text the conversion never used."""
+    (tmp_path / "sonnet.txt").write_text(TEXT)
+    value = str(tmp_path / value) if option == "--calibration-file" else value
+    line = cli_error(["convert", str(diffllama_src), str(tmp_path / "dst"), option, value], capsys)
+    assert f"({option}) given, but method and heads must be left unset to convert 'diffllama' to 'diff_llama'" in line
+    assert "V1 does not anneal" in line and not (tmp_path / "dst").exists()
+    with pytest.raises(ValueError, match=r"anneal_steps \(--anneal-steps\) given"):
+        convert_checkpoint(diffllama_src, tmp_path / "dst", anneal_steps=1000, progress=False)
+
+
+@pytest.mark.parametrize("tensor,value,argv", [
+    ("lm_head.weight", float("nan"), []),  # the entropy calibration never reaches it
+    ("model.norm.weight", float("inf"), ["--heads", "all"]),
+    ("model.layers.0.self_attn.q_proj.weight", float("nan"), ["--method", "v2"]),
+])
+def test_non_finite_weights_are_refused_naming_the_tensor(tmp_path, capsys, tensor, value, argv):
+    """Converted silently (exit 0) wherever no entropy calibration ran through them: the output's logits were NaN."""
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "src"
+    tiny_llama().save_pretrained(src)
+    byte_tokenizer().save_pretrained(src)
+    state = load_file(src / "model.safetensors")
+    state[tensor][0, ...] = value
+    save_file(state, src / "model.safetensors", metadata={"format": "pt"})
+    capsys.readouterr()  # the progress bars of saving it
+    line = cli_error(["convert", str(src), str(tmp_path / "dst"), *argv], capsys)
+    assert f"tensor {tensor!r} in model.safetensors holds NaN or inf values" in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_a_tied_checkpoint_holding_only_lm_head_converts_as_transformers_loads_it(tmp_path):
+    """tie_word_embeddings=true and only lm_head.weight stored (no model.embed_tokens.weight): transformers loads that
+    tensor as the embedding both share; the converter refused the source ("model.embed_tokens.weight missing")."""
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "src"
+    tiny_llama("llama-mqa-tied-bias").save_pretrained(src)
+    byte_tokenizer().save_pretrained(src)
+    state = load_file(src / "model.safetensors")
+    state["lm_head.weight"] = state.pop("model.embed_tokens.weight")
+    save_file(state, src / "model.safetensors", metadata={"format": "pt"})
+    source = _loaded(src)
+    converted = _loaded(convert_checkpoint(src, tmp_path / "dst", progress=False))  # entropy heads: read as loaded
+    assert converted.config.tie_word_embeddings and converted.lm_head.weight is converted.model.embed_tokens.weight
+    torch.testing.assert_close(_logits(converted), _logits(source), rtol=0, atol=0)

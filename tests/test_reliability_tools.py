@@ -475,10 +475,21 @@ def broken_tokenizer_source(model_dir: Path, tmp_path: Path) -> Path:
     return src
 
 
-def test_export_and_needle_report_a_broken_tokenizer_in_one_line(model_dir, tmp_path, capsys):
+def rejected_tokenizer_json_source(model_dir: Path, tmp_path: Path) -> Path:
+    """`model_dir` copied with a tokenizer.json of a model type the tokenizers library does not know: it raises a
+    bare Exception."""
+    src = Path(shutil.copytree(model_dir, tmp_path / "src"))
+    tokenizer = json.loads((src / "tokenizer.json").read_text())
+    (src / "tokenizer.json").write_text(json.dumps({**tokenizer, "model": {"type": "Nope"}}))
+    return src
+
+
+@pytest.mark.parametrize("broken", [broken_tokenizer_source, rejected_tokenizer_json_source])
+def test_export_and_needle_report_a_broken_tokenizer_in_one_line(model_dir, tmp_path, capsys, broken):
     """`"added_tokens_decoder": {"0": 5}` in tokenizer_config.json was a TypeError traceback in both (what broken
-    files raise inside transformers is not only OSError and ValueError)."""
-    src = broken_tokenizer_source(model_dir, tmp_path)
+    files raise inside transformers is not only OSError and ValueError); a tokenizer.json that the tokenizers library
+    rejects, a bare Exception, was a traceback in both too."""
+    src = broken(model_dir, tmp_path)
     assert "could not be loaded" in export_error([str(src), str(tmp_path / "out")], capsys)
     assert "could not be loaded" in needle_error([str(src), "--out", str(tmp_path / "out")], capsys)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
