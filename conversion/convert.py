@@ -31,7 +31,8 @@ from modeling_diff.modeling_diff_llama import DiffLlamaForCausalLM
 from . import diffllama
 from .calibration import chooses_heads_by_entropy, with_default_calibration
 from .heads import attention_entropy, check_calibration_ids, check_head_fraction, resolve_heads, top_entropy_heads
-from .mapping import TensorMapping, check_finite, check_method, tied_as_loaded, tied_renames
+from .mapping import (TensorMapping, check_finite, check_method, check_source_architecture, tied_as_loaded,
+                      tied_renames)
 from .sources import INDEX_FILE, SINGLE_FILE, CheckpointDir
 
 logger = logging.getLogger(__name__)
@@ -281,6 +282,8 @@ def convert_checkpoint(
     source = CheckpointDir(src)
     _check_source_dtype(source.config, src)
     source_config = _source_config(src)
+    if not between_diffllamas:
+        check_source_architecture(source_config)
     source.load_as(tied_renames(source_config, source.weight_map))  # the tensors as from_pretrained(src) names them
     source_config = tied_as_loaded(source_config, source.weight_map, source.get)
     if isinstance(calibration, str) and chooses_heads_by_entropy(method, heads):

@@ -104,10 +104,10 @@ def _qwen2_slides(config: PreTrainedConfig) -> bool:
     return "sliding_attention" in layer_types if layer_types is not None else bool(config.use_sliding_window)
 
 
-def diff_config_from_source(
-    source_config: PreTrainedConfig, method: str = "dex", dex_heads: list | None = None, anneal_steps: int = 0,
-) -> DiffLlamaConfig:
-    """The DiffLlamaConfig of the converted model. `dex_heads` (one list per layer) only for `method="dex"`."""
+def check_source_architecture(source_config: PreTrainedConfig) -> None:
+    """A ValueError unless `source_config` is of a family this converter maps (a Llama, a Mistral or a Qwen2 without
+    sliding-window layers). Checked first: a DEX output converted again asked for a tokenizer before it was told that
+    a diff_llama is no source."""
     model_type = getattr(source_config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model_type must be one of {SUPPORTED_MODEL_TYPES}, got {model_type!r}")
@@ -121,6 +121,14 @@ def diff_config_from_source(
                          f"use_sliding_window must be False, or max_window_layers >= num_hidden_layers "
                          f"({source_config.num_hidden_layers}), got max_window_layers "
                          f"{getattr(source_config, 'max_window_layers', None)}")
+
+
+def diff_config_from_source(
+    source_config: PreTrainedConfig, method: str = "dex", dex_heads: list | None = None, anneal_steps: int = 0,
+) -> DiffLlamaConfig:
+    """The DiffLlamaConfig of the converted model. `dex_heads` (one list per layer) only for `method="dex"`."""
+    check_source_architecture(source_config)
+    model_type = source_config.model_type
     fields = {name: getattr(source_config, name) for name in _SHARED_FIELDS}
     head_dim = getattr(source_config, "head_dim", None)
     if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1):

@@ -23,7 +23,7 @@ from test_conversion import tiny_llama, token_ids
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import modeling_diff.conversion.convert as convert_module
-from modeling_diff import DiffLlamaForCausalLM
+from modeling_diff import DiffLlamaForCausalLM, preset_config
 from modeling_diff.conversion import convert_checkpoint, convert_model
 from modeling_diff.conversion.cli import main
 
@@ -531,6 +531,17 @@ def test_bad_source_configs(src, tmp_path, capsys, fields, message):
     error = cli_error(["convert", str(src), str(tmp_path / "dst"), "--heads", "all"], capsys)
     messages = message if isinstance(message, tuple) else (message,)  # either of the versions' messages
     assert any(text.format(src=str(src)) in error for text in messages), error
+    assert not (tmp_path / "dst").exists()
+
+
+def test_a_converted_model_given_again_as_the_source_is_told_so_first(tmp_path, capsys):
+    """A DEX output converted again with the default (entropy) heads was told that it had no tokenizer for the
+    calibration text; only with --heads all that a diff_llama is no source. The architecture is checked first."""
+    src = tmp_path / "dex"
+    DiffLlamaForCausalLM(preset_config("tiny-dex")).save_pretrained(src)
+    capsys.readouterr()  # the progress bar of saving it
+    line = cli_error(["convert", str(src), str(tmp_path / "dst")], capsys)
+    assert "model_type must be one of ('llama', 'mistral', 'qwen2'), got 'diff_llama'" in line
     assert not (tmp_path / "dst").exists()
 
 
