@@ -758,10 +758,24 @@ class DexAttention(_LlamaLayoutAttention):
         operator = head_lambda[:, None, None] * self.operator(eye)  # (h, d, d): lambda_h F
         return F.linear(attn_output, dex_folded_weight(self.o_proj.weight, operator), self.o_proj.bias)
 
+    def operator_is_its_weight(self) -> bool:
+        """Whether f_D(x) = x W^T with W = `dex_proj.weight`, as the kernels that read W compute it: f_D a plain
+        Linear, or PEFT's `modules_to_save` wrapper of plain Linears (whose `weight` is that of the copy it runs).
+        Not an adapter layer on f_D (LoRA, DoRA, IA3, ...: `target_modules="all-linear"` wraps it), whose `weight` is
+        its base layer's: the decode kernel read that and dropped the adapter's term (a LoRA on f_D had no effect on
+        the logits of a step of up to 16 tokens, generate's every step)."""
+        module = self.dex_proj
+        if is_plain_linear(module):
+            return True
+        copies = getattr(module, "modules_to_save", None)
+        return (isinstance(copies, nn.ModuleDict) and isinstance(getattr(module, "original_module", None), nn.Module)
+                and runs_own_forward(module)
+                and all(map(is_plain_linear, (module.original_module, *copies.values()))))
+
     def decode_applies(self, implementation, query, key, value, attention_mask, kwargs) -> bool:
-        """Whether `decode_heads` takes this step: f_D a plain Parameter or PEFT's trained copy (a LoRA-adapted f_D
-        takes the plain path), and the decode kernel's shapes."""
-        return type(self.dex_proj.weight) is nn.Parameter and super().decode_applies(
+        """Whether `decode_heads` takes this step: f_D its weight (`operator_is_its_weight`), and the decode kernel's
+        shapes."""
+        return self.operator_is_its_weight() and super().decode_applies(
             implementation, query, key, value, attention_mask, kwargs
         )
 

@@ -2441,6 +2441,32 @@ def test_lora_model_decoding_on_the_kernel_equals_eager(mode, monkeypatch):
     assert len(kernel_calls) == steps.shape[1] * eager.config.num_hidden_layers
 
 
+def test_a_lora_on_dex_s_operator_decodes_on_the_kernels_as_eager():
+    """PEFT's own `LoraConfig(target_modules="all-linear")` wraps f_D (`dex_proj`) in a LoRA layer, whose `weight` is
+    its base layer's: the decode kernel read that and dropped the adapter's term, so every step of up to 16 tokens
+    computed the base model's f_D (greedy tokens differed from the third on). Such an f_D takes the plain path."""
+    from peft import LoraConfig, get_peft_model
+
+    eager, _ = model_pair("dex", FAST)
+    model = get_peft_model(eager, LoraConfig(target_modules="all-linear", lora_dropout=0.0)).eval()
+    assert type(model.base_model.model.model.layers[0].self_attn.dex_proj).__name__ == "Linear"  # PEFT's LoRA layer
+    with torch.no_grad():  # a trained adapter: its term in f_D non-zero
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    ids, mask = padded_batch(eager.config.vocab_size, length=6)
+    steps = torch.randint(3, eager.config.vocab_size, (ids.shape[0], 2), device=DEVICE)
+    logits = []
+    for implementation in ("eager", FAST):
+        model.base_model.model.set_attn_implementation(implementation)
+        logits.append(decode(model, DynamicCache, ids, mask, steps))
+    with model.disable_adapter():
+        model.base_model.model.set_attn_implementation("eager")
+        base = decode(model, DynamicCache, ids, mask, steps)
+    assert rel_err(logits[0], base) > 10 * TOL  # the adapter on f_D changes the logits
+    assert rel_err(logits[1], logits[0]) < TOL
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("length", [5, 40])  # the decode kernel; the flash-diff kernel (V1) or SDPA
 def test_static_cache_prefill_without_mask_equals_eager(mode, length):
