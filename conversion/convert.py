@@ -181,9 +181,28 @@ def convert_model(
     if unexpected or set(missing) - {"lm_head.weight"}:
         raise RuntimeError(f"internal error: converted tensors do not fit the model: {missing=} {unexpected=}")
     result.tie_weights()  # lm_head.weight = embed_tokens.weight when tie_word_embeddings
+    carry_rotary_state(model, result)
     result.config._attn_implementation = model.config._attn_implementation
     result.generation_config = copy.deepcopy(model.generation_config)
     return result.train(model.training)
+
+
+def carry_rotary_state(source: PreTrainedModel, result: DiffLlamaForCausalLM) -> None:
+    """The source's RoPE as it computes now, not as a new model would: its inverse frequencies are a buffer outside
+    the state dict, which `.to(torch.bfloat16)` or `.half()` casts (the source then rotates with rounded frequencies:
+    a fresh float32 copy gave logits 0.19 off a bfloat16 Llama's) and dynamic RoPE rewrites as it meets longer
+    sequences, with its scaling and cached length beside them."""
+    source_rotary = getattr(getattr(source, "model", None), "rotary_emb", None)
+    if source_rotary is None:
+        return
+    rotary = result.model.rotary_emb
+    for name, buffer in source_rotary.named_buffers(recurse=False):
+        own = rotary._buffers.get(name)
+        if own is not None and own.shape == buffer.shape:
+            rotary._buffers[name] = buffer.detach().to(own.device, copy=True)
+    for name in ("attention_scaling", "max_seq_len_cached", "original_max_seq_len"):
+        if hasattr(source_rotary, name):
+            setattr(rotary, name, getattr(source_rotary, name))
 
 
 def _convert_directory(source: CheckpointDir, tmp: Path, mapping: TensorMapping, progress: bool) -> None:

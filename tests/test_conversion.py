@@ -95,6 +95,21 @@ def test_v2_noise_enters_with_the_anneal_factor():
             torch.testing.assert_close(converted(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("method,heads", [("dex", "all"), ("dex", [1, 3]), ("v2", None)])
+def test_a_source_cast_to_16_bits_converts_to_its_own_logits_and_tokens(dtype, method, heads):
+    """`.to(torch.bfloat16)` casts a Llama's inverse RoPE frequencies too (a buffer outside the state dict), and the
+    Llama rotates with the rounded ones: the converted model must, or it is not the source (logits were 0.19 off)."""
+    source, ids = tiny_llama(initializer_range=0.2).to(dtype), token_ids()
+    assert source.model.rotary_emb.inv_freq.dtype == dtype  # what the test is about
+    converted = convert_model(source, method=method, heads=heads, anneal_steps=10, progress=False)
+    with torch.no_grad():
+        assert torch.equal(converted(ids).logits, source(ids).logits)
+    prompt = ids[:, :8]
+    assert torch.equal(converted.generate(prompt, max_new_tokens=12, do_sample=False),
+                       source.generate(prompt, max_new_tokens=12, do_sample=False))
+
+
 def test_converted_model_does_not_share_or_change_the_source_weights():
     source = tiny_llama()
     before = {name: t.clone() for name, t in source.state_dict().items()}
