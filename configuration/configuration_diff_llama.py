@@ -48,6 +48,8 @@ def _plain_value_errors(cls):
             strict_validate(self)
         except StrictDataclassClassValidationError as error:
             raise ValueError(str(error.__cause__)) from error
+        except KeyError as error:  # transformers' rope validation: a rope_type's required key missing
+            raise ValueError(error.args[0]) from error
 
     validate.__is_defined_by_strict_decorator__ = True  # lets a @strict subclass replace it, as strict's own
     cls.__setattr__, cls.validate = __setattr__, validate
@@ -264,7 +266,8 @@ class DiffLlamaConfig(PreTrainedConfig):
         original_max_position_embeddings of 0 a ZeroDivisionError when the model was built."""
         rope = self.rope_parameters if isinstance(self.rope_parameters, dict) else {}
         rope_types = ("default", *ROPE_INIT_FUNCTIONS)
-        if rope.get("rope_type", "default") not in rope_types:
+        rope_type = rope.get("rope_type", "default")
+        if rope_type not in rope_types:
             raise ValueError(f"rope_parameters['rope_type'] must be one of {', '.join(rope_types)}, got "
                              f"{rope['rope_type']!r}")
         for key, value in rope.items():
@@ -281,6 +284,24 @@ class DiffLlamaConfig(PreTrainedConfig):
                     _check_range(f"{field}[{i}]", item, -math.inf, math.inf, "a finite number")
             elif isinstance(value, float):
                 _check_range(field, value, -math.inf, math.inf, "a finite number")
+        self._check_rotated_width(rope, rope_type)
+
+    def _check_rotated_width(self, rope: dict, rope_type: str) -> None:
+        """Every query and key head is rotated whole (Llama's RoPE: rotate-half over head_dim). The scaled RoPE types
+        compute int(head_dim * partial_rotary_factor) frequencies (Llama's own default ignores the factor), and
+        LongRoPE scales them by its lists: fewer than head_dim / 2 of either was a bare shape error in the first
+        forward or when the model was built (transformers only warns)."""
+        if rope_type == "default":
+            return
+        factor = rope.get("partial_rotary_factor", 1.0)
+        if isinstance(factor, (int, float)) and int(self.head_dim * factor) != self.head_dim:
+            raise ValueError(f"rope_parameters['partial_rotary_factor'] must be 1 with rope_type {rope_type!r}: every "
+                             f"head is rotated whole (head_dim {self.head_dim}), got {factor!r}")
+        for key in ("short_factor", "long_factor"):
+            value = rope.get(key)
+            if rope_type == "longrope" and isinstance(value, (list, tuple)) and len(value) != self.head_dim // 2:
+                raise ValueError(f"rope_parameters[{key!r}] must hold head_dim / 2 = {self.head_dim // 2} factors, "
+                                 f"got {len(value)}")
 
 
 # The dtypes of a model's weights: torch's matmuls take float8 only through scaled kernels.

@@ -90,6 +90,17 @@ def test_round_trip_through_dict_and_auto_config(tmp_path):
         (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                "original_max_position_embeddings": 0}),
          "rope_parameters['original_max_position_embeddings'] must be a positive integer, got 0"),
+        # every head is rotated whole: a bare shape error in the first forward (partial) or when the model was built
+        # (LongRoPE's lists); Llama's default RoPE ignores partial_rotary_factor, and so does ours
+        (dict(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0, "partial_rotary_factor": 0.5}),
+         "rope_parameters['partial_rotary_factor'] must be 1 with rope_type 'linear': every head is rotated whole "
+         "(head_dim 8), got 0.5"),
+        (dict(diff_mode="v2", rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 3,
+                                               "long_factor": [2.0] * 8, "original_max_position_embeddings": 64}),
+         "rope_parameters['short_factor'] must hold head_dim / 2 = 8 factors, got 3"),
+        # a KeyError out of transformers' validation
+        (dict(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0}),
+         "Missing required keys in `rope_parameters` for 'rope_type'='linear': {'factor'}"),
         # a dtype the saved weights cannot have: the output did not load with dtype="auto"; an AttributeError
         (dict(dtype="int8"), "dtype must be a floating-point torch dtype the model computes in (float32, bfloat16, "
                              "float16 or float64), got 'int8'"),
@@ -149,6 +160,11 @@ def test_invalid_configs_name_the_field(fields, field_named):
     dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 8192}),
     dict(bos_token_id=None, eos_token_id=None), dict(bos_token_id=31999, eos_token_id=[0, 31999]),
     dict(rms_norm_eps=1.0),  # what transformers' tester mixins set (set_config_for_less_flaky_test)
+    # Llama's default RoPE ignores partial_rotary_factor (a Llama checkpoint carrying it loads); LongRoPE's lists of
+    # head_dim / 2 (V1: head_dim 8)
+    dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+    dict(rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 4,
+                          "long_factor": [2.0] * 4, "original_max_position_embeddings": 64}),
     dict(diff_mode="dex", dex_heads=[[0], []]),  # a layer without DEX heads is Llama attention: `--heads '[[0],[]]'`
 ])
 def test_values_real_checkpoints_and_conversions_carry_are_accepted(fields):
