@@ -265,6 +265,18 @@ def check_destination(dst: str | os.PathLike, overwrite: bool | str = False, pro
     return dst
 
 
+def check_writable(dst: str | os.PathLike, name: str = "destination") -> None:
+    """Refuse, before any work, a `dst` whose staging directory could not be made: `atomic_directory` stages next to
+    `dst`, in its nearest existing parent (it creates the rest). Tried, not inferred from permissions: root ignores
+    them, and read-only mounts and immutable folders do not show in them. A command that trains or evaluates for
+    hours calls it first, so that an unwritable destination is not found only when the results are ready."""
+    parent = next(p for p in Path(os.path.abspath(dst)).parents if p.exists())
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".probe-", dir=parent))
+    except OSError as error:
+        raise ValueError(f"{name} {str(dst)!r} cannot be written: {' '.join(str(error).split())}") from None
+
+
 def _check_name_lengths(dst: str | os.PathLike, name: str) -> None:
     """The folders of `dst` still to be created must have names that their filesystem allows (255 bytes on most):
     a longer one failed with a bare "[Errno 36] File name too long" from wherever it was first looked at."""
@@ -389,4 +401,5 @@ def _put_back(replaced: Path, dst: Path, old: Path, name: str, stem: str) -> Non
                          f"before is kept in {str(kept / dst.name)!r}") from error
 
 
-__all__ = ["FORCE", "atomic_directory", "check_destination", "open_lock_file", "overwrite_from_flags"]
+__all__ = ["FORCE", "atomic_directory", "check_destination", "check_writable", "open_lock_file",
+           "overwrite_from_flags"]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from modeling_diff.atomic import atomic_directory
+from modeling_diff.atomic import atomic_directory, check_writable
 
 
 def test_written_whole_and_staging_removed_on_failure(tmp_path):
@@ -283,3 +283,11 @@ def test_a_name_longer_than_the_filesystem_allows_is_refused_in_one_line(tmp_pat
         with atomic_directory(dst):
             pass
     assert list(tmp_path.iterdir()) == []
+
+
+def test_check_writable_tries_the_folder_the_staging_goes_into(tmp_path):
+    check_writable(tmp_path / "new" / "deeper" / "out", "--out")  # made later by atomic_directory: its parent is tried
+    assert list(tmp_path.iterdir()) == []  # the probe leaves nothing
+    # /proc takes no new entry, whatever the permissions say (root ignores them)
+    with pytest.raises(ValueError, match=r"^--out '/proc/no-such/out' cannot be written: \[Errno"):
+        check_writable("/proc/no-such/out", "--out")
