@@ -20,17 +20,25 @@ Command line (writes needle.json and needle.png into --out):
 """
 
 import argparse
+import contextlib
 import json
+import math
 import os
 import random
+import re
+import secrets
 import shutil
+import sys
 import tempfile
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
+from .atomic import (_exclusive_lock, _hidden_directory, _remove_stale_staging, _sigterm_as_interrupt,
+                     _signals_deferred, _stem, atomic_directory, check_writable)
 from .checkpoint_files import (CONFIG_FILES, LOADING_ERRORS, MAX_WHOLE_READ_BYTES, SIDE_FILES, check_loading_info,
                                check_gguf, check_side_files, check_weight_files, load_tokenizer)
 from .data import shakespeare
@@ -265,6 +273,9 @@ def evaluate_needles(
                 prompts = builder.build(lengths[i], depths[j], make_needles(num_needles, rng), num_queries, rng)
                 for prompt in prompts:
                     retrieved, answer_logprob = score_prompt(model, prompt)
+                    if not math.isfinite(answer_logprob):  # NaN logits retrieve nothing: a silent 0.000 otherwise
+                        raise ValueError(f"the model's logits hold NaN or inf values (context length {lengths[i]}, "
+                                         f"depth {depths[j]}): no answer can be scored; the evaluation was stopped")
                     accuracy[i][j] += retrieved / (trials * num_queries)
                     logprob[i][j] += answer_logprob / (trials * num_queries)
     finally:  # an interrupted evaluation leaves the model as it found it
@@ -295,13 +306,46 @@ def plot_needle_heatmap(result: NeedleResult, ax=None, title: str | None = None)
 RESULT_FILES = ("needle.json", "needle.png")
 # What the haystack may be (it is read whole): a text of some MB at most; Hamlet is 0.2 MB.
 MAX_HAYSTACK_BYTES = MAX_WHOLE_READ_BYTES
+# How long the results wait for another writer of --out (another needle run writing there) to release its lock: such
+# a writer holds it for the second its files take to write, and an evaluation that ran for hours must not be lost to
+# it. Past this the results are kept beside --out instead.
+LOCK_WAIT_SECONDS = 30.0
+PROG = "python -m modeling_diff.needle"
+
+# The Python API's errors name its parameters; the command line's user typed these flags.
+_FLAGS = {"num_needles": "--needles", "num_queries": "--queries", "trials": "--trials", "lengths": "--lengths",
+          "depths": "--depths"}
+_PARAMETER = re.compile(rf"(?<![-\w])({'|'.join(_FLAGS)})\b")
+
+
+def _with_flag_names(error: Exception) -> str:
+    """`error` (of `check_grid` or `evaluate_needles`) in one line, naming the flags instead of the parameters."""
+    return _PARAMETER.sub(lambda match: _FLAGS[match.group(1)], " ".join(str(error).split()))
+
+
+def _first_non_finite_weight(model) -> str | None:
+    """The name of the first parameter of `model` holding NaN or inf, or None. Such a model has NaN logits: every
+    needle was scored missed (a mean of 0.000, exit 0) and needle.json held bare NaN, which is not JSON."""
+    from .conversion.mapping import check_finite  # checks in chunks: no copy of the largest tensor's size
+
+    for name, tensor in model.named_parameters():
+        try:
+            check_finite(name, tensor, "the model")
+        except ValueError:
+            return name
+    return None
+
+
+def _write_files(text: str, figure, directory: Path) -> None:
+    (directory / "needle.json").write_text(text)
+    figure.savefig(directory / "needle.png", dpi=120, bbox_inches="tight")
 
 
 def _keep_results(staging: Path, out: Path) -> Path:
-    """Where the results stay when they cannot be moved into --out: `staging` (named `.needle-` and random
-    characters by mkdtemp) renamed to that name after --out's, beside it (`results.needle-k3f9x2` for `results`:
-    visible, no leading dot), or `staging` itself if even that rename fails. Returns the folder."""
-    kept = staging.with_name(out.name + staging.name)
+    """Where the results stay when they cannot be moved into --out: `staging` renamed beside it to a visible name
+    after --out's (`results.needle-k3f9x2` for `results`), which no later run takes for a killed run's staging, or
+    `staging` itself if even that rename fails. Returns the folder."""
+    kept = staging.with_name(f"{out.name}.needle-{secrets.token_hex(4)}")
     try:
         staging.rename(kept)
         return kept
@@ -309,8 +353,116 @@ def _keep_results(staging: Path, out: Path) -> Path:
         return staging
 
 
+def _keep_elsewhere(text: str, figure, directory: Path, out: Path) -> Path:
+    """The results written into a new visible folder in `directory` (named as `_keep_results` names it), for when
+    they cannot be staged next to --out: its folder became a file, or another writer holds its lock."""
+    kept = directory / f"{out.name}.needle-{secrets.token_hex(4)}"
+    with atomic_directory(kept, name="the folder keeping the results") as staging:
+        _write_files(text, figure, staging)
+    return kept
+
+
+def _lock(stack: contextlib.ExitStack, out: Path, stem: str) -> None:
+    """Take --out's lock (the one `atomic_directory` takes for it) into `stack`, waiting up to LOCK_WAIT_SECONDS
+    for another writer to release it; the last ValueError if it never comes."""
+    deadline = time.monotonic() + LOCK_WAIT_SECONDS
+    while True:
+        try:
+            stack.enter_context(_exclusive_lock(out, "--out", stem))
+            return
+        except ValueError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.1)
+
+
+def _write_results(result: NeedleResult, out: Path, written: list[Path]) -> str | None:
+    """Write needle.json and needle.png into `out`: renamed as one folder to `out` if it does not exist, else file
+    by file into it (it may hold other results, which are kept). Returns None, or when `out` could not take them,
+    the error (the results then kept beside it, in a folder the error names). `written` gets each file written.
+
+    Staged as `atomic_directory` stages (and under its lock for `out`, held for as long as the staging exists): a
+    staging folder found under the lock is a killed run's (SIGKILL, the OOM killer) and is removed; one run's
+    needle.json never lands beside another's needle.png. Ctrl-C and SIGTERM remove the staging (SIGTERM is raised
+    as Ctrl-C for the whole run, by `main`) and wait until both files are renamed. A SIGKILL between those two
+    renames cannot be prevented from leaving the new needle.json beside the old needle.png: only one folder renamed
+    whole is atomic, and --out is a folder of other results too, which that would replace."""
+    import matplotlib.pyplot as plt
+
+    # Both rendered before anything is staged: the staging then lives for two file writes only, and a signal cannot
+    # land in the import of matplotlib's renderer (a KeyboardInterrupt there became "ImportError: initialization
+    # failed"). allow_nan=False: a NaN would make needle.json invalid JSON (evaluate_needles refuses NaN logits).
+    text = json.dumps(result.to_dict(), indent=2, allow_nan=False)
+    figure = plot_needle_heatmap(result).figure
+    figure.canvas.draw()
+    try:
+        return _write_rendered(text, figure, out, written)
+    finally:
+        plt.close("all")
+
+
+def _write_rendered(text: str, figure, out: Path, written: list[Path]) -> str | None:
+    # Locked and staged next to the folder that --out names, through a link to one too (where atomic_directory
+    # places them): every writer of that folder then takes the same lock, whichever name it was given.
+    dst = out.resolve() if out.is_symlink() and out.is_dir() else out
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+    except OSError:  # a folder above --out became a file while the evaluation ran
+        kept = _keep_elsewhere(text, figure, next(p for p in dst.parents if p.is_dir()), out)
+        return _no_longer_a_directory(out, kept)
+    stem = _stem(dst, "--out")
+    with contextlib.ExitStack() as stack:
+        try:
+            _lock(stack, dst, stem)
+        except ValueError as error:
+            kept = _keep_elsewhere(text, figure, dst.parent, out)
+            return f"{' '.join(str(error).split())}; the results are kept in {str(kept)!r}"
+        _remove_stale_staging(dst, stem)
+        staging = _hidden_directory(dst.parent, f".{stem}.{os.getpid()}.", ".tmp")
+        kept = None
+        try:
+            _write_files(text, figure, staging)
+            staging.chmod(0o755)  # made private (0700); a new --out gets the mode of any folder made for output
+            try:
+                with _signals_deferred():  # (a SIGKILL between the two renames cannot be deferred: see above)
+                    if dst.exists():
+                        for name in RESULT_FILES:
+                            (staging / name).replace(dst / name)
+                            written.append(out / name)
+                    else:
+                        staging.rename(dst)
+                        written.extend(out / name for name in RESULT_FILES)
+            except OSError as error:
+                kept = _keep_results(staging, out)
+                if any(p.exists() and not p.is_dir() for p in [out, *out.parents]):
+                    return _no_longer_a_directory(out, kept)
+                return (f"--out {str(out)!r} could not take the results ({' '.join(str(error).split())}); the results "
+                        f"are kept in {str(kept)!r}")
+        finally:
+            if kept is None:
+                shutil.rmtree(staging, ignore_errors=True)  # gone already after --out was renamed into place
+    return None
+
+
+def _no_longer_a_directory(out: Path, kept: Path) -> str:
+    blocker = next(p for p in [out, *out.parents] if p.exists() and not p.is_dir())
+    return (f"--out {str(out)!r} is no longer a directory ({str(blocker)!r} became a file during the evaluation); "
+            f"the results are kept in {str(kept)!r}")
+
+
 def main(argv: list[str] | None = None) -> NeedleResult:
-    parser = argparse.ArgumentParser(prog="python -m modeling_diff.needle", description=__doc__.split("\n\n")[0])
+    written: list[Path] = []
+    try:
+        with _sigterm_as_interrupt():  # SIGTERM unwinds as Ctrl-C does: the staging folder is removed
+            return _main(argv, written)
+    except KeyboardInterrupt:  # one line, no traceback; exit status 130 (as `modeling-diff convert`)
+        what = (f"{' and '.join(str(p) for p in written)} had been written" if written else "nothing was written")
+        print(f"{PROG}: interrupted; {what}", file=sys.stderr)
+        raise SystemExit(130) from None
+
+
+def _main(argv: list[str] | None, written: list[Path]) -> NeedleResult:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("model", help="a local model directory (any causal LM with a tokenizer)")
     parser.add_argument("--gguf-file", help="a GGUF file inside the model directory")
     parser.add_argument("--lengths", type=int, nargs="+", help="context lengths (default: 1024, 2048, ... up to the model's maximum)")
@@ -351,21 +503,25 @@ def main(argv: list[str] | None = None) -> NeedleResult:
         if (args.out / name).is_dir():
             parser.error(f"--out {str(args.out)!r} holds a directory {name}, where the result file goes")
     # The results are staged next to --out (and moved into it if it exists): both places must take a new entry.
-    # Tried, not inferred from permissions (root ignores them; read-only and immutable places do not).
-    staging_parent = next(p for p in [args.out.parent, *args.out.parents] if p.exists())
-    for directory in {staging_parent, *([args.out] if args.out.is_dir() else [])}:
-        try:
-            os.rmdir(tempfile.mkdtemp(prefix=".needle-", dir=directory))
-        except OSError as error:
-            parser.error(f"--out {str(args.out)!r} cannot be written: {' '.join(str(error).split())}")
+    try:
+        check_writable(args.out, "--out")
+        if args.out.is_dir():  # tried as check_writable tries the folder it stages in
+            os.rmdir(tempfile.mkdtemp(prefix=".probe-", dir=args.out))
+    except ValueError as error:
+        parser.error(str(error))
+    except OSError as error:
+        parser.error(f"--out {str(args.out)!r} cannot be written: {' '.join(str(error).split())}")
     try:
         check_grid(args.lengths, args.depths, args.needles, args.queries, args.trials)
+    except ValueError as error:
+        parser.error(_with_flag_names(error))
+    try:
         haystack = (read_text_file(args.haystack, "--haystack", max_bytes=MAX_HAYSTACK_BYTES)
                     if args.haystack else None)
     except ValueError as error:
         parser.error(" ".join(str(error).split()))
 
-    matplotlib = require("matplotlib", "python -m modeling_diff.needle (it draws the heatmap)")
+    matplotlib = require("matplotlib", f"{PROG} (it draws the heatmap)")
     if args.gguf_file:
         require("gguf", "--gguf-file")
         try:  # before transformers builds the model its metadata describes
@@ -373,7 +529,6 @@ def main(argv: list[str] | None = None) -> NeedleResult:
         except ValueError as error:
             parser.error(f"--gguf-file {error}")
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from transformers import AutoModelForCausalLM
 
     import modeling_diff  # noqa: F401  (registers the DiffLlama Auto classes)
@@ -386,43 +541,23 @@ def main(argv: list[str] | None = None) -> NeedleResult:
         check_loading_info(model_dir, info)  # a tensor missing would be evaluated at its random start
     except LOADING_ERRORS as error:  # a corrupt shard, a broken tokenizer, weights that are not the config's
         parser.error(f"model {args.model!r} could not be loaded: {' '.join(str(error).split())}")
+    bad = _first_non_finite_weight(model)
+    if bad is not None:  # refused before any cell runs
+        parser.error(f"model {args.model!r} holds NaN or inf weights (first in tensor {bad!r}): its logits are not "
+                     f"finite, so no needle can be scored; nothing was written")
     try:
         result = evaluate_needles(model, tokenizer, args.lengths, args.depths, args.needles, args.queries,
                                   args.trials, haystack, args.seed)
-    except ValueError as error:  # what depends on the model (its context limit), refused before any cell runs
-        parser.error(" ".join(str(error).split()))
+    except ValueError as error:  # what depends on the model (its context limit, refused before any cell runs; NaN
+        parser.error(_with_flag_names(error))  # logits, as soon as a cell meets them)
 
-    # Written to a temporary directory next to --out, then renamed: never a half-written result, no leftovers.
-    # --out (or a folder above it) may have become a file while the evaluation ran: the results are then staged in
-    # the nearest folder that is still one, and kept there under a visible name, which the error names.
     try:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        staging_parent = args.out.parent
-    except OSError:
-        staging_parent = next(p for p in args.out.parents if p.is_dir())
-    staging = Path(tempfile.mkdtemp(prefix=".needle-", dir=staging_parent))
-    kept = None
-    try:
-        (staging / "needle.json").write_text(json.dumps(result.to_dict(), indent=2))
-        plot_needle_heatmap(result).figure.savefig(staging / "needle.png", dpi=120, bbox_inches="tight")
-        plt.close("all")
-        try:
-            if args.out.exists():
-                for name in RESULT_FILES:
-                    (staging / name).replace(args.out / name)
-            else:
-                staging.rename(args.out)
-        except OSError as error:
-            kept = _keep_results(staging, args.out)
-            blocker = next((p for p in [args.out, *args.out.parents] if p.exists() and not p.is_dir()), None)
-            why = (f"is no longer a directory ({str(blocker)!r} became a file during the evaluation)"
-                   if blocker is not None else f"could not take the results ({' '.join(str(error).split())})")
-            print(result.summary())
-            parser.error(f"--out {str(args.out)!r} {why}; the results are kept in {str(kept)!r}")
-    finally:
-        if kept is None:
-            shutil.rmtree(staging, ignore_errors=True)
+        error = _write_results(result, args.out, written)
+    except (OSError, ValueError) as failure:  # a full disk, a name too long: the summary at least is printed
+        error = f"--out {str(args.out)!r}: the results could not be written: {' '.join(str(failure).split())}"
     print(result.summary())
+    if error is not None:
+        parser.error(error)
     print(f"wrote {args.out / 'needle.json'} and {args.out / 'needle.png'}")
     return result
 

@@ -56,8 +56,8 @@ def no_model_loading(monkeypatch):
     [
         (["--depths", "1.5"], "depths must be a non-empty list of fractions in [0, 1]"),
         (["--depths", "nan"], "depths must be"),
-        (["--needles", "2", "--queries", "3"], "num_queries must be in [1, num_needles=2]"),
-        (["--needles", "99"], "num_needles must be in [1, 30]"),
+        (["--needles", "2", "--queries", "3"], "--queries must be in [1, --needles=2]"),
+        (["--needles", "99"], "--needles must be in [1, 30]"),
         (["--trials", "0"], "trials must be >= 1"),
         (["--lengths", "0", "256"], "lengths must be a non-empty list of positive integers"),
         (["--gguf-file", "model.gguf"], "--gguf-file 'model.gguf' is not a file"),
