@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 import modeling_diff  # noqa: F401  (registers DiffLlama with AutoModelForCausalLM for the reload)
 from modeling_diff.annealing import AnnealingCallback, anneal_state
 from modeling_diff.atomic import check_destination, overwrite_from_flags
+from modeling_diff.checkpoint_files import first_non_finite
 from modeling_diff.data import SMOLLM2_GGUF, load_smollm2, shakespeare, text_blocks
 
 from .convert import EARLIER_OUTPUT_FILES, convert_model, save_model
@@ -188,6 +189,10 @@ def main(argv=None) -> dict:
     print(f"== 3. DEX adaptation: {args.steps} steps x {args.batch_size} x {args.seq_len} tokens, "
           f"lambda annealed over {args.anneal_steps} steps, lr {args.lr}, training {args.train}")
     timings["train DEX"] = adapt(dex, train_ids, args, callbacks=[AnnealingCallback()])
+    bad = first_non_finite(dex)
+    if bad is not None:  # NaN weights were saved, and the demo exited 0
+        raise SystemExit(f"training diverged: tensor {bad!r} of the adapted DEX model holds NaN or inf after "
+                         f"{args.steps} steps (--lr {args.lr} too high?); nothing saved")
     state = anneal_state(dex)
     f_d = torch.stack([layer.self_attn.dex_proj.weight.abs().mean() for layer in dex.model.layers]).mean()
     print(f"after adaptation: t = {state['anneal_step']:.0f}, mean lambda = {state['dex_lambda']:.3f}, "

@@ -19,6 +19,7 @@ import re
 import torch
 from transformers import PreTrainedConfig
 
+from modeling_diff.checkpoint_files import is_finite
 from modeling_diff.configuration import DiffLlamaConfig
 from modeling_diff.diff_attention import layer_lambda_init
 from modeling_diff.modeling_diff_llama import DiffLlamaForCausalLM
@@ -53,20 +54,13 @@ def check_method(method: str, anneal_steps: int, noise_init: str = "copy") -> No
         raise ValueError("anneal_steps must be >= 1 for method='v2': the noise term is annealed in from 0")
 
 
-# Elements checked at a time by `check_finite`: the mask of a whole embedding would take as many bytes as it has
-# elements (a shard-sized peak the streaming conversion does not otherwise have).
-_FINITE_CHUNK = 2**20
-
-
 def check_finite(name: str, tensor: torch.Tensor, where: str) -> None:
     """Raise unless every value of source tensor `name` (in `where`) is finite, as it is converted (it is in memory
     then). A NaN or inf weight makes the logits non-finite: it was converted silently (exit 0) wherever no entropy
     calibration ran through it (`--heads all`, `v2`, lm_head or the final norm)."""
-    flat = tensor.detach().reshape(-1)
-    for start in range(0, flat.numel(), _FINITE_CHUNK):
-        if not torch.isfinite(flat[start:start + _FINITE_CHUNK]).all():
-            raise ValueError(f"tensor {name!r} in {where} holds NaN or inf values: a source with non-finite weights "
-                             f"has non-finite logits, which no conversion keeps; it is not converted")
+    if not is_finite(tensor):
+        raise ValueError(f"tensor {name!r} in {where} holds NaN or inf values: a source with non-finite weights "
+                         f"has non-finite logits, which no conversion keeps; it is not converted")
 
 
 def tied_as_loaded(source_config: PreTrainedConfig, names, get_tensor) -> PreTrainedConfig:

@@ -11,12 +11,15 @@ e.g. the output of `modeling-diff convert`). The text is `--text-file` or, by de
 UTF-8 byte is one token (the tiny presets' vocabulary of 256). Models with `anneal_steps > 0` (DEX and converted
 V2) anneal their differential term in with `AnnealingCallback`. The trained model is written with
 `trainer.save_model()` to `--output-dir` as safetensors that `from_pretrained` loads (under FSDP2 too: the shipped
-config gathers a full state dict).
+config gathers a full state dict), with the tokenizer it was trained with (if any), all at once (`atomic_directory`:
+a run that fails or is killed leaves no --output-dir, or the earlier one). Ctrl-C or SIGTERM stops it with status 130.
 """
 
 import argparse
 import math
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -25,9 +28,11 @@ from transformers import (AutoConfig, AutoModelForCausalLM, Trainer, TrainingArg
 
 import modeling_diff
 from modeling_diff.annealing import AnnealingCallback
-from modeling_diff.atomic import check_destination, overwrite_from_flags
+from modeling_diff.atomic import (atomic_directory, check_destination, check_writable, overwrite_from_flags,
+                                  sigterm_as_interrupt)
 from modeling_diff.checkpoint_files import (CONFIG_FILES, LOADING_ERRORS, SIDE_FILES, check_loading_info,
-                                            check_side_files, check_weight_files, load_tokenizer)
+                                            check_side_files, check_weight_files, first_non_finite,
+                                            load_tokenizer)
 from modeling_diff.data import shakespeare, token_ids
 from modeling_diff.text_files import read_text_file
 
@@ -89,17 +94,17 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.text = (read_text_file(args.text_file, "--text-file", max_bytes=MAX_TEXT_BYTES)
                      if args.text_file is not None else None)
         args.blocks = token_blocks(args, config.vocab_size)
-    except ValueError as error:
-        parser.error(str(error))
-    # Trainer writes into --output-dir as it goes: refused up front what the converter refuses as its DST (the
-    # checkpoint being trained among them: its weights would be overwritten in place)
-    source = (args.model,) if args.model not in modeling_diff.PRESETS else ()
+    except ValueError as error:  # (a tokenizer's own error spans lines: one line, as every other refusal)
+        parser.error(" ".join(str(error).split()))
+    # The save refuses what the converter refuses as its DST (the checkpoint being trained among them: its weights
+    # would be overwritten in place), and a folder it cannot write: found here, not after the training
+    args.source = (args.model,) if args.model not in modeling_diff.PRESETS else ()
     try:
-        check_destination(args.output_dir, overwrite_from_flags(args.overwrite), source,
+        check_destination(args.output_dir, overwrite_from_flags(args.overwrite), args.source,
                           name="--output-dir", expected=("config.json",))
+        check_writable(args.output_dir, "--output-dir")  # where it is staged, and an existing one it replaces
     except ValueError as error:
-        parser.error(str(error))
-    args.output_dir_existed = args.output_dir.exists()  # Trainer makes it when it is created
+        parser.error(" ".join(str(error).split()))
     return args
 
 
@@ -117,8 +122,10 @@ def token_blocks(args: argparse.Namespace, vocab_size: int) -> torch.Tensor:
     """(blocks, seq_len) of consecutive token ids of the training text."""
     text = args.text if args.text is not None else shakespeare("hamlet")
     tokenizer_dir = args.tokenizer or (args.model if Path(args.model, "tokenizer_config.json").is_file() else None)
+    args.tokenizer_object = None  # saved with the model: eval and export need the tokenizer it was trained with
     if tokenizer_dir is not None:
-        ids = token_ids(load_tokenizer(tokenizer_dir, local_files_only=False), text)
+        args.tokenizer_object = load_tokenizer(tokenizer_dir, local_files_only=False)
+        ids = token_ids(args.tokenizer_object, text)
     else:
         ids = torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
     blocks = len(ids) // args.seq_len
@@ -141,34 +148,83 @@ def weights_finite(trainer: Trainer) -> bool:
     return int(trainer.accelerator.reduce(bad, reduction="sum").item()) == 0
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
+    """Train and save; 130 (one line, no traceback) when interrupted by Ctrl-C or SIGTERM, as `modeling-diff
+    convert`: the save is all or nothing, so the line says which."""
+    saved = {}  # --output-dir, and the staging folder's (st_dev, st_ino) once written: its rename keeps them
+    try:
+        with sigterm_as_interrupt():  # SIGTERM (a scheduler, torchrun) unwinds as Ctrl-C
+            train(argv, saved)
+        return 0
+    except KeyboardInterrupt:
+        pass
+    # Said once the traceback is gone: with it went Trainer's progress bar, which redrew itself below the line
+    output_dir = saved.get("output_dir")
+    try:
+        done = output_dir is not None and "staging" in saved and saved["staging"] == _identity(output_dir)
+    except OSError:
+        done = False
+    where = f" to --output-dir {str(output_dir)!r}" if output_dir is not None else ""
+    print(f"{Path(sys.argv[0]).name}: interrupted; "
+          + (f"the trained model was saved{where}" if done else f"nothing was saved{where}"), file=sys.stderr)
+    return 130
+
+
+def _identity(path) -> tuple[int, int]:
+    info = os.stat(path)
+    return info.st_dev, info.st_ino
+
+
+def train(argv, saved: dict) -> None:
     args = parse_args(argv)
+    saved["output_dir"] = args.output_dir
     try:
         model = build_model(args)
     except LOADING_ERRORS as error:  # weights that are not the config's, a corrupt shard: one line, as parse_args
         print(f"{Path(sys.argv[0]).name}: error: --model {args.model!r} could not be loaded: "
               f"{' '.join(str(error).split())}", file=sys.stderr)
         sys.exit(2)
+    bad = first_non_finite(model) if args.source else None
+    if bad is not None:  # trained to the end, the NaN was then blamed on --learning-rate
+        print(f"{Path(sys.argv[0]).name}: error: --model {args.model!r}: tensor {bad!r} holds NaN or inf values; "
+              f"training cannot start from non-finite weights", file=sys.stderr)
+        sys.exit(2)
     blocks = args.blocks
-    training_args = TrainingArguments(
-        output_dir=str(args.output_dir), max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
-        gradient_accumulation_steps=args.gradient_accumulation_steps, learning_rate=args.learning_rate,
-        bf16=args.bf16, use_cpu=not torch.cuda.is_available(), save_strategy="no", logging_steps=5,
-        report_to=[], seed=args.seed, dataloader_num_workers=0,
-    )
-    callbacks = [AnnealingCallback()] if model.config.anneal_steps > 0 else []
-    trainer = Trainer(model=model, args=training_args, callbacks=callbacks, data_collator=default_data_collator,
-                      train_dataset=[{"input_ids": b, "labels": b} for b in blocks])
-    result = trainer.train()
-    if not weights_finite(trainer):  # decided on every rank alike: none saves, none waits on the others
-        if trainer.is_world_process_zero() and not args.output_dir_existed:
+    # Trainer makes its output_dir when it is created (on the main process): given --output-dir, it left an empty
+    # folder behind a failed or killed run, and its save wrote files there one by one. It gets a scratch folder of
+    # its own instead (nothing is written there: save_strategy "no", report_to []); the model is saved below, whole.
+    with tempfile.TemporaryDirectory(prefix="train-scratch-") as scratch:
+        training_args = TrainingArguments(
+            output_dir=scratch, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
+            gradient_accumulation_steps=args.gradient_accumulation_steps, learning_rate=args.learning_rate,
+            bf16=args.bf16, use_cpu=not torch.cuda.is_available(), save_strategy="no", logging_steps=5,
+            report_to=[], seed=args.seed, dataloader_num_workers=0,
+        )
+        callbacks = [AnnealingCallback()] if model.config.anneal_steps > 0 else []
+        trainer = Trainer(model=model, args=training_args, callbacks=callbacks, data_collator=default_data_collator,
+                          train_dataset=[{"input_ids": b, "labels": b} for b in blocks])
+        result = trainer.train()
+        if not weights_finite(trainer):  # decided on every rank alike: none saves, none waits on the others
+            raise SystemExit(f"training diverged: the weights hold NaN or inf after {result.global_step} steps "
+                             f"(--learning-rate {args.learning_rate} too high?); nothing saved to {args.output_dir}")
+        training_args.output_dir = str(args.output_dir)  # as recorded in training_args.bin
+        if training_args.should_save:
+            # Staged next to --output-dir and renamed into place when complete: a kill mid-save left a config.json
+            # without weights, an earlier output's other files survived an --overwrite
             try:
-                args.output_dir.rmdir()  # the empty folder Trainer made
-            except OSError:
-                pass
-        raise SystemExit(f"training diverged: the weights hold NaN or inf after {result.global_step} steps "
-                         f"(--learning-rate {args.learning_rate} too high?); nothing saved to {args.output_dir}")
-    trainer.save_model()
+                with atomic_directory(args.output_dir, overwrite=overwrite_from_flags(args.overwrite),
+                                      protect=args.source, name="--output-dir", expected=("config.json",)) as staging:
+                    trainer.save_model(str(staging))
+                    # Saved here, not as Trainer's processing_class: that also rewrites the model config's special
+                    # token ids to the tokenizer's (align_special_tokens), which the model's config may refuse
+                    if args.tokenizer_object is not None:
+                        args.tokenizer_object.save_pretrained(staging)
+                    saved["staging"] = _identity(staging)
+            except (ValueError, OSError) as error:  # an --output-dir made or changed meanwhile, the disk: one line
+                print(f"{Path(sys.argv[0]).name}: error: {' '.join(str(error).split())}", file=sys.stderr)
+                sys.exit(2)
+        else:  # every process takes part (FSDP2 gathers the full state dict on all ranks); only the main one writes
+            trainer.save_model(scratch)
     if trainer.is_world_process_zero():
         engine = "FSDP2" if trainer.is_fsdp_enabled else type(trainer.model_wrapped).__name__
         print(f"trained {model.config.diff_mode} ({engine}, {training_args.world_size} process(es)) for "
@@ -177,4 +233,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -55,8 +55,9 @@ def _raise_interrupt(signum, frame):
 
 
 @contextlib.contextmanager
-def _sigterm_as_interrupt():
-    """SIGTERM unwinds like Ctrl-C (so the cleanup below runs); the previous handler is restored afterwards."""
+def sigterm_as_interrupt():
+    """SIGTERM unwinds like Ctrl-C (so cleanups run: the staging below, a command's one-line exit); the previous
+    handler is restored afterwards."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -267,14 +268,18 @@ def check_destination(dst: str | os.PathLike, overwrite: bool | str = False, pro
 
 def check_writable(dst: str | os.PathLike, name: str = "destination") -> None:
     """Refuse, before any work, a `dst` whose staging directory could not be made: `atomic_directory` stages next to
-    `dst`, in its nearest existing parent (it creates the rest). Tried, not inferred from permissions: root ignores
+    `dst`, in its nearest existing parent (it creates the rest), then renames it over `dst`. Tried, not inferred from permissions: root ignores
     them, and read-only mounts and immutable folders do not show in them. A command that trains or evaluates for
     hours calls it first, so that an unwritable destination is not found only when the results are ready."""
-    parent = next(p for p in Path(os.path.abspath(dst)).parents if p.exists())
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".probe-", dir=parent))
-    except OSError as error:
-        raise ValueError(f"{name} {str(dst)!r} cannot be written: {' '.join(str(error).split())}") from None
+    dst = Path(os.path.abspath(dst))
+    parent = next(p for p in dst.parents if p.exists())
+    # An existing dst is tried too: a rename replaces it, which an immutable (chattr +i) or read-only one refuses;
+    # a command that puts its files into an existing folder writes there.
+    for directory in (parent, *([dst] if dst.is_dir() else [])):
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".probe-", dir=directory))
+        except OSError as error:
+            raise ValueError(f"{name} {str(dst)!r} cannot be written: {' '.join(str(error).split())}") from None
 
 
 def _check_name_lengths(dst: str | os.PathLike, name: str) -> None:
@@ -324,7 +329,7 @@ def atomic_directory(dst: str | os.PathLike, overwrite: bool | str = False, prot
         raise ValueError(f"{name} {str(dst)!r}: cannot create its parent directory: {error}") from error
     try:
         stem = _stem(dst, name)
-        with _sigterm_as_interrupt(), _exclusive_lock(dst, name, stem):
+        with sigterm_as_interrupt(), _exclusive_lock(dst, name, stem):
             _remove_stale_staging(dst, stem)
             if check_destination(dst, overwrite, protect, name, expected) != dst:  # again, now that we hold the lock
                 # A link put on its way meanwhile: the lock held would not be the one that guards where it leads.
@@ -402,4 +407,4 @@ def _put_back(replaced: Path, dst: Path, old: Path, name: str, stem: str) -> Non
 
 
 __all__ = ["FORCE", "atomic_directory", "check_destination", "check_writable", "open_lock_file",
-           "overwrite_from_flags"]
+           "overwrite_from_flags", "sigterm_as_interrupt"]

@@ -20,6 +20,7 @@ import re
 import stat
 from pathlib import Path
 
+import torch
 from safetensors import SafetensorError
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -51,6 +52,24 @@ LOADING_ERRORS = (OSError, ValueError, RuntimeError, SafetensorError, TypeError,
 # transformers (and this package) read a config, an index, a tokenizer or a generation config whole. The largest of
 # real checkpoints are far smaller: an index of thousands of tensors takes a few MiB, Gemma 3's tokenizer.json about 33 MB.
 MAX_WHOLE_READ_BYTES = 64 * 2**20
+
+
+# Elements checked at a time for NaN and inf: the mask of a whole embedding would take as many bytes as it has
+# elements (a shard-sized peak the streaming conversion does not otherwise have).
+_FINITE_CHUNK = 2**20
+
+
+def is_finite(tensor: torch.Tensor) -> bool:
+    """Whether every value of `tensor` is finite, checked in chunks (no mask of its whole size)."""
+    flat = tensor.detach().reshape(-1)
+    return all(bool(torch.isfinite(flat[start:start + _FINITE_CHUNK]).all())
+               for start in range(0, flat.numel(), _FINITE_CHUNK))
+
+
+def first_non_finite(model: torch.nn.Module) -> str | None:
+    """The name of the first tensor of `model`'s state dict holding NaN or inf, or None. Such a model's logits are NaN:
+    trained, evaluated or saved, it gave NaN everywhere without a word (a needle mean of 0.000, NaN weights saved)."""
+    return next((name for name, tensor in model.state_dict().items() if not is_finite(tensor)), None)
 
 
 def checkpoint_root(path: Path) -> Path:

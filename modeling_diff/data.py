@@ -12,6 +12,7 @@ Neither package is imported: `package_dir` finds its folder and the data files a
 """
 
 import importlib.util
+import numbers
 import os
 import re
 from pathlib import Path
@@ -20,7 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .atomic import atomic_directory, check_destination, open_lock_file
-from .checkpoint_files import LOADING_ERRORS, check_loading_info
+from .checkpoint_files import LOADING_ERRORS, check_loading_info, load_tokenizer
 from .extras import require
 
 try:
@@ -61,6 +62,10 @@ def shakespeare(play: str) -> str:
 def text_blocks(tokenizer, text: str, length: int, count: int, offset: int = 0) -> torch.Tensor:
     """(count, length) LongTensor of consecutive blocks of `length` token ids of `text` (no special tokens added),
     starting `offset` blocks in."""
+    for name, value in (("length", length), ("count", count), ("offset", offset)):
+        # 2.5 or NaN failed late, in slicing, with a TypeError; True passed as 1
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
     if length < 1 or count < 1 or offset < 0:
         raise ValueError(f"length and count must be >= 1 and offset >= 0, got {length}, {count} and {offset}")
     ids = token_ids(tokenizer, text)
@@ -142,7 +147,7 @@ def _load_smollm2_copy(target: Path):
     """(model, tokenizer) from the copy at `target`; a ValueError naming it, and saying to delete it, unless it loads
     whole: truncated or missing weights were a raw SafetensorError or OSError, a tensor missing from them started
     at random without a word."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     try:
         model, info = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32, output_loading_info=True,
@@ -150,7 +155,7 @@ def _load_smollm2_copy(target: Path):
         check_loading_info(target, info)
         if type(model) is not LlamaForCausalLM:
             raise ValueError(f"it holds a {type(model).__name__}, not a LlamaForCausalLM")
-        tokenizer = AutoTokenizer.from_pretrained(target)
+        tokenizer = load_tokenizer(target)  # a damaged tokenizer.json is a bare Exception from tokenizers; a ValueError
     except LOADING_ERRORS as error:
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
         raise ValueError(f"the SmolLM2 cache {str(target)!r} holds an incomplete or damaged copy ({reason}): delete "

@@ -29,7 +29,6 @@ import re
 import secrets
 import shutil
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -37,10 +36,11 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .atomic import (_exclusive_lock, _hidden_directory, _remove_stale_staging, _sigterm_as_interrupt,
+from .atomic import (_exclusive_lock, _hidden_directory, _remove_stale_staging, sigterm_as_interrupt,
                      _signals_deferred, _stem, atomic_directory, check_writable)
 from .checkpoint_files import (CONFIG_FILES, LOADING_ERRORS, MAX_WHOLE_READ_BYTES, SIDE_FILES, check_loading_info,
-                               check_gguf, check_side_files, check_weight_files, load_tokenizer)
+                               check_gguf, check_side_files, check_weight_files, first_non_finite,
+                               load_tokenizer)
 from .data import shakespeare
 from .extras import require
 from .text_files import read_text_file
@@ -323,19 +323,6 @@ def _with_flag_names(error: Exception) -> str:
     return _PARAMETER.sub(lambda match: _FLAGS[match.group(1)], " ".join(str(error).split()))
 
 
-def _first_non_finite_weight(model) -> str | None:
-    """The name of the first parameter of `model` holding NaN or inf, or None. Such a model has NaN logits: every
-    needle was scored missed (a mean of 0.000, exit 0) and needle.json held bare NaN, which is not JSON."""
-    from .conversion.mapping import check_finite  # checks in chunks: no copy of the largest tensor's size
-
-    for name, tensor in model.named_parameters():
-        try:
-            check_finite(name, tensor, "the model")
-        except ValueError:
-            return name
-    return None
-
-
 def _write_files(text: str, figure, directory: Path) -> None:
     (directory / "needle.json").write_text(text)
     figure.savefig(directory / "needle.png", dpi=120, bbox_inches="tight")
@@ -453,7 +440,7 @@ def _no_longer_a_directory(out: Path, kept: Path) -> str:
 def main(argv: list[str] | None = None) -> NeedleResult:
     written: list[Path] = []
     try:
-        with _sigterm_as_interrupt():  # SIGTERM unwinds as Ctrl-C does: the staging folder is removed
+        with sigterm_as_interrupt():  # SIGTERM unwinds as Ctrl-C does: the staging folder is removed
             return _main(argv, written)
     except KeyboardInterrupt:  # one line, no traceback; exit status 130 (as `modeling-diff convert`)
         what = (f"{' and '.join(str(p) for p in written)} had been written" if written else "nothing was written")
@@ -505,12 +492,8 @@ def _main(argv: list[str] | None, written: list[Path]) -> NeedleResult:
     # The results are staged next to --out (and moved into it if it exists): both places must take a new entry.
     try:
         check_writable(args.out, "--out")
-        if args.out.is_dir():  # tried as check_writable tries the folder it stages in
-            os.rmdir(tempfile.mkdtemp(prefix=".probe-", dir=args.out))
     except ValueError as error:
         parser.error(str(error))
-    except OSError as error:
-        parser.error(f"--out {str(args.out)!r} cannot be written: {' '.join(str(error).split())}")
     try:
         check_grid(args.lengths, args.depths, args.needles, args.queries, args.trials)
     except ValueError as error:
@@ -541,7 +524,7 @@ def _main(argv: list[str] | None, written: list[Path]) -> NeedleResult:
         check_loading_info(model_dir, info)  # a tensor missing would be evaluated at its random start
     except LOADING_ERRORS as error:  # a corrupt shard, a broken tokenizer, weights that are not the config's
         parser.error(f"model {args.model!r} could not be loaded: {' '.join(str(error).split())}")
-    bad = _first_non_finite_weight(model)
+    bad = first_non_finite(model)
     if bad is not None:  # refused before any cell runs
         parser.error(f"model {args.model!r} holds NaN or inf weights (first in tensor {bad!r}): its logits are not "
                      f"finite, so no needle can be scored; nothing was written")
