@@ -121,6 +121,17 @@ def test_an_earlier_output_is_replaced_whole_and_only_with_overwrite(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
 
 
+def test_an_output_dir_made_by_someone_else_during_the_run_is_left_as_it_is(tmp_path):
+    """--output-dir checked at the start and created by another process before the save ends: the run is refused in
+    one line, that folder untouched, nothing of this run left (Trainer once wrote into whatever was there)."""
+    hook = "os.makedirs('out'); open('out/theirs.txt', 'w').write('another run')"
+    line = error_line(train_with_save_hook(tmp_path, hook, "--model", "tiny-v1", "--output-dir", "out"))
+    assert "--output-dir" in line and "was created by someone else while this one was being written" in line, line
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["theirs.txt"]
+    assert (tmp_path / "out" / "theirs.txt").read_text() == "another run"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
 # ------------------------------------------------------------------------------------------------- interruptions
 
 
