@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._modules import is_plain_linear
+from .quack_mlp import quack_mlp_runs_on, quack_swiglu_mlp
 from ._triton import TRITON_AVAILABLE, cdiv, eager_kernels_run_on, needs_grad, product_dtype
 
 if TRITON_AVAILABLE:
@@ -84,9 +85,13 @@ class _SwiGLUMLP(torch.autograd.Function):
 
 def swiglu_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
     """LlamaMLP's forward in training (check `swiglu_mlp_applies` first); see the module docstring. Under autocast
-    x and the weights are cast first, as F.linear would cast them (`product_dtype`)."""
+    x and the weights are cast first, as F.linear would cast them (`product_dtype`). On a Hopper GPU with quack's
+    kernels installed the activation runs in the epilogues of the products (`quack_mlp.py`)."""
     dtype = product_dtype(x, w_gate, w_up, w_down)
-    return _SwiGLUMLP.apply(x.to(dtype), w_gate.to(dtype), w_up.to(dtype), w_down.to(dtype))
+    x, w_gate, w_up, w_down = (t.to(dtype) for t in (x, w_gate, w_up, w_down))
+    if quack_mlp_runs_on(x, w_gate, w_up, w_down):
+        return quack_swiglu_mlp(x, w_gate, w_up, w_down)
+    return _SwiGLUMLP.apply(x, w_gate, w_up, w_down)
 
 
 class _SiLUMul(torch.autograd.Function):
