@@ -153,6 +153,14 @@ def test_the_training_mlp_goes_to_quack_where_it_runs(quack_reference, monkeypat
     assert seen == [torch.bfloat16]
 
 
+@pytest.mark.parametrize("version, taken", [("0.5.3", False), ("0.6.4", False), ("0.6.5", True), ("0.7.0rc1", True),
+                                            ("1.0", True)])
+def test_quack_versions_before_the_measured_calls_are_left_alone(monkeypatch, version, taken):
+    """flash-attn-4 installs quack-kernels >= 0.5.3; the node's calls (concat_layout) are those of 0.6.5."""
+    monkeypatch.setattr(quack_mlp.importlib.metadata, "version", lambda name: version)
+    assert quack_mlp.quack_installed.__wrapped__() is taken
+
+
 def test_which_calls_quack_takes(monkeypatch):
     """Not on the CPU, not turned off (`MODELING_DIFF_QUACK=0`), not float32, not sizes its kernels refuse."""
     w_gate, w_up, w_down = torch.empty(16, 8), torch.empty(16, 8), torch.empty(8, 16)

@@ -28,6 +28,7 @@ Everything else (no package, another GPU, float32, torch.compile's tracing, `MOD
 import functools
 import importlib.metadata
 import os
+import re
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,7 @@ from ._triton import TRITON_INTERPRETING
 
 ENABLED = os.environ.get("MODELING_DIFF_QUACK", "1") != "0"
 DISTRIBUTION = "quack-kernels"
+MIN_VERSION = (0, 6, 5)  # the first with the calls below as used here (concat_layout); flash-attn-4 asks for >= 0.5.3
 ACTIVATION = "swiglu"  # quack's name for silu(gate) * up
 # quack's default configurations; True: its autotuner, which compiles several a shape at the first call
 # (`benchmarks/quack_mlp_bench.py --tuned` measures both)
@@ -47,13 +49,13 @@ _ALIGNMENT = 8
 
 @functools.cache
 def quack_installed() -> bool:
-    """Whether the `quack-kernels` distribution is installed (read from its metadata: importing it loads CUTLASS's
-    DSL, seconds)."""
+    """Whether `quack-kernels` of at least MIN_VERSION is installed (read from its metadata: importing it loads
+    CUTLASS's DSL, seconds)."""
     try:
-        importlib.metadata.distribution(DISTRIBUTION)
+        installed = importlib.metadata.version(DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:
         return False
-    return True
+    return tuple(int(part) for part in re.findall(r"\d+", installed)[:3]) >= MIN_VERSION
 
 
 @functools.cache
