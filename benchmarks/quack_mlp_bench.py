@@ -5,7 +5,8 @@ node's cuBLAS products alone (the floor with no activation pass): forward + back
     python3 benchmarks/quack_mlp_bench.py [--tokens 8192] [--hidden 2048] [--intermediate 8192] [--tuned]
 
 Prints ms per forward + backward (median of --repeats rounds of 10 after warm-up), the peak memory above the inputs,
-and each node's largest relative error against the float32 arithmetic of LlamaMLP on the same bf16 inputs (out and
+the first call's seconds (quack compiles its kernels then; and again at another token count?), and each node's
+largest relative error against the float32 arithmetic of LlamaMLP on the same bf16 inputs (out and
 the four gradients). Needs a Hopper GPU and quack-kernels (carried to the GPU machine with flash-attn-4).
 """
 
@@ -99,6 +100,12 @@ def main():
         peak = (torch.cuda.max_memory_allocated() - base) / 2**20
         rows.append((label, ms, peak, first, errors))
     floor = timed(lambda: products_only(*inputs), args.repeats) * 1e3
+    # another token count (a batch of other lengths): whether quack compiles its kernels again for it
+    shorter = args.tokens - 3 * 128
+    start = time.perf_counter()
+    run(quack_mlp.quack_swiglu_mlp, x[:shorter], w_gate, w_up, w_down, grad_out[:shorter])
+    torch.cuda.synchronize()
+    other_length = time.perf_counter() - start
     flops = 2 * args.tokens * args.hidden * args.intermediate * 9  # 3 products forward, 6 backward
     print(f"\nMLP forward + backward, {args.tokens} tokens, hidden {args.hidden}, intermediate {args.intermediate}, "
           f"bf16, quack {'tuned' if args.tuned else 'default configurations'}; {torch.cuda.get_device_name()}")
@@ -110,6 +117,7 @@ def main():
               + " | ".join(f"{errors[n]:.2e}" for n in names) + " |")
     print(f"| cuBLAS products alone (no activation) | {floor:.3f} | {flops / floor / 1e9:.0f} | "
           f"{rows[0][1] / floor:.3f}x | | | " + " | ".join("" for _ in names) + " |")
+    print(f"quack's first call at {shorter} tokens, after its calls at {args.tokens}: {other_length:.2f} s")
 
 
 if __name__ == "__main__":
