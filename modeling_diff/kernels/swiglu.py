@@ -8,7 +8,8 @@ da and db anyway; down_proj's weight gradient follows that pass. In the ~1.1B be
 per layer per 8192 tokens less than Liger's: 2 GiB of a 2K x 4 step, 16 GiB of a 64K sequence
 (benchmarks/RESULTS.md); the backward holds c, dc (then da) and db of one layer at once, one such buffer more than a
 backward that recomputes c before dc exists. The arithmetic and its rounding are LlamaMLP's; the backward writes
-only buffers of its own, so a graph kept with `retain_graph=True` can be run backward again.
+only buffers of its own, so a graph kept with `retain_graph=True` can be run backward again. On a Hopper GPU with
+quack-kernels installed the node's activation passes are in its products' epilogues instead (`quack_mlp.py`).
 
     swiglu_mlp(x (..., hidden), w_gate (I, hidden), w_up (I, hidden), w_down (hidden, I)) -> (..., hidden)
 """
