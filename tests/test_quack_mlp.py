@@ -5,7 +5,9 @@ against transformers' LlamaMLP; which calls go to it; and on a Hopper GPU with t
 against the formula written here."""
 
 import math
-import types
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -176,6 +178,47 @@ def test_which_calls_quack_takes(monkeypatch):
         assert not quack_mlp.quack_mlp_runs_on(*odd)
         monkeypatch.setattr(quack_mlp, "ENABLED", False)
         assert not quack_mlp.quack_mlp_runs_on(*cuda)
+
+
+def test_our_calls_compile_quack_s_hopper_kernels_on_the_cpu():
+    """The node's four calls (forward and backward, the ~1.1B MLP's shapes) compiled for the H100 / H200 (sm_90a) by
+    the installed package on the CPU, with fake tensors (FakeTensorMode, the node's staticmethods called directly:
+    autograd wants a CUDA device here), QUACK_ARCH naming the architecture, the H100's 132 multiprocessors for its
+    persistent schedule, and each compiled kernel recorded in place of its launch (no driver here). This is where a
+    change of quack's API, or a layout its kernels refuse, shows up without a GPU."""
+    script = """
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+import quack.cute_dsl_utils, quack.gemm, quack.gemm_runtime.host
+from modeling_diff.kernels.quack_mlp import _QuackSwiGLUMLP
+
+clusters = lambda size, **kwargs: 132 // size
+quack.cute_dsl_utils.get_max_active_clusters = quack.gemm.get_max_active_clusters = clusters
+quack.gemm_runtime.host.get_max_active_clusters = clusters
+launches = []
+quack.gemm.launch_gemm = quack.gemm_runtime.host.launch_gemm = lambda plan, *args: launches.append(plan.compiled_fn)
+
+class Ctx:
+    needs_input_grad = (True, True, True, True)
+
+    def save_for_backward(self, *tensors):
+        self.saved_tensors = tensors
+
+with FakeTensorMode():
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    x, w_gate, w_up = (torch.empty(rows, 2048, **bf16) for rows in (8192, 8192, 8192))
+    w_down = torch.empty(2048, 8192, **bf16)
+    ctx = Ctx()
+    out = _QuackSwiGLUMLP.forward(ctx, x.view(4, 2048, 2048), w_gate, w_up, w_down)
+    grads = _QuackSwiGLUMLP.backward(ctx, torch.empty_like(out))
+print(tuple(out.shape), *(tuple(g.shape) for g in grads), len(launches), all(launches))
+"""
+    env = dict(os.environ, QUACK_ARCH="90", CUTE_DSL_ARCH="sm_90a", QUACK_CACHE_ENABLED="0")
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split()[-2:] == ["4", "True"]
+    assert run.stdout.replace(" ", "").split(")")[:5] == [
+        "(4,2048,2048", "(4,2048,2048", "(8192,2048", "(8192,2048", "(2048,8192"]
 
 
 @needs_hopper_with_quack

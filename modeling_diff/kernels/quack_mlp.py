@@ -124,9 +124,8 @@ class _QuackSwiGLUMLP(torch.autograd.Function):
             grad_x = grad_x.view(grad_out.shape[:-1] + (rows.shape[-1],))
         if need_gate or need_up:  # (2I, hidden) as [dW_gate; dW_up]
             grad_w_in = gemm(grad_preact.T, rows, concat_layout=("out",), dynamic_scheduler=True, tuned=TUNED)
-            intermediate = w_gate.shape[0]
-            grad_w_gate = grad_w_in[:intermediate] if need_gate else None
-            grad_w_up = grad_w_in[intermediate:] if need_up else None
+            grad_w_gate, grad_w_up = grad_w_in.chunk(2)
+            grad_w_gate, grad_w_up = (grad_w_gate if need_gate else None), (grad_w_up if need_up else None)
         return grad_x, grad_w_gate, grad_w_up, grad_w_down
 
 
