@@ -164,7 +164,8 @@ def test_quack_versions_before_the_measured_calls_are_left_alone(monkeypatch, ve
 
 
 def test_which_calls_quack_takes(monkeypatch):
-    """Not on the CPU, not turned off (`MODELING_DIFF_QUACK=0`), not float32, not sizes its kernels refuse."""
+    """Only where turned on (`MODELING_DIFF_QUACK=1`), not on the CPU, not float32, not sizes its kernels refuse."""
+    monkeypatch.setattr(quack_mlp, "ENABLED", True)
     w_gate, w_up, w_down = torch.empty(16, 8), torch.empty(16, 8), torch.empty(8, 16)
     x = torch.empty(3, 8)
     assert not quack_mlp.quack_mlp_runs_on(x.bfloat16(), w_gate.bfloat16(), w_up.bfloat16(), w_down.bfloat16())
@@ -223,7 +224,7 @@ print(tuple(out.shape), *(tuple(g.shape) for g in grads), len(launches), all(lau
 
 @needs_hopper_with_quack
 @pytest.mark.parametrize("tokens, hidden, intermediate", [(8192, 2048, 8192), (2 * 333, 256, 1024)])
-def test_quack_s_kernels_match_the_formula(tokens, hidden, intermediate):
+def test_quack_s_kernels_match_the_formula(tokens, hidden, intermediate, monkeypatch):
     """On the GPU: the node's output and gradients against down(silu(gate x) * up x) in float64 (bf16 inputs), as
     close as `swiglu.py`'s node is (both round to bf16; the epilogue rounds gate(x) and up(x) later)."""
     torch.manual_seed(1)
@@ -244,6 +245,7 @@ def test_quack_s_kernels_match_the_formula(tokens, hidden, intermediate):
         grads = torch.autograd.grad(out, leaves, grad_out)
         return [((g.double() - w).norm() / w.norm()).item() for g, w in zip((out, *grads), (ref, *ref_grads))]
 
+    monkeypatch.setattr(quack_mlp, "ENABLED", True)
     assert quack_mlp.quack_mlp_runs_on(x, *weights)
     theirs = errors(swiglu._SwiGLUMLP.apply)
     ours = errors(quack_mlp.quack_swiglu_mlp)
