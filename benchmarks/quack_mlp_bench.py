@@ -72,6 +72,7 @@ def main():
     parser.add_argument("--tuned", action="store_true", help="quack's autotuned configurations (compiles several)")
     args = parser.parse_args()
     quack_mlp.TUNED = args.tuned
+    quack_mlp.ENABLED = True  # measured here whatever MODELING_DIFF_QUACK says
     torch.manual_seed(0)
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
     x = torch.randn(args.tokens, args.hidden, **bf16)
