@@ -1,6 +1,7 @@
 """The SwiGLU MLP's training products on quack's GEMMs (Tri Dao's `quack-kernels`, Apache-2.0, written in NVIDIA's
 CuTe DSL; installed with `flash-attn-4`, or alone with `pip install "modeling_diff[quack]"`), with the activation in
-their epilogues: on a Hopper GPU where the package is installed.
+their epilogues: on a Hopper GPU where the package is installed and `MODELING_DIFF_QUACK=1` is set (opt-in until
+measured on a GPU).
 
 `swiglu.py`'s node runs gate and up as cuBLAS products and the activation as passes of their own over the
 (tokens x intermediate) tensors: forward, read gate(x) and up(x), write c = silu(gate(x)) * up(x); backward, read
@@ -15,9 +16,9 @@ ms training step, about the bandwidth's time for them (benchmarks/RESULTS.md). H
 quack pairs gate and up column by column: `preact` (T, 2I) holds gate(x) and up(x) interleaved ([g0, u0, g1, u1,
 ...]), d_preact too, and with `concat_layout` its kernels read a [W_gate; W_up] weight (2I, hidden) as if it were
 interleaved and write its gradient in that concatenated layout. The model keeps gate_proj and up_proj apart (a Llama
-checkpoint's names and layout), so the node concatenates their weights (64 MiB a layer at the ~1.1B shapes, a copy
-at the bandwidth: 0.04 ms) in the forward and again in the backward rather than keep the copy between them, and
-hands each projection its half of the weight gradient (views of one buffer). It keeps x and preact: the two
+checkpoint's names and layout), so the node concatenates their weights (64 MiB a layer at the ~1.1B shapes: about
+0.04 ms at an H100's bandwidth, estimated) in the forward and again in the backward rather than keep the copy
+between them, and hands each projection its half of the weight gradient (views of one buffer). It keeps x and preact: the two
 (tokens x intermediate) tensors `swiglu.py` keeps. The epilogue computes c from the float32 accumulators, where
 LlamaMLP rounds gate(x) and up(x) to the model's dtype first: equal to LlamaMLP to bf16's rounding, not to the bit.
 
@@ -61,12 +62,13 @@ def quack_installed() -> bool:
 
 @functools.cache
 def _is_hopper(device_index: int) -> bool:
-    """An NVIDIA GPU of compute capability 9.x: where these calls were measured (quack has Blackwell kernels too)."""
+    """An NVIDIA GPU of compute capability 9.x, the architecture these calls are compiled and checked for (quack has
+    Blackwell kernels too)."""
     return torch.version.hip is None and torch.cuda.get_device_capability(device_index)[0] == 9
 
 
 def quack_mlp_runs_on(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> bool:
-    """Whether the MLP's node can run on quack's GEMMs: the package installed and not turned off, x and the weights
+    """Whether the MLP's node can run on quack's GEMMs: turned on, the package installed, x and the weights
     bf16 or fp16 on a Hopper GPU, sizes that its kernels take, and neither Triton's interpreter (CI's CPU runs) nor
     torch.compile's tracing (Inductor fuses `swiglu.py`'s reference)."""
     hidden, intermediate = w_gate.shape[1], w_gate.shape[0]
@@ -99,7 +101,7 @@ class _QuackSwiGLUMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_gate, w_up, w_down):
         gemm, gemm_gated, _ = quack_gemms()
-        rows = x.reshape(-1, x.shape[-1])  # (T, hidden)
+        rows = x.reshape(-1, x.shape[-1]).contiguous()  # (T, hidden), each row contiguous as quack reads it
         w_in = torch.cat((w_gate, w_up))  # (2I, hidden): [W_gate; W_up]
         preact, product = gemm_gated(rows, w_in.T, activation=ACTIVATION, concat_layout=("B",), tuned=TUNED)
         # preact (T, 2I): gate(x) and up(x) interleaved; product (T, I): silu(gate(x)) * up(x)
