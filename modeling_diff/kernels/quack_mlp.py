@@ -19,8 +19,9 @@ interleaved and write its gradient in that concatenated layout. The model keeps 
 checkpoint's names and layout), so the node concatenates their weights (64 MiB a layer at the ~1.1B shapes: about
 0.04 ms at an H100's bandwidth, estimated) in the forward and again in the backward rather than keep the copy
 between them, and hands each projection its half of the weight gradient (views of one buffer). It keeps x and
-preact: the two (tokens x intermediate) tensors `swiglu.py` keeps. The epilogue computes c from the float32 accumulators, where
-LlamaMLP rounds gate(x) and up(x) to the model's dtype first: equal to LlamaMLP to bf16's rounding, not to the bit.
+preact: the two (tokens x intermediate) tensors `swiglu.py` keeps. The epilogue computes c from the float32
+accumulators, where LlamaMLP rounds gate(x) and up(x) to the model's dtype first: equal to LlamaMLP to bf16's
+rounding, not to the bit.
 
 Everything else (no package, another GPU, float32, torch.compile's tracing, `MODELING_DIFF_QUACK` not 1) stays on
 `swiglu.py`'s node.
