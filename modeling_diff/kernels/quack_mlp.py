@@ -40,7 +40,7 @@ from ._triton import TRITON_INTERPRETING
 # Opt-in until measured on a GPU (no machine came in the session that wrote it): `MODELING_DIFF_QUACK=1` turns it on.
 ENABLED = os.environ.get("MODELING_DIFF_QUACK", "0") == "1"
 DISTRIBUTION = "quack-kernels"
-MIN_VERSION = (0, 6, 5)  # the first with the calls below as used here (concat_layout); flash-attn-4 asks for >= 0.5.3
+MIN_VERSION = (0, 6, 5)  # the version the calls below were written and checked against; flash-attn-4 asks >= 0.5.3
 ACTIVATION = "swiglu"  # quack's name for silu(gate) * up
 # quack's default configurations; True: its autotuner, which compiles several a shape at the first call
 # (`benchmarks/quack_mlp_bench.py --tuned` measures both)
