@@ -39,6 +39,7 @@ import signal
 import stat
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 FORCE = "force"
@@ -69,7 +70,7 @@ def sigterm_as_interrupt():
 
 
 @contextlib.contextmanager
-def _signals_deferred():
+def signals_deferred():
     """Ctrl-C and SIGTERM wait until the block is done (and are raised right after it): the two renames that
     replace an output must not be cut between them, which would leave neither the old output nor the new one.
     (Python runs signal handlers in the main thread; blocking the signals there would not stop other threads from
@@ -314,6 +315,37 @@ def _too_wide(dst: Path) -> bool:
 
 
 @contextlib.contextmanager
+def locked_staging(dst: Path, name: str, wait_seconds: float = 0.0):
+    """Yield a new private staging directory next to `dst` (`.<stem>.<pid>.<random>.tmp`), holding for the whole
+    block the lock that every writer of `dst` takes (`atomic_directory`'s), and having removed what a killed writer
+    left. Waits up to `wait_seconds` for another writer to release the lock; then (or at once, by default) the
+    ValueError naming `dst` and that writer's pid. The staging directory is removed when the block fails; when it
+    succeeds, the block has renamed it away or moved its files out (it is then removed), or left them there to keep
+    them (it is then left, and its path is the caller's to report). For a writer that moves its files into `dst`
+    itself, into a folder of other outputs (`modeling_diff.needle`): the renames go under `signals_deferred`."""
+    stem = _stem(dst, name)
+    deadline = time.monotonic() + wait_seconds
+    with contextlib.ExitStack() as stack:
+        while True:
+            try:
+                stack.enter_context(_exclusive_lock(dst, name, stem))
+                break
+            except ValueError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.1)
+        _remove_stale_staging(dst, stem)
+        staging = _hidden_directory(dst.parent, f".{stem}.{os.getpid()}.", ".tmp")
+        try:
+            yield staging
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        with contextlib.suppress(OSError):  # gone if renamed away; kept if the block left files in it on purpose
+            staging.rmdir()
+
+
+@contextlib.contextmanager
 def atomic_directory(dst: str | os.PathLike, overwrite: bool | str = False, protect: tuple = (),
                      name: str = "destination", expected: tuple[str, ...] = ()):
     """Yield an empty temporary directory next to `dst`; when the block succeeds it replaces `dst` (renames), when
@@ -328,21 +360,15 @@ def atomic_directory(dst: str | os.PathLike, overwrite: bool | str = False, prot
     except OSError as error:
         raise ValueError(f"{name} {str(dst)!r}: cannot create its parent directory: {error}") from error
     try:
-        stem = _stem(dst, name)
-        with sigterm_as_interrupt(), _exclusive_lock(dst, name, stem):
-            _remove_stale_staging(dst, stem)
+        with sigterm_as_interrupt(), locked_staging(dst, name) as staging:
             if check_destination(dst, overwrite, protect, name, expected) != dst:  # again, now that we hold the lock
                 # A link put on its way meanwhile: the lock held would not be the one that guards where it leads.
                 raise ValueError(f"{name} {str(dst)!r} came to lead elsewhere (a link on its path) while it was "
                                  f"being locked; nothing was written")
-            staging = _hidden_directory(dst.parent, f".{stem}.{os.getpid()}.", ".tmp")
-            try:
-                yield staging
-                staging.chmod(0o755)  # made private to the user
-                with _signals_deferred():
-                    _replace(staging, dst, overwrite, name, expected, stem)
-            finally:
-                shutil.rmtree(staging, ignore_errors=True)  # gone already after a successful rename
+            yield staging
+            staging.chmod(0o755)  # made private to the user
+            with signals_deferred():
+                _replace(staging, dst, overwrite, name, expected, _stem(dst, name))
     except BaseException:
         for path in created:  # parents this call created, if still empty
             with contextlib.suppress(OSError):
@@ -406,5 +432,5 @@ def _put_back(replaced: Path, dst: Path, old: Path, name: str, stem: str) -> Non
                          f"before is kept in {str(kept / dst.name)!r}") from error
 
 
-__all__ = ["FORCE", "atomic_directory", "check_destination", "check_writable", "open_lock_file",
-           "overwrite_from_flags", "sigterm_as_interrupt"]
+__all__ = ["FORCE", "atomic_directory", "check_destination", "check_writable", "locked_staging", "open_lock_file",
+           "overwrite_from_flags", "signals_deferred", "sigterm_as_interrupt"]

@@ -23,21 +23,17 @@ import argparse
 import contextlib
 import json
 import math
-import os
 import random
 import re
 import secrets
-import shutil
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from .atomic import (_exclusive_lock, _hidden_directory, _remove_stale_staging, sigterm_as_interrupt,
-                     _signals_deferred, _stem, atomic_directory, check_writable)
+from .atomic import atomic_directory, check_writable, locked_staging, signals_deferred, sigterm_as_interrupt
 from .checkpoint_files import (CONFIG_FILES, LOADING_ERRORS, MAX_WHOLE_READ_BYTES, SIDE_FILES, check_loading_info,
                                check_gguf, check_side_files, check_weight_files, first_non_finite,
                                load_tokenizer)
@@ -349,20 +345,6 @@ def _keep_elsewhere(text: str, figure, directory: Path, out: Path) -> Path:
     return kept
 
 
-def _lock(stack: contextlib.ExitStack, out: Path, stem: str) -> None:
-    """Take --out's lock (the one `atomic_directory` takes for it) into `stack`, waiting up to LOCK_WAIT_SECONDS
-    for another writer to release it; the last ValueError if it never comes."""
-    deadline = time.monotonic() + LOCK_WAIT_SECONDS
-    while True:
-        try:
-            stack.enter_context(_exclusive_lock(out, "--out", stem))
-            return
-        except ValueError:
-            if time.monotonic() >= deadline:
-                raise
-            time.sleep(0.1)
-
-
 def _write_results(result: NeedleResult, out: Path, written: list[Path]) -> str | None:
     """Write needle.json and needle.png into `out`: renamed as one folder to `out` if it does not exist, else file
     by file into it (it may hold other results, which are kept). Returns None, or when `out` could not take them,
@@ -397,37 +379,29 @@ def _write_rendered(text: str, figure, out: Path, written: list[Path]) -> str | 
     except OSError:  # a folder above --out became a file while the evaluation ran
         kept = _keep_elsewhere(text, figure, next(p for p in dst.parents if p.is_dir()), out)
         return _no_longer_a_directory(out, kept)
-    stem = _stem(dst, "--out")
     with contextlib.ExitStack() as stack:
         try:
-            _lock(stack, dst, stem)
+            staging = stack.enter_context(locked_staging(dst, "--out", wait_seconds=LOCK_WAIT_SECONDS))
         except ValueError as error:
             kept = _keep_elsewhere(text, figure, dst.parent, out)
             return f"{' '.join(str(error).split())}; the results are kept in {str(kept)!r}"
-        _remove_stale_staging(dst, stem)
-        staging = _hidden_directory(dst.parent, f".{stem}.{os.getpid()}.", ".tmp")
-        kept = None
+        _write_files(text, figure, staging)
+        staging.chmod(0o755)  # made private (0700); a new --out gets the mode of any folder made for output
         try:
-            _write_files(text, figure, staging)
-            staging.chmod(0o755)  # made private (0700); a new --out gets the mode of any folder made for output
-            try:
-                with _signals_deferred():  # (a SIGKILL between the two renames cannot be deferred: see above)
-                    if dst.exists():
-                        for name in RESULT_FILES:
-                            (staging / name).replace(dst / name)
-                            written.append(out / name)
-                    else:
-                        staging.rename(dst)
-                        written.extend(out / name for name in RESULT_FILES)
-            except OSError as error:
-                kept = _keep_results(staging, out)
-                if any(p.exists() and not p.is_dir() for p in [out, *out.parents]):
-                    return _no_longer_a_directory(out, kept)
-                return (f"--out {str(out)!r} could not take the results ({' '.join(str(error).split())}); the results "
-                        f"are kept in {str(kept)!r}")
-        finally:
-            if kept is None:
-                shutil.rmtree(staging, ignore_errors=True)  # gone already after --out was renamed into place
+            with signals_deferred():  # (a SIGKILL between the two renames cannot be deferred: see above)
+                if dst.exists():
+                    for name in RESULT_FILES:
+                        (staging / name).replace(dst / name)
+                        written.append(out / name)
+                else:
+                    staging.rename(dst)
+                    written.extend(out / name for name in RESULT_FILES)
+        except OSError as error:
+            kept = _keep_results(staging, out)  # (`locked_staging` leaves a staging that still holds them)
+            if any(p.exists() and not p.is_dir() for p in [out, *out.parents]):
+                return _no_longer_a_directory(out, kept)
+            return (f"--out {str(out)!r} could not take the results ({' '.join(str(error).split())}); the results "
+                    f"are kept in {str(kept)!r}")
     return None
 
 

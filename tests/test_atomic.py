@@ -4,11 +4,12 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
-from modeling_diff.atomic import atomic_directory, check_writable
+from modeling_diff.atomic import atomic_directory, check_writable, locked_staging
 
 
 def test_written_whole_and_staging_removed_on_failure(tmp_path):
@@ -21,6 +22,38 @@ def test_written_whole_and_staging_removed_on_failure(tmp_path):
     with atomic_directory(dst) as staging:
         (staging / "whole.txt").write_text("x")
     assert [p.name for p in dst.iterdir()] == ["whole.txt"] and [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_locked_staging_removes_what_it_must_and_keeps_what_it_is_left(tmp_path):
+    """The staging of a writer that moves its files into the destination itself: removed when the block fails, or
+    when it succeeds with the staging emptied; left when the block leaves files in it (kept on purpose); another
+    writer is refused, or waited for up to `wait_seconds`."""
+    dst = tmp_path / "out"
+    with pytest.raises(RuntimeError):
+        with locked_staging(dst, "--out") as staging:
+            (staging / "half.txt").write_text("x")
+            raise RuntimeError("interrupted")
+    assert list(tmp_path.iterdir()) == []
+    with locked_staging(dst, "--out") as staging:
+        (staging / "a.txt").write_text("x")
+        dst.mkdir()
+        (staging / "a.txt").replace(dst / "a.txt")
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    with locked_staging(dst, "--out") as staging:
+        (staging / "kept.txt").write_text("x")
+    assert staging.is_dir() and [p.name for p in staging.iterdir()] == ["kept.txt"]
+
+    holder = locked_staging(dst, "--out")
+    held = holder.__enter__()
+    with pytest.raises(ValueError, match=rf"--out '{dst}' is being written by another process \(pid {os.getpid()}"):
+        with locked_staging(dst, "--out"):
+            pass
+    assert held.is_dir()
+    release = threading.Timer(0.3, holder.__exit__, (None, None, None))
+    release.start()
+    with locked_staging(dst, "--out", wait_seconds=30) as staging:  # waited for; the first's staging is gone
+        assert not held.exists() and staging.is_dir()
+    release.join()
 
 
 def test_existing_content_needs_overwrite(tmp_path):

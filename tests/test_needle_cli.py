@@ -22,7 +22,7 @@ from test_reliability_tools import model_dir, needle_error, no_model_loading  # 
 
 import modeling_diff.needle as needle
 from modeling_diff import DiffLlamaForCausalLM
-from modeling_diff.atomic import _exclusive_lock, _stem
+from modeling_diff.atomic import locked_staging
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -102,9 +102,7 @@ def test_a_live_writers_staging_is_never_removed_and_its_lock_is_waited_for(mode
     results are kept beside --out, and the error says so. Before, the run wrote into --out regardless."""
     out = tmp_path / "out"
     monkeypatch.setattr(needle, "LOCK_WAIT_SECONDS", 0.3, raising=False)
-    live = tmp_path / f".out.{os.getpid()}.abcd1234.tmp"
-    with _exclusive_lock(out, "--out", _stem(out)):
-        live.mkdir()
+    with locked_staging(out, "--out") as live:
         (live / "needle.json").write_text("{}")
         line = needle_error(argv(model_dir, haystack, out), capsys)
         assert f"--out {str(out)!r} is being written by another process" in line, line
@@ -113,12 +111,12 @@ def test_a_live_writers_staging_is_never_removed_and_its_lock_is_waited_for(mode
         assert kept.parent == tmp_path and not kept.name.startswith(".")
         assert sorted(p.name for p in kept.iterdir()) == ["needle.json", "needle.png"]
         assert kept.stat().st_mode & 0o777 == 0o755
-        (live / "needle.json").unlink()  # (a live writer removes its staging itself before it releases the lock)
-        live.rmdir()
+        (live / "needle.json").unlink()  # (as a writer that moved its files into --out leaves its staging)
+    assert not live.exists()
 
     # A writer that finishes within the wait is waited for: the results then go into --out.
     monkeypatch.setattr(needle, "LOCK_WAIT_SECONDS", 30.0, raising=False)
-    lock = _exclusive_lock(out, "--out", _stem(out))
+    lock = locked_staging(out, "--out")
     lock.__enter__()
     timer = threading.Timer(0.5, lock.__exit__, (None, None, None))
     timer.start()
