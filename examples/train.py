@@ -139,7 +139,7 @@ def vocabulary_of(tokenizer) -> dict:
 def check_vocabulary(tokenizer, vocab_size: int, which: str) -> None:
     """A checkpoint's vocabulary must hold every id of the tokenizer, special ones included: one beyond it was saved
     with the model, and its first use (an EOS appended, padding in a batch) indexed past the embedding."""
-    largest = max(len(tokenizer) - 1, *tokenizer.all_special_ids)
+    largest = max([len(tokenizer) - 1, *tokenizer.all_special_ids])
     if largest >= vocab_size:
         token = tokenizer.convert_ids_to_tokens(largest)
         raise ValueError(f"{which} has token id {largest} ({token!r}), beyond the model's vocab_size {vocab_size}: "

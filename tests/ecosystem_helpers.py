@@ -23,12 +23,15 @@ EOS = "<|endoftext|>"
 VOCAB_SIZE = 257  # 256 bytes + EOS
 
 
-def byte_tokenizer() -> PreTrainedTokenizerFast:
-    """Byte-level tokenizer: one token per UTF-8 byte (GPT-2's byte-to-character map), plus EOS as id 256."""
+def byte_tokenizer(special: bool = True) -> PreTrainedTokenizerFast:
+    """Byte-level tokenizer: one token per UTF-8 byte (GPT-2's byte-to-character map), plus EOS as id 256 (unless
+    `special` is False: then no special token at all)."""
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     tokenizer = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
+    if not special:
+        return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS, pad_token=EOS, bos_token=EOS)
     assert len(fast) == VOCAB_SIZE
     return fast

@@ -104,6 +104,13 @@ def test_a_checkpoint_whose_vocabulary_lacks_an_id_of_the_tokenizer_is_refused(t
     assert ("--tokenizer has token id 256 ('<|endoftext|>'), beyond the model's vocab_size 256: the tokenizer must "
             "be the model's (--tokenizer)") in line, line
     assert not (tmp_path / "out").exists()
+    # The same bytes without special tokens fit: trained and saved (a tokenizer with none was a TypeError)
+    no_special = byte_tokenizer(special=False)
+    assert no_special.all_special_ids == [] and len(no_special) == 256
+    no_special.save_pretrained(tmp_path / "bytes")
+    out = train(tmp_path, "--model", str(tmp_path / "ckpt"), "--tokenizer", str(tmp_path / "bytes"), "--text-file",
+                "train.txt", "--output-dir", "out")
+    assert out.returncode == 0, out.stderr[-3000:]
 
 
 # -------------------------------------------------------------------------------- the save: whole or not at all
