@@ -102,8 +102,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         if args.tokenizer_object is not None and args.model in modeling_diff.PRESETS:
             config = modeling_diff.preset_config(args.model, **vocabulary_of(args.tokenizer_object))
         elif args.tokenizer_object is not None:
-            check_vocabulary(args.tokenizer_object, config.vocab_size,
-                             "--tokenizer" if args.tokenizer else "the checkpoint's tokenizer")
+            check_vocabulary(args.tokenizer_object, config.vocab_size, tokenizer_source(args))
         args.blocks = token_blocks(args, config.vocab_size)
     except ValueError as error:  # (a tokenizer's own error spans lines: one line, as every other refusal)
         parser.error(" ".join(str(error).split()))
@@ -147,6 +146,13 @@ def check_vocabulary(tokenizer, vocab_size: int, which: str) -> None:
                          f"the tokenizer must be the model's (--tokenizer)")
 
 
+def tokenizer_source(args: argparse.Namespace) -> str:
+    """What turns the training text into token ids, as the errors name it."""
+    if args.tokenizer_object is None:
+        return "one token per byte (no tokenizer)"
+    return "--tokenizer" if args.tokenizer else "the checkpoint's tokenizer"
+
+
 def token_blocks(args: argparse.Namespace, vocab_size: int) -> torch.Tensor:
     """(blocks, seq_len) of consecutive token ids of the training text, by `args.tokenizer_object` or one per byte."""
     text = args.text if args.text is not None else shakespeare("hamlet")
@@ -159,9 +165,7 @@ def token_blocks(args: argparse.Namespace, vocab_size: int) -> torch.Tensor:
         raise ValueError(f"the training text has {len(ids)} tokens, fewer than --seq-len {args.seq_len}: a longer "
                          f"--text-file or a shorter --seq-len")
     if int(ids.max()) >= vocab_size:
-        which = ("--tokenizer" if args.tokenizer else "the checkpoint's tokenizer" if args.tokenizer_object is not None
-                 else "one token per byte (no tokenizer)")
-        raise ValueError(f"{which} gives token id {int(ids.max())}, beyond the model's vocab_size {vocab_size}: "
+        raise ValueError(f"{tokenizer_source(args)} gives token id {int(ids.max())}, beyond the model's vocab_size {vocab_size}: "
                          f"the tokenizer must be the model's (--tokenizer)")
     return ids[: blocks * args.seq_len].view(blocks, args.seq_len)
 
