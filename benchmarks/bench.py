@@ -479,9 +479,14 @@ def device_peaks() -> tuple[float, float, float]:
     return *matmul_peak(), copy_bandwidth()
 
 
+def train_batch(seq: int, args) -> int:
+    """Sequences per training or prefill batch: --tokens in all, at least one."""
+    return max(1, args.tokens // seq)
+
+
 def bench_model(name: str, seq: int, phases, args) -> list[dict]:
     """The rows of one model at one sequence length."""
-    batch = max(1, args.tokens // seq)
+    batch = train_batch(seq, args)
     model = build(name, max_positions=seq + 128, attention=args.attention)
     body, head = linear_flops(model, name)
     attn_flops, _ = attention_work(name, model.config)
@@ -574,8 +579,8 @@ def run(args) -> tuple[list[dict], float, float]:
         for index in tqdm(range(args.passes), desc="passes", disable=args.passes == 1):
             rows = []
             for name in tqdm(rotated(args.models, index), desc="models"):
-                failed = [dict(seq=seq, model=name, phase=p) for seq in args.seq for p, _ in one_at_a_time
-                          if applies(p, seq, args)]
+                failed = [dict(seq=seq, model=name, phase=p, batch=b or train_batch(seq, args))
+                          for seq in args.seq for p, b in one_at_a_time if applies(p, seq, args)]
                 rows += rows_or_errors(bench_model_all_lengths, (name, one_at_a_time, args), failed)
             passes.append(rows)
         results += merged_passes(passes)

@@ -1,22 +1,26 @@
 # Sourced by the accelerator machine's scripts (gpu_check.sh, gpu_tests.sh): the package installed from this working
 # tree, and the wheels carried in .whl*/ folders (the machine has no network): liger-kernel, and flash-attn-4 with the
 # CuTe DSL it runs on. A wheel too large for what one device call carries (the DSL's CUDA 13 libraries: 92 MB as a
-# wheel, 64 MiB a call) travels as NAME.tar.xz of its unpacked contents (53 MB with xz's 256 MiB dictionary),
-# unpacked where pip puts the others.
+# wheel, 64 MiB a call) travels as NAME.tar.xz of its unpacked contents (52 MB: `xz --x86
+# --lzma2=preset=9e,dict=256MiB`), unpacked where pip puts the others.
+# The folder's name ends in site-packages: quack's epilogue fingerprint (quack/gemm_runtime/identity.py) takes a function
+# as installed code, by its name alone, only where its file lies under a site-packages folder; under /tmp/site it read
+# the CuTe DSL's own functions down to a ContextVar and failed (TypeError) before any GEMM ran.
 export PYTHONUNBUFFERED=1
+SITE=/tmp/site-packages
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
 wheels=$(ls .whl*/*.whl 2>/dev/null)
 if [ -n "$wheels" ]; then
-    if python3 -m pip install -q --upgrade --no-index --no-deps --target /tmp/site $wheels > /tmp/wheels.log 2>&1; then
-        export PYTHONPATH=/tmp/site
+    if python3 -m pip install -q --upgrade --no-index --no-deps --target $SITE $wheels > /tmp/wheels.log 2>&1; then
+        export PYTHONPATH=$SITE
     else
         echo "gpu_setup.sh: the carried wheels did not install:"; tail -5 /tmp/wheels.log
     fi
 fi
 for archive in .whl*/*.tar.xz; do
-    [ -e "$archive" ] && mkdir -p /tmp/site && tar -xJf "$archive" -C /tmp/site && export PYTHONPATH=/tmp/site
+    [ -e "$archive" ] && mkdir -p $SITE && tar -xJf "$archive" -C $SITE && export PYTHONPATH=$SITE
 done
 # The CuTe DSL's packages sit under its dsl_packages folder, which its .pth file adds: PYTHONPATH reads no .pth.
-if [ -d /tmp/site/nvidia_cutlass_dsl/dsl_packages ]; then
-    export PYTHONPATH=$PYTHONPATH:/tmp/site/nvidia_cutlass_dsl/dsl_packages
+if [ -d $SITE/nvidia_cutlass_dsl/dsl_packages ]; then
+    export PYTHONPATH=$PYTHONPATH:$SITE/nvidia_cutlass_dsl/dsl_packages
 fi

@@ -281,12 +281,32 @@ def test_passes_run_every_model_once_a_pass_in_rotated_order(monkeypatch):
     monkeypatch.setattr(bench, "bench_model_all_lengths", model_rows)
     models = ["llama-liger", "v1-liger", "v2-liger"]
     args = argparse.Namespace(models=models, seq=[2048], phases=["train"], passes=3, prefill_chunk=4096,
-                                    generate_models=[])
+                              generate_models=[], tokens=8192)
     results, peak, _ = bench.run(args)
     assert peak == 1.1e15  # MFU's denominator: the higher of the two readings
     assert order == models + models[1:] + models[:1] + models[2:] + models[:2]
     assert [r["model"] for r in results] == models
     assert [r["passes"] for r in results] == [[101.0, 106.0, 108.0], [102.0, 104.0, 109.0], [103.0, 105.0, 107.0]]
+
+
+def test_a_model_whose_process_fails_gets_its_rows_in_the_table(monkeypatch):
+    """A model whose process raises (a kernel library that fails to import) is a row of the table with the error,
+    with its shape (seq x batch: --tokens // seq), and the other models' rows are there too."""
+    def model_rows(name, phases, args):
+        if name == "v2-liger":
+            raise TypeError("epilogue fn depends on a ContextVar")
+        return [dict(seq=2048, model=name, phase="train", batch=4, tok_s=100.0, peak_gib=1.0, mfu=0.5)]
+
+    monkeypatch.setattr(bench, "in_fresh_process", lambda fn, *args: fn(*args))
+    monkeypatch.setattr(bench, "device_peaks", lambda: (1e15, 0.9e15, 1e12))
+    monkeypatch.setattr(bench, "matmul_peak", lambda: (1e15, 0.9e15))
+    monkeypatch.setattr(bench, "bench_model_all_lengths", model_rows)
+    args = argparse.Namespace(models=["dex-liger", "v2-liger"], seq=[2048], phases=["train"], passes=1,
+                              prefill_chunk=4096, generate_models=[], tokens=8192)
+    results, peak, _ = bench.run(args)
+    table = bench.train_table(results, peak).splitlines()
+    assert table[2] == "| 2048 x 4 | dex-liger | 100 | 0.500 |  | 1.0 |  |"
+    assert table[3] == "| 2048 x 4 | v2-liger | TypeError: epilogue fn depends on a ContextVar | | | | |"
 
 
 def test_bench_refuses_an_attention_it_does_not_time(capsys):
