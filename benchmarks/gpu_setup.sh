@@ -3,9 +3,9 @@
 # CuTe DSL it runs on. A wheel too large for what one device call carries (the DSL's CUDA 13 libraries: 92 MB as a
 # wheel, 64 MiB a call) travels as NAME.tar.xz of its unpacked contents (52 MB: `xz --x86
 # --lzma2=preset=9e,dict=256MiB`), unpacked where pip puts the others.
-# The folder's name ends in site-packages: quack's epilogue fingerprint (quack/gemm_runtime/identity.py) takes a function
-# as installed code, by its name alone, only where its file lies under a site-packages folder; under /tmp/site it read
-# the CuTe DSL's own functions down to a ContextVar and failed (TypeError) before any GEMM ran.
+# The folder's name ends in site-packages: quack's epilogue fingerprint (quack/gemm_runtime/identity.py) takes a
+# function as installed code, by its name alone, only where its file lies under a site-packages folder; under
+# /tmp/site it read the CuTe DSL's own functions down to a ContextVar and failed (TypeError) before any GEMM ran.
 export PYTHONUNBUFFERED=1
 SITE=/tmp/site-packages
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
@@ -23,4 +23,10 @@ done
 # The CuTe DSL's packages sit under its dsl_packages folder, which its .pth file adds: PYTHONPATH reads no .pth.
 if [ -d $SITE/nvidia_cutlass_dsl/dsl_packages ]; then
     export PYTHONPATH=$PYTHONPATH:$SITE/nvidia_cutlass_dsl/dsl_packages
+fi
+# The same folders in a .pth file of python3's own site-packages: the tests' subprocesses run without PYTHONPATH
+# (tests/ecosystem_helpers.py's offline_env), and found no liger-kernel there.
+if [ -n "${PYTHONPATH:-}" ]; then
+    purelib=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    tr ':' '\n' <<< "$PYTHONPATH" > "$purelib/carried-wheels.pth"
 fi
