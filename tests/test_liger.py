@@ -140,8 +140,10 @@ try:
     modeling_diff.apply_liger_kernel_to_diff_llama(model=remote)
 except ValueError as error:
     print("ERROR", " ".join(str(error).split()))
-args = TrainingArguments(output_dir={str(tmp_path / "out")!r}, use_cpu=True, report_to=[], use_liger_kernel=True,
-                         max_steps=1, per_device_train_batch_size=2, save_strategy="no", disable_tqdm=True)
+# on the GPU where there is one: Liger's Triton kernels take CPU tensors only under TRITON_INTERPRET=1 (the CPU's CI)
+args = TrainingArguments(output_dir={str(tmp_path / "out")!r}, use_cpu=not torch.cuda.is_available(), report_to=[],
+                         use_liger_kernel=True, max_steps=1, per_device_train_batch_size=2, save_strategy="no",
+                         disable_tqdm=True)
 data = [{{"input_ids": ids, "labels": ids}} for ids in torch.randint(3, 90, (2, 8))]
 for model in (remote, AutoModelForCausalLM.from_pretrained({str(folder)!r})):  # Trainer patches as train() starts
     Trainer(model=model, args=args, train_dataset=data).train()
