@@ -37,7 +37,8 @@ import torch.nn.functional as F
 
 from ._triton import TRITON_INTERPRETING
 
-# Opt-in until measured on a GPU (no machine came in the session that wrote it): `MODELING_DIFF_QUACK=1` turns it on.
+# Opt-in (`MODELING_DIFF_QUACK=1`): measured on an H100 no faster than `swiglu.py`'s node (quack's products about
+# 12% slower than cuBLAS's; benchmarks/results_h100_quack_mlp.md).
 ENABLED = os.environ.get("MODELING_DIFF_QUACK", "0") == "1"
 DISTRIBUTION = "quack-kernels"
 MIN_VERSION = (0, 6, 5)  # the version the calls below were written and checked against; flash-attn-4 asks >= 0.5.3
