@@ -453,20 +453,16 @@ def warm_up_gpu(seconds: float = 3.0):
         torch.cuda.synchronize()
 
 
-def matmul_burst(n: int = 8192) -> float:
-    """FLOP/s of a bf16 (n x n) @ (n x n) product on random data: the median of 5 rounds of 10 products after 3
-    untimed ones (the device notes' method, ~790 TFLOP/s on the H200)."""
-    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    cuda_time(lambda: a @ b, 3)
-    return statistics.median(2 * n**3 / cuda_time(lambda: a @ b, 10) for _ in range(5))
-
-
 def matmul_peak(n: int = 8192) -> tuple[float, float]:
-    """(burst, sustained) FLOP/s of `matmul_burst`: burst at once (MFU's denominator), sustained after 3 s of
-    products, when power limits the clocks (about 15% lower)."""
-    burst = matmul_burst(n)
+    """FLOP/s of a bf16 (n x n) @ (n x n) product on random data: (burst, sustained). Burst = the median of 5
+    rounds of 10 products after 3 untimed ones (the device notes' method, ~790 TFLOP/s on the H200): MFU's
+    denominator. Sustained = the same after 3 s of products, when power limits the clocks (about 15% lower)."""
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    rate = lambda: statistics.median(2 * n**3 / cuda_time(lambda: a @ b, 10) for _ in range(5))  # noqa: E731
+    cuda_time(lambda: a @ b, 3)
+    burst = rate()
     warm_up_gpu()
-    return burst, matmul_burst(n)
+    return burst, rate()
 
 
 def copy_bandwidth(gib: int = 1) -> float:
@@ -546,12 +542,11 @@ def bench_model_all_lengths(name: str, phases, args) -> list[dict]:
     """Every length's rows of one model, in this (fresh) process."""
     torch.backends.cuda.matmul.allow_tf32 = True
     warm_up_gpu(1.0)  # the clocks of the machine were brought up by the matmul peak's process
-    burst = matmul_burst()  # one more reading of MFU's denominator, under the clocks this model's rows run at
     rows = []
     for seq in args.seq:
         with kernels_patched(name):
             rows += bench_model(name, seq, phases, args)
-    return [dict(row, matmul_burst=burst) for row in rows]
+    return rows
 
 
 def in_fresh_process(fn, *args):
@@ -572,13 +567,13 @@ def rows_or_errors(fn, fn_args, failed: list[dict]) -> list[dict]:
 
 
 def run(args) -> tuple[list[dict], float, float]:
-    """The rows, sorted, the (burst) matmul peak in FLOP/s (the highest of a reading before the rows, one after and
-    one in each model's process) and the copy bandwidth in bytes/s, measured first."""
+    """The rows, sorted, the (burst) matmul peak in FLOP/s (the higher of a reading before the rows and one after)
+    and the copy bandwidth in bytes/s, measured first."""
     peak, sustained, bandwidth = in_fresh_process(device_peaks)
     tqdm.write(f"bf16 matmul peak: {peak / 1e12:.0f} TFLOP/s (sustained after 3 s: {sustained / 1e12:.0f}), "
                f"copy bandwidth: {bandwidth / 1e12:.2f} TB/s")
     one_at_a_time = [(p, b) for p, b in PHASES if choice(p) in set(args.phases) & {"train", "prefill", "decode"}]
-    results, readings = [], []  # readings: the matmul peak read in each model's process
+    results = []
     if one_at_a_time:
         passes = []
         for index in tqdm(range(args.passes), desc="passes", disable=args.passes == 1):
@@ -586,9 +581,7 @@ def run(args) -> tuple[list[dict], float, float]:
             for name in tqdm(rotated(args.models, index), desc="models"):
                 failed = [dict(seq=seq, model=name, phase=p, batch=b or train_batch(seq, args))
                           for seq in args.seq for p, b in one_at_a_time if applies(p, seq, args)]
-                model_rows = rows_or_errors(bench_model_all_lengths, (name, one_at_a_time, args), failed)
-                readings += [r.pop("matmul_burst") for r in model_rows if "matmul_burst" in r][:1]  # one a process
-                rows += model_rows
+                rows += rows_or_errors(bench_model_all_lengths, (name, one_at_a_time, args), failed)
             passes.append(rows)
         results += merged_passes(passes)
     lockstep = [name for name in args.models if not name.endswith("-liger")]  # Liger's patches are process-wide
@@ -603,15 +596,12 @@ def run(args) -> tuple[list[dict], float, float]:
                   for name in args.generate_models]
         results += rows_or_errors(bench_generate_lockstep, (args.generate_models, paths, args), failed)
     # Runs minutes apart on one H200 read the burst rate at 798 and 744 TFLOP/s while the models' tok/s held within
-    # 1%, and one H100 read 746 both before and after one model's rows where the runs beside it read 776-797: read
-    # after the rows and in each model's process too, MFU takes the highest reading (a lower one would flatter it).
+    # 1%: read again after the rows, MFU takes the higher reading (the lower would flatter it).
     again, _ = in_fresh_process(matmul_peak)
-    tqdm.write(f"bf16 matmul peak after the rows: {again / 1e12:.0f} TFLOP/s; in the models' processes: "
-               f"{', '.join(f'{r / 1e12:.0f}' for r in readings) or 'none'}; "
-               f"MFU of {max(peak, again, *readings) / 1e12:.0f}")
+    tqdm.write(f"bf16 matmul peak after the rows: {again / 1e12:.0f} TFLOP/s; MFU of {max(peak, again) / 1e12:.0f}")
     order, names = [p for p, _ in PHASES], list(dict.fromkeys(args.models + args.generate_models))
     key = lambda r: (r["seq"], names.index(r["model"]), order.index(r["phase"]))  # noqa: E731
-    return sorted(results, key=key), max(peak, again, *readings), bandwidth
+    return sorted(results, key=key), max(peak, again), bandwidth
 
 
 def merged_passes(passes: list[list[dict]]) -> list[dict]:

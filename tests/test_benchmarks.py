@@ -289,29 +289,6 @@ def test_passes_run_every_model_once_a_pass_in_rotated_order(monkeypatch):
     assert [r["passes"] for r in results] == [[101.0, 106.0, 108.0], [102.0, 104.0, 109.0], [103.0, 105.0, 107.0]]
 
 
-def test_mfu_s_denominator_is_the_highest_reading_of_the_matmul_peak(monkeypatch):
-    """The matmul peak is read before the rows, after them and in each model's process (one H100 read 746 TFLOP/s
-    before and after one model's rows where the runs beside it read 776-797): MFU takes the highest reading, and the
-    rows keep no reading of their own."""
-    bursts = iter([0.95e15, 1.2e15, 0.9e15, 1.0e15])
-
-    def model_rows(name, phases, args):
-        burst = next(bursts)
-        return [dict(seq=seq, model=name, phase="train", batch=1, tok_s=100.0, matmul_burst=burst) for seq in args.seq]
-
-    monkeypatch.setattr(bench, "in_fresh_process", lambda fn, *args: fn(*args))
-    monkeypatch.setattr(bench, "device_peaks", lambda: (1e15, 0.9e15, 1e12))
-    monkeypatch.setattr(bench, "matmul_peak", lambda: (1.1e15, 0.9e15))
-    monkeypatch.setattr(bench, "bench_model_all_lengths", model_rows)
-    args = argparse.Namespace(models=["dex-liger", "v2-liger"], seq=[2048, 8192], phases=["train"], passes=2,
-                              prefill_chunk=4096, generate_models=[], tokens=8192)
-    results, peak, _ = bench.run(args)
-    assert peak == 1.2e15  # v2-liger's process in the first pass
-    assert len(results) == 4 and not any("matmul_burst" in r for r in results)
-    monkeypatch.setattr(bench, "bench_model_all_lengths", lambda name, phases, args: [])
-    assert bench.run(args)[1] == 1.1e15  # no model's reading: the higher of the two around the rows
-
-
 def test_a_model_whose_process_fails_gets_its_rows_in_the_table(monkeypatch):
     """A model whose process raises (a kernel library that fails to import) is a row of the table with the error,
     with its shape (seq x batch: --tokens // seq), and the other models' rows are there too."""
