@@ -1,7 +1,7 @@
 """The SwiGLU MLP's training products on quack's GEMMs (Tri Dao's `quack-kernels`, Apache-2.0, written in NVIDIA's
 CuTe DSL; installed with `flash-attn-4`, or alone with `pip install "modeling_diff[quack]"`), with the activation in
-their epilogues: on a Hopper GPU where the package is installed and `MODELING_DIFF_QUACK=1` is set (opt-in until
-measured on a GPU).
+their epilogues: on a Hopper GPU where the package is installed and `MODELING_DIFF_QUACK=1` is set (opt-in: on an
+H100 no faster than `swiglu.py`'s node, benchmarks/results_h100_quack_mlp.md).
 
 `swiglu.py`'s node runs gate and up as cuBLAS products and the activation as passes of their own over the
 (tokens x intermediate) tensors: forward, read gate(x) and up(x), write c = silu(gate(x)) * up(x); backward, read
