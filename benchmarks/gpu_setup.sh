@@ -3,9 +3,10 @@
 # CuTe DSL it runs on. A wheel too large for what one device call carries (the DSL's CUDA 13 libraries: 92 MB as a
 # wheel, 64 MiB a call) travels as NAME.tar.xz of its unpacked contents (52 MB: `xz --x86
 # --lzma2=preset=9e,dict=256MiB`), unpacked where pip puts the others.
-# The folder's name ends in site-packages: quack's epilogue fingerprint (quack/gemm_runtime/identity.py) takes a
-# function as installed code, by its name alone, only where its file lies under a site-packages folder; under
-# /tmp/site it read the CuTe DSL's own functions down to a ContextVar and failed (TypeError) before any GEMM ran.
+# The folder's name ends in site-packages: the epilogue fingerprint of quack (carried with flash-attn-4;
+# quack/gemm_runtime/identity.py) takes a function as installed code, by its name alone, only where its file lies
+# under a site-packages folder; under /tmp/site it read the CuTe DSL's own functions down to a ContextVar and failed
+# (TypeError) before any GEMM of quack's ran.
 export PYTHONUNBUFFERED=1
 SITE=/tmp/site-packages
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1

@@ -424,15 +424,6 @@ def swiglu_mlp_module(hidden=64 if GPU else 32, intermediate=8192 if GPU else 40
     return DiffLlamaMLP(config).to(DEVICE, DTYPE)
 
 
-@pytest.fixture
-def without_quack(monkeypatch):
-    """`swiglu.py`'s own node also where quack's GEMMs would take the MLP (a Hopper GPU with quack-kernels; that node
-    is tests/test_quack_mlp.py's)."""
-    from modeling_diff.kernels import quack_mlp
-
-    monkeypatch.setattr(quack_mlp, "ENABLED", False)
-
-
 def saved_shapes(fn) -> list[tuple]:
     """The shapes of the distinct tensors autograd keeps for the backward of fn()'s output (and the output)."""
     shapes, storages = [], set()
@@ -449,7 +440,7 @@ def saved_shapes(fn) -> list[tuple]:
 
 
 @pytest.mark.parametrize("tokens", [(B, L + 3), (0, 3)])
-def test_swiglu_mlp_forward_and_gradients_match_the_formula(tokens, without_quack):
+def test_swiglu_mlp_forward_and_gradients_match_the_formula(tokens):
     """down(silu(gate x) * up x) and its gradients, written here in float64, through the kernel's autograd node,
     with more elements than one program's and a count that is not a multiple of it; and an empty batch."""
     torch.manual_seed(4)
@@ -474,7 +465,7 @@ def test_swiglu_mlp_forward_and_gradients_match_the_formula(tokens, without_quac
             assert not got.any()
 
 
-def test_swiglu_mlp_keeps_one_activation_fewer_than_llama_mlp(without_quack):
+def test_swiglu_mlp_keeps_one_activation_fewer_than_llama_mlp():
     """transformers' LlamaMLP keeps gate(x), silu(gate(x)), up(x) and the product for the backward; the kernel's node
     keeps gate(x) and up(x) and recomputes the product: the same gradients, two (tokens x intermediate) tensors
     fewer (one fewer than Liger's SwiGLU MLP, which keeps gate(x), up(x) and the product)."""
@@ -497,7 +488,7 @@ def test_swiglu_mlp_keeps_one_activation_fewer_than_llama_mlp(without_quack):
         assert rel_err(got, want) < TOL
 
 
-def test_swiglu_mlp_backward_is_one_activation_pass(monkeypatch, without_quack):
+def test_swiglu_mlp_backward_is_one_activation_pass(monkeypatch):
     """The backward computes the product again in the pass that makes da and db (gate(x) and up(x) read once): one
     activation launch in the backward and none of the forward's; without down_proj's gradient it does not write the
     product."""

@@ -23,9 +23,6 @@
   (`triton_greedy.py`).
 - `masks.py`: what the kernels take of transformers' attention mask, and a StaticCache step's mask in one
   comparison where transformers' takes about eight launches.
-- `quack_mlp.py`: the training MLP's products on quack's GEMMs (the optional `quack-kernels` package, installed
-  with flash-attn-4) with silu(gate) * up and its gradient in their epilogues, on a Hopper GPU where installed;
-  opt-in (`MODELING_DIFF_QUACK=1`): measured no faster than `swiglu.py`'s node on an H100.
 - `flash_attn_4.py`: FlashAttention-4's kernels (the optional `flash-attn-4` package) for plain causal
   self-attention in prefill and training, where installed.
 - `attention.py`: the attention implementations `"diff_triton"` (chosen automatically for `sdpa` on CUDA) and

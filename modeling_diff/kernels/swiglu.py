@@ -8,9 +8,7 @@ da and db anyway; down_proj's weight gradient follows that pass. In the ~1.1B be
 per layer per 8192 tokens less than Liger's: 2 GiB of a 2K x 4 step, 16 GiB of a 64K sequence
 (benchmarks/RESULTS.md); the backward holds c, dc (then da) and db of one layer at once, one such buffer more than a
 backward that recomputes c before dc exists. The arithmetic and its rounding are LlamaMLP's; the backward writes
-only buffers of its own, so a graph kept with `retain_graph=True` can be run backward again. On a Hopper GPU with
-quack-kernels installed and `MODELING_DIFF_QUACK=1` set, the node's activation passes are in its products'
-epilogues instead (`quack_mlp.py`).
+only buffers of its own, so a graph kept with `retain_graph=True` can be run backward again.
 
     swiglu_mlp(x (..., hidden), w_gate (I, hidden), w_up (I, hidden), w_down (hidden, I)) -> (..., hidden)
 """
@@ -20,7 +18,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._modules import is_plain_linear
-from .quack_mlp import quack_mlp_runs_on, quack_swiglu_mlp
 from ._triton import TRITON_AVAILABLE, cdiv, eager_kernels_run_on, needs_grad, product_dtype
 
 if TRITON_AVAILABLE:
@@ -87,13 +84,9 @@ class _SwiGLUMLP(torch.autograd.Function):
 
 def swiglu_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
     """LlamaMLP's forward in training (check `swiglu_mlp_applies` first); see the module docstring. Under autocast
-    x and the weights are cast first, as F.linear would cast them (`product_dtype`). On a Hopper GPU with quack's
-    kernels installed and `MODELING_DIFF_QUACK=1` set, the activation runs in the epilogues of the products
-    (`quack_mlp.py`)."""
+    x and the weights are cast first, as F.linear would cast them (`product_dtype`)."""
     dtype = product_dtype(x, w_gate, w_up, w_down)
     x, w_gate, w_up, w_down = (t.to(dtype) for t in (x, w_gate, w_up, w_down))
-    if quack_mlp_runs_on(x, w_gate, w_up, w_down):
-        return quack_swiglu_mlp(x, w_gate, w_up, w_down)
     return _SwiGLUMLP.apply(x, w_gate, w_up, w_down)
 
 
