@@ -2,7 +2,8 @@
 # tree, and the wheels carried in .whl*/ folders (the machine has no network): liger-kernel, and flash-attn-4 with the
 # CuTe DSL it runs on. A wheel too large for what one device call carries (the DSL's CUDA 13 libraries: 92 MB as a
 # wheel, 64 MiB a call) travels as NAME.tar.xz of its unpacked contents (52 MB: `xz --x86
-# --lzma2=preset=9e,dict=256MiB`), unpacked where pip puts the others.
+# --lzma2=preset=9e,dict=256MiB`), unpacked where pip puts the others. `bash benchmarks/carry_wheels.sh` makes both
+# folders from the package index.
 # The folder's name ends in site-packages: the epilogue fingerprint of quack (carried with flash-attn-4;
 # quack/gemm_runtime/identity.py) takes a function as installed code, by its name alone, only where its file lies
 # under a site-packages folder; under /tmp/site it read the CuTe DSL's own functions down to a ContextVar and failed
