@@ -165,8 +165,8 @@ def token_blocks(args: argparse.Namespace, vocab_size: int) -> torch.Tensor:
         raise ValueError(f"the training text has {len(ids)} tokens, fewer than --seq-len {args.seq_len}: a longer "
                          f"--text-file or a shorter --seq-len")
     if int(ids.max()) >= vocab_size:
-        raise ValueError(f"{tokenizer_source(args)} gives token id {int(ids.max())}, beyond the model's vocab_size {vocab_size}: "
-                         f"the tokenizer must be the model's (--tokenizer)")
+        raise ValueError(f"{tokenizer_source(args)} gives token id {int(ids.max())}, beyond the model's vocab_size "
+                         f"{vocab_size}: the tokenizer must be the model's (--tokenizer)")
     return ids[: blocks * args.seq_len].view(blocks, args.seq_len)
 
 
