@@ -368,7 +368,7 @@ def atomic_directory(dst: str | os.PathLike, overwrite: bool | str = False, prot
             yield staging
             staging.chmod(0o755)  # made private to the user
             with signals_deferred():
-                _replace(staging, dst, overwrite, name, expected, _stem(dst, name))
+                _replace(staging, dst, overwrite, name, expected)
     except BaseException:
         for path in created:  # parents this call created, if still empty
             with contextlib.suppress(OSError):
@@ -376,8 +376,7 @@ def atomic_directory(dst: str | os.PathLike, overwrite: bool | str = False, prot
         raise
 
 
-def _replace(staging: Path, dst: Path, overwrite: bool | str, name: str, expected: tuple[str, ...],
-             stem: str) -> None:
+def _replace(staging: Path, dst: Path, overwrite: bool | str, name: str, expected: tuple[str, ...]) -> None:
     """Rename `staging` to `dst`. Without `overwrite` the rename itself refuses a non-empty `dst`; with it, what is
     replaced is checked once moved aside (not only at the start: someone may have put another directory there
     meanwhile), and put back unless it is empty or, without "force", holds one of `expected`."""
@@ -391,6 +390,7 @@ def _replace(staging: Path, dst: Path, overwrite: bool | str, name: str, expecte
                                  f"written; it was left as it is and this output discarded{retry}") from error
             raise ValueError(f"{name} {str(dst)!r} could not be written: {error}") from error
         return
+    stem = _stem(dst, name)
     old = _hidden_directory(dst.parent, f".{stem}.{os.getpid()}.", ".old")
     try:
         try:
