@@ -1768,11 +1768,15 @@ def test_fast_path_forward_and_gradients_equal_eager(mode, implementation, monke
     """The fast paths equal eager: by default V1 through the flash-diff kernel, V2 too in training and up to 4096
     keys, and otherwise (here with both of V2's rules off, as in inference beyond 4096 keys) through one SDPA call
     and the fused combine, DEX through SDPA; `fused_diff` puts V1 and V2 on the kernel. RoPE, the decoder's RMSNorm
-    and the MLP take their Triton kernels on all of them."""
+    and the MLP take their Triton kernels on all of them. Without FlashAttention-4 (where it is installed, V2 and DEX
+    take it instead: test_flash_attn_4.py checks those models against eager)."""
     import modeling_diff.diff_attention as attention
 
     import modeling_diff.kernels.rope as rope
     import modeling_diff.modeling_diff_llama as modeling
+    from modeling_diff.kernels import flash_attn_4
+
+    monkeypatch.setattr(flash_attn_4, "ENABLED", False)
 
     kernel_calls, rope_calls, norm_calls, add_norm_calls, mlp_calls = [], [], [], [], []
     kernel, rotate, norm, mlp = attention.flash_diff_attention, rope._rotate, modeling.rms_norm, modeling.swiglu_mlp
@@ -2363,11 +2367,13 @@ def test_v2_trained_through_peft_beyond_its_key_limit_takes_the_flash_diff_kerne
     gradients (`flash_diff_max_keys`: 4096 on the GPU, at 4352 tokens; under the interpreter the limit is lowered to
     16 and the sequence has 24 tokens, the same rule at a length it can run): autograd records the attention, so
     every layer takes the flash-diff kernel, and the LoRA gradients equal those of the same PEFT model on eager
-    attention in float32."""
+    attention in float32. Without FlashAttention-4 (where it is installed, V2 takes it instead)."""
     from peft import LoraConfig, get_peft_model
 
     import modeling_diff.diff_attention as attention
+    from modeling_diff.kernels import flash_attn_4
 
+    monkeypatch.setattr(flash_attn_4, "ENABLED", False)
     if GPU:
         tokens = 4352
     else:
