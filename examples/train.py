@@ -222,7 +222,9 @@ def train(argv, saved: dict) -> None:
     blocks = args.blocks
     # Trainer makes its output_dir when it is created (on the main process): given --output-dir, it left an empty
     # folder behind a failed or killed run, and its save wrote files there one by one. It gets a scratch folder of
-    # its own instead (nothing is written there: save_strategy "no", report_to []); the model is saved below, whole.
+    # its own instead (nothing is written there: save_strategy "no", report_to []), removed once Trainer is built, so
+    # that a run killed later (SIGKILL, the OOM killer) leaves none in the system's temporary folder either. The
+    # model is saved below, whole.
     with tempfile.TemporaryDirectory(prefix="train-scratch-") as scratch:
         training_args = TrainingArguments(
             output_dir=scratch, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
@@ -233,6 +235,7 @@ def train(argv, saved: dict) -> None:
         callbacks = [AnnealingCallback()] if model.config.anneal_steps > 0 else []
         trainer = Trainer(model=model, args=training_args, callbacks=callbacks, data_collator=default_data_collator,
                           train_dataset=[{"input_ids": b, "labels": b} for b in blocks])
+        os.rmdir(scratch)  # empty; the with block's end removes it again where a save below made it on this rank
         result = trainer.train()
         if not weights_finite(trainer):  # decided on every rank alike: none saves, none waits on the others
             raise SystemExit(f"training diverged: the weights hold NaN or inf after {result.global_step} steps "

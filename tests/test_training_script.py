@@ -118,13 +118,16 @@ def test_a_checkpoint_whose_vocabulary_lacks_an_id_of_the_tokenizer_is_refused(t
 
 def test_a_kill_during_the_save_leaves_no_output_and_a_rerun_leaves_no_leftovers(tmp_path):
     """Trainer wrote into --output-dir file by file: SIGKILL mid-save left a config.json without (whole) weights,
-    which a rerun refused as an earlier output and from_pretrained could not load."""
+    which a rerun refused as an earlier output and from_pretrained could not load. It also left Trainer's empty
+    scratch folder in the system's temporary folder, one a killed run."""
     runs = tmp_path / "runs"
     runs.mkdir()
     out = train_with_save_hook(tmp_path, "os.kill(os.getpid(), signal.SIGKILL)", "--model", "tiny-v1",
                                "--output-dir", str(runs / "out"))
     assert out.returncode == -signal.SIGKILL, out.stderr[-3000:]
     assert not (runs / "out").exists()  # what the killed writer staged is hidden, and removed by the next one
+    assert list((tmp_path / "tmp").iterdir()) == []  # nothing in $TMPDIR: Trainer's scratch folder lived only while
+    # Trainer was being built
     out = train(tmp_path, "--model", "tiny-v1", "--output-dir", str(runs / "out"))
     assert out.returncode == 0, out.stderr[-3000:]
     assert [p.name for p in runs.iterdir()] == ["out"]  # no staging folder, no lock file
