@@ -119,7 +119,7 @@ def test_a_checkpoint_whose_vocabulary_lacks_an_id_of_the_tokenizer_is_refused(t
 def test_a_kill_during_the_save_leaves_no_output_and_a_rerun_leaves_no_leftovers(tmp_path):
     """Trainer wrote into --output-dir file by file: SIGKILL mid-save left a config.json without (whole) weights,
     which a rerun refused as an earlier output and from_pretrained could not load. It also left Trainer's empty
-    scratch folder in the system's temporary folder, one a killed run."""
+    scratch folder in the system's temporary folder, one for each killed run."""
     runs = tmp_path / "runs"
     runs.mkdir()
     out = train_with_save_hook(tmp_path, "os.kill(os.getpid(), signal.SIGKILL)", "--model", "tiny-v1",
