@@ -1757,6 +1757,15 @@ def padded_batch(vocab, batch=2, length=12, pad=4):
 FAST = "sdpa" if GPU else "diff_triton"  # what a model on CUDA gets by default
 
 
+@pytest.fixture
+def without_flash_attn_4(monkeypatch):
+    """FlashAttention-4 turned off (`MODELING_DIFF_FLASH_ATTN_4=0`'s switch), for tests of where the flash-diff kernel
+    runs: where the package is installed, V2's and DEX's plain causal calls go to it instead (test_flash_attn_4.py)."""
+    from modeling_diff.kernels import flash_attn_4
+
+    monkeypatch.setattr(flash_attn_4, "ENABLED", False)
+
+
 BEYOND_V2_KEYS = "beyond V2's flash_diff_max_keys"  # the default where V2 takes no kernel: more keys, no training
 
 
@@ -1764,7 +1773,7 @@ BEYOND_V2_KEYS = "beyond V2's flash_diff_max_keys"  # the default where V2 takes
     "mode, implementation",
     [(mode, implementation) for implementation in (FAST, "fused_diff") for mode in MODES] + [("v2", BEYOND_V2_KEYS)],
 )
-def test_fast_path_forward_and_gradients_equal_eager(mode, implementation, monkeypatch):
+def test_fast_path_forward_and_gradients_equal_eager(mode, implementation, monkeypatch, without_flash_attn_4):
     """The fast paths equal eager: by default V1 through the flash-diff kernel, V2 too in training and up to 4096
     keys, and otherwise (here with both of V2's rules off, as in inference beyond 4096 keys) through one SDPA call
     and the fused combine, DEX through SDPA; `fused_diff` puts V1 and V2 on the kernel. RoPE, the decoder's RMSNorm
@@ -1774,9 +1783,6 @@ def test_fast_path_forward_and_gradients_equal_eager(mode, implementation, monke
 
     import modeling_diff.kernels.rope as rope
     import modeling_diff.modeling_diff_llama as modeling
-    from modeling_diff.kernels import flash_attn_4
-
-    monkeypatch.setattr(flash_attn_4, "ENABLED", False)
 
     kernel_calls, rope_calls, norm_calls, add_norm_calls, mlp_calls = [], [], [], [], []
     kernel, rotate, norm, mlp = attention.flash_diff_attention, rope._rotate, modeling.rms_norm, modeling.swiglu_mlp
@@ -1854,7 +1860,7 @@ def test_odd_gqa_groups_on_the_fast_path_equal_eager(mode, heads):
     ("v2", 65536, False, True, True), ("v2", 65536, True, False, False), ("v1", 8192, True, False, True),
 ])
 def test_the_default_fast_path_takes_the_flash_diff_kernel_up_to_the_modes_key_count(
-    mode, keys, training, grads, on_kernel, monkeypatch
+    mode, keys, training, grads, on_kernel, without_flash_attn_4
 ):
     """`diff_triton` (`sdpa` on CUDA) puts V2 on the flash-diff kernel at every length where gradients are recorded
     and otherwise up to 4096 keys, on one SDPA call beyond (a prefill's chunks against more keys measured slower on
@@ -1862,9 +1868,6 @@ def test_the_default_fast_path_takes_the_flash_diff_kernel_up_to_the_modes_key_c
     does not decide: a model built from its config is in training mode for inference too. Without
     FlashAttention-4 (where it is installed, V2 takes it instead: test_flash_attn_4.py)."""
     from modeling_diff.diff_attention import ATTENTION_CLASSES
-    from modeling_diff.kernels import flash_attn_4
-
-    monkeypatch.setattr(flash_attn_4, "ENABLED", False)
 
     config = preset_config(f"tiny-{mode}", hidden_size=128)  # heads of 16: widths the kernel covers
     module = ATTENTION_CLASSES[mode](config, layer_idx=0).train(training)
@@ -2362,7 +2365,9 @@ def test_lora_model_on_the_flash_diff_kernel_equals_eager(monkeypatch):
     assert any("subln.modules_to_save" in n for n in grads)
 
 
-def test_v2_trained_through_peft_beyond_its_key_limit_takes_the_flash_diff_kernel_and_equals_eager(monkeypatch):
+def test_v2_trained_through_peft_beyond_its_key_limit_takes_the_flash_diff_kernel_and_equals_eager(
+    monkeypatch, without_flash_attn_4
+):
     """Plain PEFT (LoRA on V2's projections) trains on more keys than V2's default takes the kernel for without
     gradients (`flash_diff_max_keys`: 4096 on the GPU, at 4352 tokens; under the interpreter the limit is lowered to
     16 and the sequence has 24 tokens, the same rule at a length it can run): autograd records the attention, so
@@ -2371,9 +2376,7 @@ def test_v2_trained_through_peft_beyond_its_key_limit_takes_the_flash_diff_kerne
     from peft import LoraConfig, get_peft_model
 
     import modeling_diff.diff_attention as attention
-    from modeling_diff.kernels import flash_attn_4
 
-    monkeypatch.setattr(flash_attn_4, "ENABLED", False)
     if GPU:
         tokens = 4352
     else:
