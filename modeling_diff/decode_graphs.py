@@ -34,7 +34,7 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from .generation import graphable, off_the_default_stream
-from .kernels import has_extra_options, resolve
+from .kernels import GLOBAL_MODULE_HOOKS, has_extra_options, resolve
 
 
 def segment(model, index: int, residual: torch.Tensor, heads: torch.Tensor | None, position_embeddings, implementation):
@@ -149,8 +149,9 @@ def step_qualifies(model, new_tokens: int, cache, kwargs) -> bool:
     )
 
 
-def _global_hooks() -> tuple[int, int]:
-    return len(torch.nn.modules.module._global_forward_hooks), len(torch.nn.modules.module._global_forward_pre_hooks)
+def _global_hooks() -> tuple[int, ...]:
+    """How many of torch's global module hooks of each kind are registered."""
+    return tuple(map(len, GLOBAL_MODULE_HOOKS))
 
 
 class ModelSnapshot:

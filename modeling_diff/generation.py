@@ -20,7 +20,7 @@ import weakref
 import torch
 from transformers import GenerationConfig, StaticCache
 
-from .kernels import greedy_step, greedy_tokens
+from .kernels import global_module_hooks, greedy_step, greedy_tokens
 
 STOP_CHECK_EVERY = 16  # replays between two looks at "all rows finished?" (each one a synchronisation)
 
@@ -66,7 +66,7 @@ def graphable(model) -> bool:
             m._forward_hooks or m._forward_pre_hooks or hasattr(m, "base_layer") or hasattr(m, "_hf_hook")
             for m in model.modules()
         )
-        and not (torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks)
+        and not global_module_hooks()
     )
 
 

@@ -165,16 +165,21 @@ class DiffLlamaMLP(LlamaMLP):
         # wrapped projections (PEFT's LoRA layers, tensor parallelism, hooks): their own forward, the activation
         # in one pass that keeps gate(x) and up(x) but not silu(gate(x))
         gate, up = self.gate_proj(x), self.up_proj(x)
-        if self.config.hidden_act in ("silu", "swish") and silu_mul_applies(gate, up):
+        if self.activation_in_kernels() and silu_mul_applies(gate, up):
             return self.down_proj(silu_mul(gate, up))
         return self.down_proj(self.act_fn(gate) * up)
+
+    def activation_in_kernels(self) -> bool:
+        """Whether a kernel may compute the activation in act_fn's place: silu, and act_fn called by nobody else's
+        hook (`runs_own_forward`)."""
+        return self.config.hidden_act in ("silu", "swish") and runs_own_forward(self.act_fn)
 
     def decoding_forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """A decoding step's MLP on the kernels (no gradients, few tokens, plain projections; the caller is on a fast
         implementation): silu(gate(x)) * up(x) in one launch, then down_proj split along its input, with `residual`
         added in its last pass where given. -> (residual + mlp(x), None) where that pass made the sum, else
         (residual, mlp(x)) for the caller to add; None where the kernels do not take x."""
-        if not (self.config.hidden_act in ("silu", "swish") and gated_projection_applies(x, self.gate_proj, self.up_proj)):
+        if not (self.activation_in_kernels() and gated_projection_applies(x, self.gate_proj, self.up_proj)):
             return None
         activation = gated_projection(x, self.gate_proj, self.up_proj)
         if split_linear_applies(activation, self.down_proj, residual):

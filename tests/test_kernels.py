@@ -563,8 +563,8 @@ def test_silu_mul_matches_the_formula_and_keeps_its_inputs_only():
 
 def test_swiglu_mlp_leaves_other_calls_to_the_projections_own_forward():
     """Inference, a bf16 MLP under float16 autocast, a bias, another activation, a LoRA-wrapped or hooked
-    projection: not the MLP's node (the projections' own forward, and `silu_mul` for the activation where it
-    applies). Under bf16 autocast (Trainer's `bf16=True`) a bf16 or float32 MLP keeps it."""
+    projection, a hooked activation: not the MLP's node (the projections' own forward, and `silu_mul` for the
+    activation where it applies). Under bf16 autocast (Trainer's `bf16=True`) a bf16 or float32 MLP keeps it."""
     from peft import LoraConfig, get_peft_model
 
     mlp = swiglu_mlp_module()
@@ -584,6 +584,9 @@ def test_swiglu_mlp_leaves_other_calls_to_the_projections_own_forward():
     hooked = swiglu_mlp_module()
     hooked.down_proj.register_forward_hook(lambda *args: None)
     assert not swiglu_mlp_applies(hooked, x)
+    hooked = swiglu_mlp_module()  # a hook on the activation: act_fn runs (silu_mul neither)
+    hooked.act_fn.register_forward_hook(lambda *args: None)
+    assert not swiglu_mlp_applies(hooked, x) and not hooked.activation_in_kernels()
 
 
 class CountedKernel:
@@ -2246,6 +2249,32 @@ def test_a_hook_on_a_decoder_layer_sees_its_sum_and_no_add_is_deferred(monkeypat
         handle.remove()
     unhooked = fast(ids, attention_mask=mask).logits
     assert deferred[-1] is True and rel_err(unhooked[real], logits[0][real]) < TOL
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_global_module_hook_sees_every_module_call_of_eager_on_the_fast_path(mode):
+    """torch's global module hooks (FlopCounterMode's module tracker, activation steering) are called for every
+    module call, so with one registered the fast paths take no module's work (norms with their residual add, the
+    MLP in a decoding step, the layers' deferred adds): in a training step and in generate, every module of the
+    model is called as often as in eager."""
+    from collections import Counter
+
+    eager, fast = model_pair(mode, FAST)
+    ids = torch.randint(3, eager.config.vocab_size, (2, 6), device=DEVICE)
+    calls = {}
+    for name, model in (("eager", eager), ("fast", fast)):
+        names = {module: module_name for module_name, module in model.named_modules()}
+        calls[name] = Counter()
+        count = lambda module, args, out, seen=calls[name]: seen.update([names.get(module)])  # noqa: E731
+        handle = torch.nn.modules.module.register_module_forward_hook(count)
+        try:
+            model.train()(ids, labels=ids).loss.backward()
+            model.eval().generate(ids, max_new_tokens=3, do_sample=False)
+        finally:
+            handle.remove()
+        del calls[name][None]  # transformers' own function wrappers (eager's RoPE), not the model's modules
+    assert calls["fast"] == calls["eager"]
+    assert calls["fast"]["model.layers.0.input_layernorm"] == 1 + 3  # the step, the prompt and two decoding steps
 
 
 def test_decoding_steps_with_a_hook_on_the_mlp_show_it_the_mlps_own_output():

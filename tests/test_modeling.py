@@ -465,6 +465,66 @@ def test_gradient_checkpointing_gives_the_same_gradients(mode, implementation, m
     assert differential and all(grads[0][n].abs().sum() > 0 for n in differential)
 
 
+@pytest.mark.filterwarnings("ignore:For backward hooks to be called", "ignore:Full backward hook is firing")
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+@pytest.mark.parametrize("mode", MODES)
+def test_decoder_layers_run_every_hook_a_llama_layer_runs(mode, implementation):
+    """Backward hooks on a decoder layer and torch's global module hooks (what FlopCounterMode's module tracker and
+    activation-steering tools register) fire for our layers as often as for transformers' Llama's, in a training
+    step and in a forward without gradients, and a global hook's changed output is the one the next layer reads.
+    (The model's loop hands residual adds from layer to layer, `defers_residual_adds`, only where no hook watches.)"""
+    from torch.nn.modules.module import (register_module_forward_hook, register_module_forward_pre_hook,
+                                         register_module_full_backward_hook)
+
+    model = tiny_model(mode, attn_implementation=implementation).train()
+    llama = llama_like(model.config, model.config.num_attention_heads, model.config.num_key_value_heads).train()
+    llama.set_attn_implementation(implementation)
+    ids = torch.randint(3, 97, (2, 7))
+
+    def hook_calls(model) -> dict[str, int]:
+        calls = dict.fromkeys(("backward", "backward_pre", "global_pre", "global", "global_backward"), 0)
+
+        def counter(name, layers_only=True):
+            def count(module, *args):
+                if not layers_only or module in model.model.layers:
+                    calls[name] += 1
+            return count
+
+        layer = model.model.layers[0]
+        handles = [layer.register_full_backward_hook(counter("backward", False)),
+                   layer.register_full_backward_pre_hook(counter("backward_pre", False)),
+                   register_module_forward_pre_hook(counter("global_pre")),
+                   register_module_forward_hook(counter("global")),
+                   register_module_full_backward_hook(counter("global_backward"))]
+        try:
+            model(ids, labels=ids).loss.backward()
+            with torch.no_grad():
+                model(ids)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return calls
+
+    layers = model.config.num_hidden_layers
+    expected = {"backward": 1, "backward_pre": 1, "global_pre": 2 * layers, "global": 2 * layers,
+                "global_backward": layers}  # the forwards: the training step's and the one without gradients
+    assert hook_calls(model) == hook_calls(llama) == expected
+
+    model.eval()
+    with torch.no_grad():  # a global hook that doubles layer 0's output: the same as a hook of that layer alone
+        steer = lambda module, args, out: 2 * out if module is model.model.layers[0] else None  # noqa: E731
+        handle = register_module_forward_hook(steer)
+        try:
+            steered = model(ids).logits
+        finally:
+            handle.remove()
+        handle = model.model.layers[0].register_forward_hook(lambda module, args, out: 2 * out)
+        reference = model(ids).logits
+        handle.remove()
+        assert not torch.allclose(steered, model(ids).logits)
+    torch.testing.assert_close(steered, reference, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("mode", MODES)
 def test_half_precision_forward_is_close_to_fp32(mode, dtype):

@@ -32,7 +32,7 @@ triton is optional: it is imported only where it is installed (`_triton.TRITON_A
 every path is plain PyTorch, so the model (and its Hub export) loads anywhere.
 """
 
-from ._modules import is_plain_linear, keep_own_forward, runs_own_forward
+from ._modules import GLOBAL_MODULE_HOOKS, global_module_hooks, is_plain_linear, keep_own_forward, runs_own_forward
 from ._triton import needs_grad, triton_available
 from .attention import (
     FUSED_DIFF, NAME as DIFF_TRITON, diff_triton_attention_forward, has_extra_options, register, resolve,
@@ -59,12 +59,13 @@ from .swiglu import silu_mul, silu_mul_applies, swiglu_mlp, swiglu_mlp_applies
 register()
 
 __all__ = [
-    "DIFF_TRITON", "FUSED_DIFF", "DexCombine", "V1Combine", "V2Combine", "add_rms_norm", "add_rms_norm_applies",
+    "DIFF_TRITON", "FUSED_DIFF", "GLOBAL_MODULE_HOOKS", "DexCombine", "V1Combine", "V2Combine", "add_rms_norm",
+    "add_rms_norm_applies",
     "apply_rope", "check_static_cache_fits", "combined_decode_applies", "combined_decode_attention",
     "dex_folded_projection", "dex_folded_projection_applies", "dex_folded_weight", "differential_lambda",
     "diff_triton_attention_forward", "flash_attn_4_applies",
-    "flash_diff_applies", "flash_diff_attention", "gated_projection", "gated_projection_applies", "greedy_step",
-    "greedy_tokens",
+    "flash_diff_applies", "flash_diff_attention", "gated_projection", "gated_projection_applies", "global_module_hooks",
+    "greedy_step", "greedy_tokens",
     "has_extra_options", "is_plain_linear", "keep_own_forward", "linear_maps", "mark_written", "needs_grad",
     "projection_cache_layer", "resolve", "rms_norm", "rms_norm_kernel_applies", "rope_cos_sin", "rope_cos_sin_applies",
     "rotated_projections", "rotated_projections_apply", "silu_mul", "silu_mul_applies", "runs_own_forward",

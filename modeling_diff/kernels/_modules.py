@@ -5,15 +5,30 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as torch_module
 
 from ._triton import needs_grad, product_dtype
 
 
+# torch's global module hooks (`register_module_forward_hook` and its sisters), the dicts `nn.Module.__call__` reads,
+# which torch changes in place: FlopCounterMode's module tracker and activation-steering tools register them.
+GLOBAL_MODULE_HOOKS = (torch_module._global_forward_hooks, torch_module._global_forward_pre_hooks,
+                       torch_module._global_backward_hooks, torch_module._global_backward_pre_hooks)
+
+
+def global_module_hooks() -> bool:
+    """Whether any of torch's global module hooks is registered: they are called for every module call, so a path
+    that skipped a module's call would hide it from them."""
+    return any(GLOBAL_MODULE_HOOKS)
+
+
 def runs_own_forward(module: nn.Module) -> bool:
-    """No hooks and no forward bound on the instance (accelerate's offloading, Liger's instance patch): a fast path
-    may take the module's work without anyone missing a call. The dicts read directly: decoding steps ask this of
-    several modules a layer, bound by host work."""
-    return not (module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__)
+    """No hooks (the module's own forward and backward hooks, torch's global ones) and no forward bound on the
+    instance (accelerate's offloading, Liger's instance patch): a fast path may take the module's work without
+    anyone missing a call. The hooks are those `nn.Module.__call__` checks before it skips its hook machinery. The
+    dicts read directly: decoding steps ask this of several modules a layer, bound by host work."""
+    return not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or "forward" in module.__dict__ or global_module_hooks())
 
 
 def keep_own_forward(module: nn.Module) -> bool:

@@ -29,13 +29,14 @@ BLOCK = 1024  # elements per program
 def swiglu_mlp_applies(mlp: nn.Module, x: torch.Tensor) -> bool:
     """Whether an MLP with LlamaMLP's `gate_proj`, `up_proj`, `down_proj` and silu can run as `swiglu_mlp`: a call
     that records gradients, on the kernels' devices, x and the weights in one dtype or autocast's (`product_dtype`:
-    the node casts them first, as F.linear would), and three plain bias-free Linear layers without hooks (not PEFT's
-    LoRA layers, a tensor-parallel or offloading wrapper, or a quantized layer: they take the module path)."""
+    the node casts them first, as F.linear would), and three plain bias-free Linear layers and act_fn without hooks
+    (not PEFT's LoRA layers, a tensor-parallel or offloading wrapper, or a quantized layer: they take the module
+    path)."""
     projections = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
     return (
         torch.is_grad_enabled()  # first: decoding steps (no gradients) are bound by host work
         and eager_kernels_run_on(x)
-        and mlp.config.hidden_act in ("silu", "swish")
+        and mlp.activation_in_kernels()
         and all(is_plain_linear(p) and p.bias is None for p in projections)
         and product_dtype(x, *(p.weight for p in projections)) is not None
         and type(x) is torch.Tensor
