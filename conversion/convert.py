@@ -40,8 +40,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_ANNEAL_STEPS = 1000
 DEFAULT_HEAD_FRACTION = 0.5
 DEFAULT_NOISE_INIT = "copy"
-# Files of a checkpoint directory that are rewritten, not copied: weights and config.
-_REWRITTEN = ("config.json", INDEX_FILE)
+# Files of a checkpoint directory that are rewritten, not copied: config.json, and the weights and their index
+# by these endings (of any name: config.json's transformers_weights may name an index).
+_WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
 # An output directory that `overwrite` may replace holds one of these (an earlier conversion, a checkpoint).
 EARLIER_OUTPUT_FILES = ("config.json",)
 # A tokenizer's vocabulary lives in one of these (tokenizer_config.json alone holds none).
@@ -52,7 +53,6 @@ _GGUF_SIDE_FILES = ("tokenizer_config.json", f"{CHAT_TEMPLATE_DIR}/*.jinja")
 _VERSIONED_TOKENIZER = re.compile(r"tokenizer\.(.+)\.json")
 # The dtypes a source's config.json may name: those of the tensors the converter takes (`TensorMapping.check`).
 _CONFIG_DTYPES = ("float32", "float16", "bfloat16")
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
 
 
 def save_model(model: PreTrainedModel, dst: str | Path, tokenizer=None, overwrite: bool = False) -> Path:
@@ -108,21 +108,9 @@ class _Plan:
         self.unselected = TensorMapping.for_source(source_config, method, None, anneal_steps, noise_init)
         kept = [name for name, shape, dtype, where in source_tensors if self.unselected.check(name, shape, dtype, where)]
         self.unselected.check_complete(kept, source_name)
-        config = self.unselected.config
-        self.calibration, self.head_fraction, self.dex_heads = None, head_fraction, None
-        if method != "dex":
-            if heads is not None:
-                raise ValueError(f"heads applies to method='dex' only; method={method!r} converts every head")
-            return
-        self.dex_heads = resolve_heads("entropy" if heads is None else heads, config.num_hidden_layers,
-                                       config.num_attention_heads)
-        if self.dex_heads is not None:
-            return
-        if calibration is None:
-            raise ValueError("heads='entropy' (the default for method='dex') needs calibration text or token ids: "
-                             "pass calibration=... (--calibration-file), or choose heads='all' or a list")
-        check_calibration_ids(calibration, config.vocab_size)
-        self.calibration = calibration
+        self.head_fraction = head_fraction
+        self.dex_heads = _chosen_heads(self.unselected.config, method, heads, calibration)
+        self.calibration = calibration if method == "dex" and self.dex_heads is None else None
 
     def mapping(self, get_tensor, progress: bool) -> TensorMapping:
         """The TensorMapping of the converted model, after the entropy calibration if one is needed (the
@@ -132,6 +120,23 @@ class _Plan:
             self.dex_heads = top_entropy_heads(entropy, self.head_fraction)
         source_config, method, anneal_steps, noise_init = self.args
         return TensorMapping.for_source(source_config, method, self.dex_heads, anneal_steps, noise_init)
+
+
+def _chosen_heads(config, method: str, heads, calibration) -> list[list[int]] | None:
+    """DEX's heads per layer as `heads` names them for a model of `config` (its layer and head counts), None where
+    none are named (`method` "v2") or an entropy calibration will choose them, which then needs `calibration` (token
+    ids, checked against the vocabulary); a ValueError otherwise."""
+    if method != "dex":
+        if heads is not None:
+            raise ValueError(f"heads applies to method='dex' only; method={method!r} converts every head")
+        return None
+    chosen = resolve_heads("entropy" if heads is None else heads, config.num_hidden_layers, config.num_attention_heads)
+    if chosen is None:
+        if calibration is None:
+            raise ValueError("heads='entropy' (the default for method='dex') needs calibration text or token ids: "
+                             "pass calibration=... (--calibration-file), or choose heads='all' or a list")
+        check_calibration_ids(calibration, config.vocab_size)
+    return chosen
 
 
 def convert_model(
@@ -206,8 +211,14 @@ def carry_rotary_state(source: PreTrainedModel, result: DiffLlamaForCausalLM) ->
 
 
 def _convert_directory(source: CheckpointDir, tmp: Path, mapping: TensorMapping, progress: bool) -> None:
-    """Stream the shards of `source` through `mapping` into `tmp`; one shard in memory at a time."""
+    """Stream the shards of `source` through `mapping` into `tmp`; one shard in memory at a time. The output's files
+    have save_pretrained's names (model.safetensors, or model-0000i-of-0000n.safetensors and the index), whatever the
+    source's were: a shard named model.safetensors, which an index named in config.json's transformers_weights may
+    list, beside the output's index was loaded alone (the other shards' tensors missing)."""
     anchors = {mapping.extras_anchor(layer_idx): layer_idx for layer_idx in range(mapping.config.num_hidden_layers)}
+    count = len(source.files)
+    output_files = {file: f"model-{i:05d}-of-{count:05d}.safetensors" if source.is_sharded else SINGLE_FILE
+                    for i, file in enumerate(sorted(source.files), start=1)}  # (save_pretrained's shards keep theirs)
     weight_map, total_size = {}, 0
     for file in tqdm(source.files, desc="converting shards", unit="shard", disable=not progress):
         converted = {}
@@ -218,9 +229,9 @@ def _convert_directory(source: CheckpointDir, tmp: Path, mapping: TensorMapping,
             converted.update(mapping.convert(name, tensor))
             if name in anchors:
                 converted.update(mapping.layer_extras(anchors[name], tensor.dtype))
-        if converted:  # one file of another name (config.json's transformers_weights) as the standard name
-            save_file(converted, tmp / (file if source.is_sharded else SINGLE_FILE), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(converted, file))
+        if converted:
+            save_file(converted, tmp / output_files[file], metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(converted, output_files[file]))
         total_size += sum(t.numel() * t.element_size() for t in converted.values())
         del converted
     if source.is_sharded:
@@ -281,9 +292,14 @@ def convert_checkpoint(
             raise ValueError(f"source {error}") from None
         check_side_files(src.parent, _GGUF_SIDE_FILES)
         check_no_adapter(src.parent)  # from_pretrained(src.parent, gguf_file=...) would apply it
-        # The tokenizer (from the file's metadata, in a moment; the output needs it), then the destination, before
-        # the model is dequantised.
+        # The family, the tokenizer (from the file's metadata, in a moment; the output needs it), the heads and the
+        # calibration against the metadata, then the destination: all before the model is dequantised.
+        source_config = _source_config(src.parent, gguf_file=src.name)
+        check_source_architecture(source_config)
         tokenizer = load_tokenizer(src.parent, " from the file's tokenizer.ggml.* metadata", gguf_file=src.name)
+        if isinstance(calibration, str) and chooses_heads_by_entropy(method, heads):
+            calibration = calibration_ids_from(calibration, tokenizer)
+        _chosen_heads(source_config, method, heads, calibration)
         dst = check_destination(dst, overwrite, protect=protect, expected=EARLIER_OUTPUT_FILES)
         with atomic_directory(dst, overwrite, protect=protect, expected=EARLIER_OUTPUT_FILES) as tmp:
             try:  # a file gguf's reader parses whose tensors do not match its metadata fails in transformers
@@ -299,7 +315,7 @@ def convert_checkpoint(
 
     # Everything that can be refused is refused here, before the destination is touched or the calibration runs.
     source = CheckpointDir(src)
-    _check_source_dtype(source.config, src)
+    _check_raw_source_config(source.config, src)
     source_config = _source_config(src)
     if not between_diffllamas:
         check_source_architecture(source_config)
@@ -337,10 +353,16 @@ def convert_checkpoint(
     return dst
 
 
-def _check_source_dtype(config: dict, src: Path) -> None:
-    """The dtype config.json names (`dtype`, or its legacy name `torch_dtype`) is carried into the output, which
-    `from_pretrained(dtype="auto")` loads in: it must be one of the tensors' dtypes the converter takes. An integer one
-    ("int8") was carried and the output did not load ("not a floating-point dtype")."""
+def _check_raw_source_config(config: dict, src: Path) -> None:
+    """What config.json must hold before transformers builds a config of it. The head counts: positive integers
+    (transformers divides by them: 0 was "integer modulo by zero", naming no field). The dtype it names (`dtype`,
+    or its legacy name `torch_dtype`), carried into the output, which `from_pretrained(dtype="auto")` loads in: one
+    of the tensors' dtypes the converter takes. An integer one ("int8") was carried and the output did not load
+    ("not a floating-point dtype")."""
+    for field in ("num_attention_heads", "num_key_value_heads"):
+        value = config.get(field)
+        if value is not None and (type(value) is not int or value < 1):
+            raise ValueError(f"config.json in {str(src)!r}: {field} must be a positive integer, got {value!r}")
     for field in ("dtype", "torch_dtype"):
         value = config.get(field)
         if value is not None and (not isinstance(value, str) or value.removeprefix("torch.") not in _CONFIG_DTYPES):
@@ -348,11 +370,15 @@ def _check_source_dtype(config: dict, src: Path) -> None:
                              f"output loads in with dtype=\"auto\"), or absent, got {value!r}")
 
 
-def _source_config(src: Path):
+def _source_config(src: Path, gguf_file: str | None = None):
+    """SRC's config (or that in the metadata of `gguf_file` in SRC), without running code of SRC's (an `auto_map` in
+    its config.json: transformers would offer to)."""
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     try:
-        return AutoConfig.from_pretrained(src, local_files_only=True)
+        return AutoConfig.from_pretrained(src, local_files_only=True, trust_remote_code=False, **kwargs)
     except Exception as error:  # transformers raises ValueError, KeyError, TypeError or @strict's own errors here
-        raise ValueError(f"config.json in {str(src)!r} is not a valid transformers config: {error}") from error
+        what = f"the metadata of {gguf_file}" if gguf_file else "config.json"
+        raise ValueError(f"{what} in {str(src)!r} is not a valid transformers config: {error}") from error
 
 
 def _source_tokenizer(src: Path):
@@ -374,13 +400,15 @@ def _carried_files(source: CheckpointDir) -> list[Path]:
     read_whole = side_files(source.path)
     folders = (source.path, source.path / CHAT_TEMPLATE_DIR)
     for path in (path for folder in folders if folder.is_dir() for path in sorted(folder.iterdir())):
-        if not path.is_file() or path.name in _REWRITTEN or path.name.endswith(_WEIGHT_SUFFIXES):
+        if not path.is_file() or path.name == "config.json" or path.name.endswith(_WEIGHT_SUFFIXES):
             continue
         if not is_inside(path, source.root):
             logger.warning(f"skipped {path.relative_to(source.path)}: it is a link to {str(path.resolve())!r}, "
                            f"outside the source checkpoint {str(source.root)!r}")
             continue
-        if path in read_whole:
+        if path.name == "generation_config.json":  # a JSON list was carried, and the output did not load
+            read_json_object(path)
+        elif path in read_whole:
             check_whole_read(path)
         carried.append(path)
     return carried

@@ -158,11 +158,13 @@ def load_tokenizer(path: str | Path, purpose: str = "", local_files_only: bool =
     caller first; whatever it raises is a ValueError naming `path`, the tokenizer's files there and `purpose`: the
     tokenizers library raises a bare Exception for a tokenizer.json it rejects, a GGUF file without tokenizer metadata
     is a KeyError (tracebacks, in `convert`, `export`, the needle evaluation and examples/train.py, which all load a
-    tokenizer through this)."""
+    tokenizer through this). No code of the checkpoint's runs (`trust_remote_code=False`): transformers has no
+    tokenizer class of its own for DiffLlamaConfig, so an `auto_map` in tokenizer_config.json made it offer to run the
+    folder's Python and run it on a "y"."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=local_files_only, **kwargs)
+        return AutoTokenizer.from_pretrained(path, local_files_only=local_files_only, trust_remote_code=False, **kwargs)
     except Exception as error:  # tokenizers fail in many ways (missing sentencepiece, a broken file, ...)
         path = Path(path)
         files = kwargs.get("gguf_file") or (", ".join(str(file.relative_to(path))

@@ -289,6 +289,10 @@ def save_for_hub(model, save_directory: str | os.PathLike, tokenizer=None, repo_
     must be valid UTF-8 (`check_destination`). `repo_id`, named in the model card, must be a Hub repository id
     (`check_repo_id`). With `is_main_process=False` (another rank of a distributed run) nothing is written, as
     `save_pretrained` writes nothing then."""
+    if save_pretrained_kwargs.get("push_to_hub"):  # save_pretrained would upload its staging folder, code-less
+        raise ValueError("push_to_hub=True is no save_for_hub argument: save_pretrained would upload the staging "
+                         "folder before the model code, auto_map and model card are in it; upload with "
+                         "modeling_diff.hub.push_to_hub(model, repo_id)")
     if repo_id is not None:
         check_repo_id(repo_id)
     classes = registered_classes(type(model.config))

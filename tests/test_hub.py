@@ -463,6 +463,15 @@ def test_push_to_hub_uploads_the_export_folder(tmp_path, with_tokenizer):
         push_to_hub(model, "a/b/c", api=api)
 
 
+def test_save_for_hub_refuses_push_to_hub_which_would_upload_its_staging_folder(tmp_path, monkeypatch):
+    """`save_for_hub(model, folder, push_to_hub=True)` handed push_to_hub on to save_pretrained, which tried to upload
+    the hidden staging folder (a repository named after it) before the model code, auto_map and card were in it."""
+    monkeypatch.setattr(HfApi, "create_repo", lambda *a, **k: pytest.fail("the Hub was called"))
+    with pytest.raises(ValueError, match=r"push_to_hub=True is no save_for_hub argument: .*hub\.push_to_hub\(model"):
+        save_for_hub(trained_looking_model("v2"), tmp_path / "export", push_to_hub=True)
+    assert list(tmp_path.iterdir()) == []
+
+
 def write_package(root: Path, files: dict) -> None:
     for name, source in files.items():
         path = root / name

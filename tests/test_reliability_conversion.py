@@ -15,6 +15,7 @@ import sys
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from ecosystem_helpers import byte_tokenizer, write_gguf_header
@@ -1071,6 +1072,106 @@ def test_a_model_safetensors_beside_an_index_is_the_source_as_for_transformers(p
     capsys.readouterr()  # save_pretrained's and from_pretrained's progress bars
     line = cli_error(["convert", str(src), str(tmp_path / "dst2"), "--heads", "all"], capsys)
     assert "num_hidden_layers is 3, but its tensors hold 1 layer" in line and not (tmp_path / "dst2").exists()
+
+
+def plant_code(folder: Path, marker: Path, what: str) -> None:
+    """An `auto_map` in `folder`'s config.json (`what` "config", with a model_type transformers does not know) or in
+    its tokenizer_config.json ("tokenizer") naming a module of `folder`'s, which writes `marker` when imported."""
+    code = f"from pathlib import Path\nPath({str(marker)!r}).write_text('ran')\nimport transformers\n"
+    if what == "config":
+        _edit_config(folder, model_type="planted_llama", auto_map={"AutoConfig": "planted.PlantedConfig"})
+        code += "class PlantedConfig(transformers.LlamaConfig):\n    model_type = 'planted_llama'\n"
+    else:
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        config.update(tokenizer_class="PlantedTokenizer",
+                      auto_map={"AutoTokenizer": [None, "planted.PlantedTokenizer"]})
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+        code += "class PlantedTokenizer(transformers.PreTrainedTokenizerFast):\n    pass\n"
+    (folder / "planted.py").write_text(code)
+
+
+@pytest.mark.parametrize("what", ["config", "tokenizer"])
+def test_code_in_the_source_is_never_run_even_answered_yes(src, tmp_path, capsys, monkeypatch, what):
+    """An auto_map in the source's config.json or tokenizer_config.json made transformers ask on the terminal whether
+    to run the source's Python, and a "y" ran it (before the model type was refused, or while the calibration's
+    tokenizer loaded): the source is only read. Refused in one line, whatever the answer."""
+    marker = tmp_path / "ran"
+    plant_code(src, marker, what)
+    monkeypatch.setattr("builtins.input", lambda *args: "y")
+    line = cli_error(["convert", str(src), str(tmp_path / "dst")], capsys)  # heads by entropy: the tokenizer loads
+    assert "contains custom code" in line and str(src) in line, line
+    assert not marker.exists() and not (tmp_path / "dst").exists()
+
+
+def test_bad_inputs_for_a_gguf_source_are_refused_before_it_is_dequantised(tmp_path, capsys, monkeypatch):
+    """The heads (a list for another number of layers, an index out of range) were checked only after the whole
+    model had been dequantised (25 s for SmolLM2-135M), beside a staging directory in DST's folder; now against the
+    file's metadata first, as for a folder."""
+    import transformers
+    from gguf import GGUFWriter
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("loaded"))
+    gguf = tmp_path / "gguf"
+    gguf.mkdir()
+    writer = GGUFWriter(gguf / "model.gguf", "llama")
+    for key, value in dict(block_count=2, context_length=64, embedding_length=32, feed_forward_length=64,
+                           head_count=4, head_count_kv=2, layer_norm_rms_eps=1e-6).items():
+        getattr(writer, f"add_{key}")(value)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([chr(ord("a") + i) for i in range(8)])
+    writer.add_token_scores([0.0] * 8)
+    writer.add_token_types([1] * 8)
+    writer.add_token_merges([])
+    for layer in range(2):
+        writer.add_tensor(f"blk.{layer}.attn_norm.weight", np.ones(4, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    for heads, message in (("[[0],[1],[2]]", "one such list per layer (2)"), ("9", "in [0, 4)")):
+        line = cli_error(["convert", str(gguf / "model.gguf"), str(tmp_path / "dst"), "--heads", heads], capsys)
+        assert message in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gguf"]
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"num_attention_heads": 0}, "num_attention_heads must be a positive integer, got 0"),  # was "modulo by zero"
+    ({"num_key_value_heads": -2}, "num_key_value_heads must be a positive integer, got -2"),
+])
+def test_head_counts_are_checked_before_transformers_divides_by_them(src, tmp_path, capsys, fields, message):
+    _edit_config(src, **fields)
+    assert message in cli_error(["convert", str(src), str(tmp_path / "dst"), "--heads", "all"], capsys)
+
+
+def test_a_generation_config_that_is_no_json_object_is_refused_not_carried(src, tmp_path, capsys):
+    """A JSON list was copied as it was, exit 0, and the output did not load ("'list' object is not a mapping")."""
+    (src / "generation_config.json").write_text("[1, 2]")
+    line = cli_error(["convert", str(src), str(tmp_path / "dst"), "--heads", "all"], capsys)
+    assert "generation_config.json in" in line and "must hold a JSON object" in line
+    assert not (tmp_path / "dst").exists()
+
+
+def test_an_index_named_in_config_json_listing_a_model_safetensors_shard_converts_to_the_sources_logits(
+        pristine, tmp_path):
+    """config.json's transformers_weights names an index of another name, one of whose shards is called
+    model.safetensors (transformers loads it so): the output's shards kept the source's names, and from_pretrained
+    loaded its model.safetensors alone beside its index (one layer's tensors left random), exit 0. The output's
+    files now have save_pretrained's names, and the source's index is not carried."""
+    src = Path(shutil.copytree(pristine, tmp_path / "src"))
+    first = json.loads((src / INDEX).read_text())["weight_map"]["model.embed_tokens.weight"]
+    (src / first).rename(src / "model.safetensors")
+    _rename_in_index(src, first, "model.safetensors")
+    (src / INDEX).rename(src / "weights.safetensors.index.json")
+    _edit_config(src, transformers_weights="weights.safetensors.index.json")
+    source = _loaded(src)
+    dst = convert_checkpoint(src, tmp_path / "dst", heads="all", progress=False)
+    shards = sorted(p.name for p in dst.glob("*.safetensors"))
+    count = len(set(json.loads((src / "weights.safetensors.index.json").read_text())["weight_map"].values()))
+    assert shards == [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+    assert sorted(p.name for p in dst.glob("*.json") if "safetensors" in p.name) == [INDEX]
+    converted, info = AutoModelForCausalLM.from_pretrained(dst, output_loading_info=True)
+    assert not info["missing_keys"]
+    torch.testing.assert_close(_logits(converted), _logits(source), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("name", ["weights.safetensors", "weights.safetensors.index.json"])

@@ -14,7 +14,7 @@ import transformers
 from safetensors import safe_open
 from ecosystem_helpers import byte_tokenizer, tiny_config, write_gguf_header
 from test_needle import HAYSTACK
-from test_reliability_conversion import tree_hash
+from test_reliability_conversion import plant_code, tree_hash
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import modeling_diff.needle as needle
@@ -493,6 +493,19 @@ def test_export_and_needle_report_a_broken_tokenizer_in_one_line(model_dir, tmp_
     assert "could not be loaded" in export_error([str(src), str(tmp_path / "out")], capsys)
     assert "could not be loaded" in needle_error([str(src), "--out", str(tmp_path / "out")], capsys)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_export_and_needle_never_run_the_source_s_tokenizer_code_even_answered_yes(model_dir, tmp_path, capsys,
+                                                                                   monkeypatch):
+    """transformers has no tokenizer class for our config, so an auto_map in tokenizer_config.json made it ask on the
+    terminal whether to run the folder's Python, and a "y" ran it (export exited 0). Refused in one line."""
+    src = Path(shutil.copytree(model_dir, tmp_path / "src"))
+    marker = tmp_path / "ran"
+    plant_code(src, marker, "tokenizer")
+    monkeypatch.setattr("builtins.input", lambda *args: "y")
+    assert "contains custom code" in export_error([str(src), str(tmp_path / "out")], capsys)
+    assert "contains custom code" in needle_error([str(src), "--out", str(tmp_path / "out")], capsys)
+    assert not marker.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
 @pytest.mark.parametrize("repo_id", ['a"b\n---\nlicense: evil', "org/team/name", "org/name\n", "café"])
