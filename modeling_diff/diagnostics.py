@@ -337,8 +337,13 @@ class AttentionProbe:
 
 @torch.no_grad()
 def lm_loss(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **probe_kwargs) -> float:
-    """Causal LM loss on the batch (padding excluded), under an `AttentionProbe(model, **probe_kwargs)`."""
-    labels = input_ids if attention_mask is None else input_ids.masked_fill(attention_mask == 0, -100)
+    """Causal LM loss on the batch (padding excluded), under an `AttentionProbe(model, **probe_kwargs)`. A token is a
+    target where it and the token before it, whose query predicts it, are real: with left padding the last pad's query
+    predicted the first real token, a target no unpadded row has."""
+    labels = input_ids
+    if attention_mask is not None:
+        labels = input_ids.masked_fill(attention_mask == 0, -100)
+        labels[:, 1:] = labels[:, 1:].masked_fill(attention_mask[:, :-1] == 0, -100)
     with AttentionProbe(model, **probe_kwargs):
         return float(model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, use_cache=False).loss)
 

@@ -207,8 +207,9 @@ def default_lengths(model, start: int = 1024) -> list[int]:
     limit = context_limit(model)
     if limit is None:
         raise ValueError("lengths must be given: the model's config declares no max_position_embeddings")
-    if start > limit:
-        raise ValueError(f"start ({start}) must not exceed max_position_embeddings ({limit})")
+    if start > limit:  # (the CLI names `lengths` as --lengths)
+        raise ValueError(f"lengths must be given: the default starts at {start} tokens, above the model's "
+                         f"max_position_embeddings ({limit})")
     lengths = [start]
     while lengths[-1] * 2 <= limit:
         lengths.append(lengths[-1] * 2)
@@ -259,8 +260,10 @@ def evaluate_needles(
 
     was_training = model.training
     model.eval()
-    accuracy = [[0.0] * len(depths) for _ in lengths]
-    logprob = [[0.0] * len(depths) for _ in lengths]
+    # per cell: the answers retrieved and the sum of their log-probabilities, divided by the answers once at the end
+    # (adding each answer's share gave 0.9999999999999999 for a cell of whole retrieval)
+    retrieved_count = [[0] * len(depths) for _ in lengths]
+    logprob_sum = [[0.0] * len(depths) for _ in lengths]
     cells = [(i, j) for i in range(len(lengths)) for j in range(len(depths))]
     try:
         for i, j in tqdm(cells, desc="needle cells", disable=not progress):
@@ -272,10 +275,13 @@ def evaluate_needles(
                     if not math.isfinite(answer_logprob):  # NaN logits retrieve nothing: a silent 0.000 otherwise
                         raise ValueError(f"the model's logits hold NaN or inf values (context length {lengths[i]}, "
                                          f"depth {depths[j]}): no answer can be scored; the evaluation was stopped")
-                    accuracy[i][j] += retrieved / (trials * num_queries)
-                    logprob[i][j] += answer_logprob / (trials * num_queries)
+                    retrieved_count[i][j] += int(retrieved)
+                    logprob_sum[i][j] += answer_logprob
     finally:  # an interrupted evaluation leaves the model as it found it
         model.train(was_training)
+    answers = trials * num_queries
+    accuracy = [[count / answers for count in row] for row in retrieved_count]
+    logprob = [[total / answers for total in row] for row in logprob_sum]
     return NeedleResult(lengths, depths, num_needles, num_queries, trials, accuracy, logprob)
 
 

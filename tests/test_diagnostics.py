@@ -109,6 +109,14 @@ def _batch():
     return ids, mask
 
 
+def _real_targets(ids, mask):
+    """The labels of the loss of real tokens: a target where it and the token before it (whose query predicts it)
+    are real, -100 elsewhere."""
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, 1:][mask[:, :-1] == 0] = -100
+    return labels
+
+
 def _llama():
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -147,7 +155,7 @@ def test_probe_matches_eager_attention(mode):
             lam = D.decoder_layers(model)[layer.layer_idx].self_attn.diff_lambda()
             torch.testing.assert_close(layer.signal - lam * layer.noise, layer.maps, atol=1e-6, rtol=1e-5)
     probed_loss = D.lm_loss(model, ids, mask)
-    labels = ids.masked_fill(mask == 0, -100)
+    labels = _real_targets(ids, mask)
     assert probed_loss == pytest.approx(float(model(input_ids=ids, attention_mask=mask, labels=labels).loss), rel=1e-5)
 
 
@@ -240,7 +248,7 @@ def test_diagnose_report(mode):
     assert all(report.logit_outliers[s].shape == (2, heads) for s in D.OUTLIER_STATS)
     assert all(report.hidden_outliers[s].shape == (2,) for s in D.OUTLIER_STATS)
     assert list(report.quantized_loss) == [8, 4]
-    labels = ids.masked_fill(mask == 0, -100)
+    labels = _real_targets(ids, mask)
     assert report.loss == pytest.approx(float(model(input_ids=ids, attention_mask=mask, labels=labels).loss), rel=1e-5)
     # Hidden-state outliers of layer 0, from the layer's own output on the real (unpadded) tokens.
     outputs = []
@@ -262,15 +270,19 @@ def test_diagnose_report(mode):
 
 @pytest.mark.parametrize("mode", ["v1", "dex"])
 @torch.no_grad()
-def test_right_padding_changes_no_measure_of_the_real_tokens(mode):
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_padding_changes_no_measure_of_the_real_tokens(mode, side):
     """A real query never sees a key right of the text, but a padding query there sees the real keys before it: its
     logits counted in the logit outliers and in the absmax scale of the quantized loss, which moved with the amount
-    of padding (top1 by 0.01-0.02, the 4-bit loss in its fourth decimal)."""
+    of padding (top1 by 0.01-0.02, the 4-bit loss in its fourth decimal). With left padding the last pad's query
+    predicted the first real token, a target the unpadded text does not have: the loss was of 16 targets, not 15
+    (off by 8e-5 to 5e-3)."""
     model = tiny_model(mode)
     ids = torch.randint(3, 90, (1, 10), generator=torch.Generator().manual_seed(0))
     alone = D.diagnose(model, ids, bits=(4,), progress=False)
-    padded = torch.cat([ids, torch.full((1, 6), 89)], dim=1)
-    mask = torch.cat([torch.ones(1, 10, dtype=torch.long), torch.zeros(1, 6, dtype=torch.long)], dim=1)
+    pads, ones = torch.full((1, 6), 89), torch.ones(1, 10, dtype=torch.long)
+    padded = torch.cat([ids, pads] if side == "right" else [pads, ids], dim=1)
+    mask = torch.cat([ones, torch.zeros_like(pads)] if side == "right" else [torch.zeros_like(pads), ones], dim=1)
     report = D.diagnose(model, padded, mask, bits=(4,), progress=False)
     assert report.loss == pytest.approx(alone.loss, rel=1e-6)
     assert report.quantized_loss[4] == pytest.approx(alone.quantized_loss[4], rel=1e-6)
@@ -373,7 +385,7 @@ def test_a_second_probe_on_the_same_model_is_refused_and_the_first_keeps_working
     assert [layer.layer_idx for layer in layers] == [0, 1]
     _assert_unprobed(model)
     with torch.no_grad():
-        loss = float(model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss)
+        loss = float(model(input_ids=ids, attention_mask=mask, labels=_real_targets(ids, mask)).loss)
     assert D.lm_loss(model, ids, mask) == pytest.approx(loss, rel=1e-5)
 
 

@@ -121,6 +121,15 @@ def test_accuracy_grid_of_known_models(tokenizer):
     plt.close("all")
 
 
+def test_a_cell_retrieved_whole_reads_exactly_one_whatever_its_answers(tokenizer):
+    """Each answer's share was added to the cell (1/10 ten times): 0.9999999999999999 for a cell of 10 answers all
+    retrieved, written so to needle.json. The answers are counted and divided once."""
+    for trials, queries in ((10, 1), (7, 1), (5, 2)):
+        result = evaluate_needles(CopyingLM(len(tokenizer)), tokenizer, lengths=[400], depths=[0.5], num_needles=2,
+                                  num_queries=queries, trials=trials, haystack=HAYSTACK, progress=False)
+        assert result.accuracy == [[1.0]], (trials, queries)
+
+
 def test_a_length_the_check_admits_holds_every_draw_and_a_shorter_one_is_refused_before_any_cell(tokenizer,
                                                                                                   monkeypatch):
     """The check took the keys longest in characters and queried the first of them: a draw that queried Santiago
@@ -160,7 +169,8 @@ def test_evaluate_rejects_bad_grids(tokenizer):
 def test_default_lengths_and_haystack():
     model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=4096))
     assert default_lengths(model) == [1024, 2048, 4096]
-    with pytest.raises(ValueError, match="start"):
+    with pytest.raises(ValueError, match=r"lengths must be given: the default starts at 8192 tokens, above the "
+                                         r"model's max_position_embeddings \(4096\)"):
         default_lengths(model, start=8192)
     assert "Macbeth" in HAYSTACK and "**" not in HAYSTACK and "#" not in HAYSTACK
 

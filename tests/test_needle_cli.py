@@ -242,3 +242,6 @@ def test_errors_name_the_flags_typed(model_dir, tmp_path, capsys, no_model_loadi
 def test_lengths_beyond_the_model_name_the_flag(model_dir, tmp_path, capsys):
     line = needle_error([str(model_dir), "--out", str(tmp_path / "out"), "--lengths", "4096"], capsys)
     assert line.endswith("error: --lengths must not exceed max_position_embeddings (512), got 4096"), line
+    line = needle_error([str(model_dir), "--out", str(tmp_path / "out")], capsys)  # was "start (1024) must not ..."
+    assert line.endswith("error: --lengths must be given: the default starts at 1024 tokens, above the model's "
+                         "max_position_embeddings (512)"), line
