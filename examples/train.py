@@ -29,7 +29,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, Trainer, TrainingArg
                           default_data_collator)
 
 import modeling_diff
-from modeling_diff.annealing import AnnealingCallback
+from modeling_diff.annealing import add_annealing_callback
 from modeling_diff.atomic import (atomic_directory, check_destination, check_writable, overwrite_from_flags,
                                   sigterm_as_interrupt)
 from modeling_diff.checkpoint_files import (CONFIG_FILES, LOADING_ERRORS, SIDE_FILES, check_loading_info,
@@ -232,9 +232,10 @@ def train(argv, saved: dict) -> None:
             bf16=args.bf16, use_cpu=not torch.cuda.is_available(), save_strategy="no", logging_steps=5,
             report_to=[], seed=args.seed, dataloader_num_workers=0,
         )
-        callbacks = [AnnealingCallback()] if model.config.anneal_steps > 0 else []
-        trainer = Trainer(model=model, args=training_args, callbacks=callbacks, data_collator=default_data_collator,
+        trainer = Trainer(model=model, args=training_args, data_collator=default_data_collator,
                           train_dataset=[{"input_ids": b, "labels": b} for b in blocks])
+        if model.config.anneal_steps > 0:
+            add_annealing_callback(trainer)
         os.rmdir(scratch)  # empty; the with block's end removes it again where a save below made it on this rank
         result = trainer.train()
         if not weights_finite(trainer):  # decided on every rank alike: none saves, none waits on the others

@@ -7,8 +7,9 @@ taken, and it keeps itself so: after the optimizer steps that update the model, 
 however many optimizers share it (an optimizer step hook, `diff_attention.py`), whatever runs the loop -- Trainer,
 TRL, accelerate or a custom loop. Nothing to add:
 
-- with `Trainer`, `callbacks=[AnnealingCallback()]` also pins t to the model's t when training began plus
-  `state.global_step` (after a resume too) and logs the schedule;
+- with `Trainer`, `add_annealing_callback(trainer)` (or `callbacks=[AnnealingCallback()]`) also pins t to the
+  model's t when training began plus `state.global_step` (after a resume too) and logs the schedule, to the
+  reporting integrations too where added by `add_annealing_callback`;
 - `set_anneal_step(model, step)` sets t by hand (e.g. to evaluate the schedule at a given step).
 
 `anneal_state(model)` reads the schedule back (for logging).
@@ -16,7 +17,7 @@ TRL, accelerate or a custom loop. Nothing to add:
 
 import torch
 from torch import nn
-from transformers import TrainerCallback
+from transformers import DefaultFlowCallback, TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from .diff_attention import DexAttention, DiffAttentionV2, anneal_fraction
@@ -82,4 +83,20 @@ class AnnealingCallback(TrainerCallback, ExportableState):
             state.log_history[-1].update(schedule)
 
 
-__all__ = ["AnnealingCallback", "anneal_state", "set_anneal_step"]
+def add_annealing_callback(trainer) -> AnnealingCallback:
+    """Give `trainer` an `AnnealingCallback` (the one it holds, where it holds one) placed right after Trainer's
+    DefaultFlowCallback, ahead of the reporting integrations of `report_to` (TensorBoard, W&B, MLflow, ...). Trainer
+    puts those ahead of the callbacks it is given (`callbacks=[...]`, `add_callback`), and they log each entry before
+    a callback behind them has added the schedule: then only `trainer.state.log_history` and the console get it.
+    Returns the callback."""
+    callbacks = trainer.callback_handler.callbacks
+    held = [callback for callback in callbacks if isinstance(callback, AnnealingCallback)]
+    callback = held[0] if held else AnnealingCallback()
+    for other in held:
+        callbacks.remove(other)
+    flow = [i for i, other in enumerate(callbacks) if isinstance(other, DefaultFlowCallback)]
+    callbacks.insert(flow[0] + 1 if flow else 0, callback)
+    return callback
+
+
+__all__ = ["AnnealingCallback", "add_annealing_callback", "anneal_state", "set_anneal_step"]

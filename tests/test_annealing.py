@@ -115,6 +115,39 @@ def test_trainer_callback_anneals_and_resumes_exactly(tmp_path):
         torch.testing.assert_close(tensor, expected[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_add_annealing_callback_puts_the_schedule_in_what_report_to_integrations_log(tmp_path, monkeypatch):
+    """Trainer calls the integrations of `report_to` (TensorBoard, W&B, ...) before the callbacks it is given, and
+    they write each log entry out before `callbacks=[AnnealingCallback()]` adds the schedule to it: they never logged
+    it. `add_annealing_callback(trainer)` puts the callback ahead of them (here a recording integration in
+    TensorBoard's place: tensorboard is not installed), and moves the one the trainer holds."""
+    import transformers.integrations.integration_utils as integrations
+
+    from modeling_diff.annealing import add_annealing_callback
+
+    class RecordingIntegration(TrainerCallback):  # what TensorBoardCallback's on_log does: write `logs` out
+        def __init__(self):
+            self.logged = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.logged.append(dict(logs))
+
+    monkeypatch.setitem(integrations.INTEGRATION_TO_CALLBACK, "tensorboard", RecordingIntegration)
+    for given in ([], [AnnealingCallback()]):
+        args = TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, use_cpu=True,
+                                 save_strategy="no", logging_steps=1, report_to=["tensorboard"], disable_tqdm=True)
+        trainer = Trainer(model=dex_model(anneal_steps=8), args=args, train_dataset=Blocks(), callbacks=given)
+        callback = add_annealing_callback(trainer)
+        assert given == [] or callback is given[0]
+        names = [type(other).__name__ for other in trainer.callback_handler.callbacks]
+        assert names[:3] == ["DefaultFlowCallback", "AnnealingCallback", "RecordingIntegration"], names
+        assert names.count("AnnealingCallback") == 1
+        trainer.train()
+        integration = trainer.callback_handler.callbacks[2]
+        logged = [entry for entry in integration.logged if "loss" in entry]
+        assert [entry["anneal_step"] for entry in logged] == [1, 2, 3]
+        assert [entry["anneal_fraction"] for entry in logged] == pytest.approx([1 / 8, 2 / 8, 3 / 8])
+
+
 def test_custom_loop_advances_t_with_each_optimizer_step():
     model, ids = dex_model(anneal_steps=2, lambda_learn=0.3), token_ids()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
