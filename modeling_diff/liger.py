@@ -90,15 +90,32 @@ def _check_labels(name: str, labels: torch.Tensor, rows: torch.Size, vocab_size:
                         f"{name} must be token ids in [0, {vocab_size}) or ignore_index ({ignore_index})")
 
 
+def adapts_lm_head(model: DiffLlamaForCausalLM) -> bool:
+    """Whether PEFT adapters add to lm_head's output (LoRA, DoRA, IA3, ... on lm_head: active, not merged, not
+    disabled). Liger's fused loss reads lm_head's weight alone: with them it gave the base model's loss and the
+    adapters no gradient, silently (Liger's Llama alike)."""
+    if "peft" not in sys.modules:  # (no adapter without PEFT imported)
+        return False
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    lm_head = model.lm_head
+    return (isinstance(lm_head, BaseTunerLayer) and bool(lm_head.active_adapters) and not lm_head.merged
+            and not lm_head.disable_adapters)
+
+
 def liger_fused_linear_loss(self: DiffLlamaForCausalLM, hidden_states, labels, **loss_kwargs) -> torch.Tensor:
     """`DiffLlamaForCausalLM.fused_linear_loss`: the shifted causal-LM loss of lm_head(hidden_states) (B, L, hidden)
     against `labels` (B, L), through Liger's fused linear cross-entropy (which unwraps a PEFT `modules_to_save`
-    lm_head and gathers an FSDP-sharded one, as for Llama)."""
+    lm_head and gathers an FSDP-sharded one, as for Llama). Where PEFT adapters add to lm_head's output
+    (`adapts_lm_head`), the loss of lm_head's own output (its logits made, as on the plain path)."""
     shift_labels = loss_kwargs.pop("shift_labels", None)
     for name, value in (("labels", labels), ("shift_labels", shift_labels)):
         if value is not None:
             _check_labels(name, value, hidden_states.shape[:-1], self.config.vocab_size,
                           loss_kwargs.get("ignore_index", -100))
+    if adapts_lm_head(self):
+        return self.loss_function(logits=self.lm_head(hidden_states), labels=labels,
+                                  vocab_size=self.config.vocab_size, shift_labels=shift_labels, **loss_kwargs)
     if LIGER_TAKES_CHUNK_BUDGET:
         loss_kwargs.setdefault("chunk_mem_const", fused_loss_chunk_budget(
             hidden_states.shape[:-1].numel(), self.config.hidden_size, self.config.vocab_size))

@@ -386,6 +386,39 @@ def test_a_peft_model_is_patched_through_the_model_it_wraps():
     assert norms and all(m.forward.__func__ is LigerRMSNorm.forward for m in norms)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_adapters_on_lm_head_get_the_plain_paths_loss_and_gradients(mode):
+    """Liger's fused loss reads lm_head's weight alone: with LoRA on lm_head it gave the base model's loss (4.53
+    against 10.60 for V1 here) and the adapter no gradient, exit status 0. Such a model's loss is now lm_head's own
+    output's; merged, the fused loss takes it again (the delta is then in the weight)."""
+    from peft import get_peft_model
+
+    from modeling_diff.lora import lora_config
+
+    plain = get_peft_model(tiny_model(mode).to(DEVICE),
+                           lora_config(r=4, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "lm_head"]))
+    with torch.no_grad():
+        for name, parameter in plain.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0.0, 0.5)  # a trained adapter (a fresh one adds 0)
+    plain.train()
+    liger = copy.deepcopy(plain)
+    apply_liger_kernel_to_diff_llama(model=liger)
+    input_ids, labels = masked_batch(plain.config.vocab_size)
+    losses = [model(input_ids=input_ids, labels=labels).loss for model in (plain, liger)]
+    for loss in losses:
+        loss.backward()
+    with torch.no_grad():
+        expected = formula_loss(plain(input_ids=input_ids).logits, labels)
+    assert rel_err(losses[1], expected) < TOL and rel_err(losses[0], expected) < TOL
+    assert_same_gradients(plain, liger)
+    assert any("lm_head.lora_B" in name for name, p in liger.named_parameters() if p.grad is not None)
+    merged = liger.merge_and_unload()
+    assert merged.fused_linear_loss is not None
+    assert merged(input_ids=input_ids, labels=labels).logits is None  # the fused loss again
+    assert rel_err(merged(input_ids=input_ids, labels=labels).loss, expected) < TOL
+
+
 def liger_chunk_rows(tokens: int, hidden: int, vocab: int, budget: int) -> int:
     """Rows of a chunk of Liger's fused loss (liger_kernel/ops/fused_linear_cross_entropy.py, 0.8.5)."""
     per_chunk = -(-tokens // -(-vocab // (budget * hidden)))
