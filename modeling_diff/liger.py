@@ -94,13 +94,12 @@ def adapts_lm_head(model: DiffLlamaForCausalLM) -> bool:
     """Whether PEFT adapters add to lm_head's output (LoRA, DoRA, IA3, ... on lm_head: active, not merged, not
     disabled). Liger's fused loss reads lm_head's weight alone: with them it gave the base model's loss and the
     adapters no gradient, silently (Liger's Llama alike)."""
-    if "peft" not in sys.modules:  # (no adapter without PEFT imported)
-        return False
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
+    # No adapter without PEFT imported; read from sys.modules, not imported: an exported folder's copy of this file
+    # would make PEFT a requirement of transformers' remote-code loader (which lists the files' imports)
+    tuners = sys.modules.get("peft.tuners.tuners_utils")
     lm_head = model.lm_head
-    return (isinstance(lm_head, BaseTunerLayer) and bool(lm_head.active_adapters) and not lm_head.merged
-            and not lm_head.disable_adapters)
+    return (tuners is not None and isinstance(lm_head, tuners.BaseTunerLayer) and bool(lm_head.active_adapters)
+            and not lm_head.merged and not lm_head.disable_adapters)
 
 
 def liger_fused_linear_loss(self: DiffLlamaForCausalLM, hidden_states, labels, **loss_kwargs) -> torch.Tensor:
