@@ -94,14 +94,25 @@ def run_launcher(args: list, timeout: float, **kwargs) -> subprocess.CompletedPr
     return subprocess.CompletedProcess(args, process.returncode, stdout, stderr)
 
 
-def write_gguf_header(path: Path, block_count: int, layers: range) -> Path:
+def write_gguf_header(path: Path, block_count: int, layers: range, shapes: bool = False) -> Path:
     """A GGUF file of architecture llama whose metadata claims `block_count` layers and whose tensors are those of
-    `layers` (one small tensor each, `blk.<i>.attn_norm.weight`): no model, only what the layer count is read from."""
+    `layers` (one small tensor each, `blk.<i>.attn_norm.weight`): no model, only what the layer count is read from.
+    With `shapes`, also a config's sizes (4 heads over 2 kv heads) and an 8-token tokenizer: what is checked against
+    the metadata before a model is loaded."""
     import numpy as np
     from gguf import GGUFWriter
 
     writer = GGUFWriter(path, "llama")
     writer.add_block_count(block_count)
+    if shapes:
+        for key, value in dict(context_length=64, embedding_length=32, feed_forward_length=64, head_count=4,
+                               head_count_kv=2, layer_norm_rms_eps=1e-6).items():
+            getattr(writer, f"add_{key}")(value)
+        writer.add_tokenizer_model("gpt2")
+        writer.add_token_list([chr(ord("a") + i) for i in range(8)])
+        writer.add_token_scores([0.0] * 8)
+        writer.add_token_types([1] * 8)
+        writer.add_token_merges([])
     for layer in layers:
         writer.add_tensor(f"blk.{layer}.attn_norm.weight", np.ones(4, dtype=np.float32))
     writer.write_header_to_file()

@@ -15,7 +15,6 @@ import sys
 import threading
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from ecosystem_helpers import byte_tokenizer, write_gguf_header
@@ -1108,26 +1107,11 @@ def test_bad_inputs_for_a_gguf_source_are_refused_before_it_is_dequantised(tmp_p
     model had been dequantised (25 s for SmolLM2-135M), beside a staging directory in DST's folder; now against the
     file's metadata first, as for a folder."""
     import transformers
-    from gguf import GGUFWriter
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("loaded"))
     gguf = tmp_path / "gguf"
     gguf.mkdir()
-    writer = GGUFWriter(gguf / "model.gguf", "llama")
-    for key, value in dict(block_count=2, context_length=64, embedding_length=32, feed_forward_length=64,
-                           head_count=4, head_count_kv=2, layer_norm_rms_eps=1e-6).items():
-        getattr(writer, f"add_{key}")(value)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list([chr(ord("a") + i) for i in range(8)])
-    writer.add_token_scores([0.0] * 8)
-    writer.add_token_types([1] * 8)
-    writer.add_token_merges([])
-    for layer in range(2):
-        writer.add_tensor(f"blk.{layer}.attn_norm.weight", np.ones(4, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_gguf_header(gguf / "model.gguf", 2, range(2), shapes=True)
     for heads, message in (("[[0],[1],[2]]", "one such list per layer (2)"), ("9", "in [0, 4)")):
         line = cli_error(["convert", str(gguf / "model.gguf"), str(tmp_path / "dst"), "--heads", heads], capsys)
         assert message in line, line
