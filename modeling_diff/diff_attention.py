@@ -30,9 +30,9 @@ from .kernels import (
     DIFF_TRITON, FUSED_DIFF, DexCombine, V1Combine, V2Combine, apply_rope, combined_decode_applies,
     combined_decode_attention, dex_folded_projection, dex_folded_projection_applies, dex_folded_weight,
     differential_lambda, flash_attn_4_applies, flash_diff_applies, flash_diff_attention, has_extra_options,
-    is_plain_linear, keep_own_forward, linear_maps, mark_written, needs_grad, projection_cache_layer, resolve,
-    rotated_projections, rotated_projections_apply, runs_own_forward, split_linear, split_linear_applies, update_cache,
-    uses_fast_kernels, v1_combine, v2_combine_projected, written_layer,
+    is_plain_linear, is_plain_norm, keep_own_forward, linear_maps, mark_written, needs_grad, projection_cache_layer,
+    resolve, rotated_projections, rotated_projections_apply, runs_own_forward, split_linear, split_linear_applies,
+    update_cache, uses_fast_kernels, v1_combine, v2_combine_projected, written_layer,
 )
 
 
@@ -466,11 +466,6 @@ class DiffAttentionV1(_DiffAttentionBase):
         self.diff_lambda = DifferentialLambda(d, self.lambda_init, config.lambda_std_dev)
         self.subln = SublnRMSNorm(2 * d, eps=config.rms_norm_eps)  # one norm shared by all heads
 
-    def subln_is_plain(self) -> bool:
-        """Whether the kernels may read subln's weight: not a PEFT-wrapped norm, nor one with hooks or a forward of
-        its own (tensor parallelism's gradient hooks, which must run)."""
-        return type(self.subln.weight) is nn.Parameter and runs_own_forward(self.subln)
-
     def project(self, implementation, hidden_states, position_embeddings, cache=None):
         """-> pairs (B, L, h, 2, d) = (Q1, Q2) of each head, key (B, h_kv, L, 2d) = K1|K2 and value (B, h_kv, L, 2d),
         RoPE applied, and no side outputs (V1 has none). The cache holds K and V as they are: a Llama's bytes per
@@ -504,9 +499,11 @@ class DiffAttentionV1(_DiffAttentionBase):
             )
 
     def decode_applies(self, implementation, pairs, key, value, attention_mask, kwargs) -> bool:
-        """subln plain, the decode kernel's shapes, and not flash-diff's (which goes first where it applies)."""
+        """subln plain and lambda's module unhooked (the kernel reads subln's weight and lambda's vectors in place of
+        calling them), the decode kernel's shapes, and not flash-diff's (which goes first where it applies)."""
         return (
-            self.subln_is_plain()
+            is_plain_norm(self.subln)
+            and runs_own_forward(self.diff_lambda)
             and super().decode_applies(implementation, pairs, key, value, attention_mask, kwargs)
             and not self.flash_diff_applies(implementation, pairs, key, value, attention_mask, kwargs)
         )
@@ -537,7 +534,7 @@ class DiffAttentionV1(_DiffAttentionBase):
             return self.output(heads), None
         if cache is not None:
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
-        if self.subln_is_plain() and self.flash_diff_applies(
+        if is_plain_norm(self.subln) and self.flash_diff_applies(
             implementation, query_states, key_states, value_states, attention_mask, kwargs
         ):  # both maps and the combine in one kernel, o_proj in its autograd node: (B, L, hidden)
             attn_output = flash_diff_attention(

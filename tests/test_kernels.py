@@ -2278,6 +2278,36 @@ def test_a_global_module_hook_sees_every_module_call_of_eager_on_the_fast_path(m
     assert calls["fast"]["model.layers.0.input_layernorm"] == 1 + 3  # the step, the prompt and two decoding steps
 
 
+@pytest.mark.parametrize("hooked", ["subln", "diff_lambda"])
+def test_a_hook_on_v1_s_subln_or_lambda_sees_every_call_of_eager_on_the_fast_path(monkeypatch, hooked):
+    """V1's combine and its decode kernel read subln's weight and lambda's vectors in place of calling the modules:
+    with a forward hook on either, the module is called as often as in eager (a training step, the prompt and two
+    decoding steps) and the logits stay eager's. (On an H100 at 827ac99 the combine's Triton path took a hooked
+    subln's work: the global-hook test above failed for V1.) On the CPU the combine takes its Triton path as on
+    CUDA, under the interpreter."""
+    from collections import Counter
+
+    import modeling_diff.kernels.combine as combine
+
+    if not GPU:
+        monkeypatch.setattr(combine, "_fused", lambda attn: True)
+    eager, fast = model_pair("v1", FAST)
+    ids = torch.randint(3, eager.config.vocab_size, (2, 6), device=DEVICE)
+    calls, logits = {}, {}
+    for name, model in (("eager", eager), ("fast", fast)):
+        calls[name] = Counter()
+        for module_name, module in model.named_modules():
+            if module_name.endswith(hooked):
+                module.register_forward_hook(lambda m, args, out, key=module_name, seen=calls[name]: seen.update([key]))
+        model.train()(ids, labels=ids).loss.backward()
+        out = model.eval().generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False, output_logits=True,
+                                    return_dict_in_generate=True)
+        logits[name] = torch.stack(out.logits, 1)
+    assert calls["fast"] == calls["eager"]
+    assert calls["fast"][f"model.layers.0.self_attn.{hooked}"] == 1 + 3  # the step, the prompt, two decoding steps
+    assert rel_err(logits["fast"], logits["eager"]) < TOL
+
+
 def test_decoding_steps_with_a_hook_on_the_mlp_show_it_the_mlps_own_output():
     """The residual add joins down_proj's last pass only where nothing watches the MLP: with a forward hook on it,
     the hook runs in every step and sees mlp(x), not residual + mlp(x), and the logits stay eager's."""

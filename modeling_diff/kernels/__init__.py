@@ -32,7 +32,9 @@ triton is optional: it is imported only where it is installed (`_triton.TRITON_A
 every path is plain PyTorch, so the model (and its Hub export) loads anywhere.
 """
 
-from ._modules import GLOBAL_MODULE_HOOKS, global_module_hooks, is_plain_linear, keep_own_forward, runs_own_forward
+from ._modules import (
+    GLOBAL_MODULE_HOOKS, global_module_hooks, is_plain_linear, is_plain_norm, keep_own_forward, runs_own_forward,
+)
 from ._triton import needs_grad, triton_available
 from .attention import (
     FUSED_DIFF, NAME as DIFF_TRITON, diff_triton_attention_forward, has_extra_options, register, resolve,
@@ -66,7 +68,8 @@ __all__ = [
     "diff_triton_attention_forward", "flash_attn_4_applies",
     "flash_diff_applies", "flash_diff_attention", "gated_projection", "gated_projection_applies", "global_module_hooks",
     "greedy_step", "greedy_tokens",
-    "has_extra_options", "is_plain_linear", "keep_own_forward", "linear_maps", "mark_written", "needs_grad",
+    "has_extra_options", "is_plain_linear", "is_plain_norm", "keep_own_forward", "linear_maps", "mark_written",
+    "needs_grad",
     "projection_cache_layer", "resolve", "rms_norm", "rms_norm_kernel_applies", "rope_cos_sin", "rope_cos_sin_applies",
     "rotated_projections", "rotated_projections_apply", "silu_mul", "silu_mul_applies", "runs_own_forward",
     "split_linear", "split_linear_applies", "static_step_mask", "swiglu_mlp", "swiglu_mlp_applies", "triton_available",

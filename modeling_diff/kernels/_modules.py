@@ -41,6 +41,13 @@ def keep_own_forward(module: nn.Module) -> bool:
     return False
 
 
+def is_plain_norm(norm: nn.Module) -> bool:
+    """A norm whose weight a kernel may read in place of calling it (V1's subln in the combine, the flash-diff and
+    decode kernels): its own Parameter (not PEFT's wrapper or tensor parallelism's DTensor) and no hooks or forward
+    bound on the instance (`runs_own_forward`): a hook on it sees every call eager makes."""
+    return type(norm.weight) is nn.Parameter and runs_own_forward(norm)
+
+
 def is_plain_linear(module: nn.Module) -> bool:
     """A torch Linear as built: its own Parameter and no hooks. Not PEFT's LoRA layers, a tensor-parallel,
     offloading (accelerate's `_hf_hook` forward) or quantized layer: those keep their own forward."""

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._modules import linear_in_product_dtype, recomputed_linear_backward
+from ._modules import is_plain_norm, linear_in_product_dtype, recomputed_linear_backward
 from ._triton import (
     TRITON_AVAILABLE, cdiv, eager_kernels_run_on, is_power_of_2, needs_grad, next_power_of_2, triton_available,
 )
@@ -263,7 +263,8 @@ def _fused(attn: torch.Tensor) -> bool:
 
 
 def v1_combine(attn: torch.Tensor, lam: torch.Tensor, subln: nn.Module, scale: float) -> torch.Tensor:
-    if _fused(attn) and type(subln.weight) is nn.Parameter:
+    """Triton reads subln's weight where subln is plain (`is_plain_norm`); a hooked or wrapped subln is called."""
+    if _fused(attn) and is_plain_norm(subln):
         return v1_combine_triton(attn, lam, subln, scale)
     return v1_combine_reference(attn, lam, subln, scale)
 
