@@ -718,10 +718,14 @@ class DexAttention(_LlamaLayoutAttention):
         return self.dex_lambda(anneal_fraction(self.anneal_step, self.config.anneal_steps))
 
     def operator_folds_into_o_proj(self, attn_output: torch.Tensor) -> bool:
-        """Whether `o_proj_with_operator` applies: o_proj a plain Linear, and folding costs fewer FLOPs than applying
-        the operator to O (hidden x h x d x d against tokens x h x d x d: more tokens than o_proj has rows)."""
+        """Whether `o_proj_with_operator` applies: o_proj a plain Linear, folding costs fewer FLOPs than applying
+        the operator to O (hidden x h x d x d against tokens x h x d x d: more tokens than o_proj has rows), and the
+        fold computes what `forward` would: f_D its weight (`operator_is_its_weight`), or every head selected, where
+        `forward` too applies f_D(I). With some heads selected `forward` calls f_D on O, so a hook on f_D (or an
+        adapter's dropout) sees O, not I."""
         tokens = attn_output.numel() // (attn_output.shape[-2] * attn_output.shape[-1])
-        return is_plain_linear(self.o_proj) and tokens > self.o_proj.out_features
+        return (is_plain_linear(self.o_proj) and tokens > self.o_proj.out_features
+                and (self.config.dex_heads is None or self.operator_is_its_weight()))
 
     def operator(self, x: torch.Tensor) -> torch.Tensor:
         """f_D(x) through the module, so that PEFT's trained copy or adapter and the tensor-parallel hooks apply.
@@ -770,10 +774,12 @@ class DexAttention(_LlamaLayoutAttention):
                 and all(map(is_plain_linear, (module.original_module, *copies.values()))))
 
     def decode_applies(self, implementation, query, key, value, attention_mask, kwargs) -> bool:
-        """Whether `decode_heads` takes this step: f_D its weight (`operator_is_its_weight`), and the decode kernel's
-        shapes."""
-        return self.operator_is_its_weight() and super().decode_applies(
-            implementation, query, key, value, attention_mask, kwargs
+        """Whether `decode_heads` takes this step: f_D its weight (`operator_is_its_weight`), lambda's module
+        unhooked (the kernel reads its `lambda_learn` in place of calling it), and the decode kernel's shapes."""
+        return (
+            self.operator_is_its_weight()
+            and runs_own_forward(self.dex_lambda)
+            and super().decode_applies(implementation, query, key, value, attention_mask, kwargs)
         )
 
     def decode_combine(self, side) -> DexCombine:

@@ -20,7 +20,7 @@ import weakref
 import torch
 from transformers import GenerationConfig, StaticCache
 
-from .kernels import global_module_hooks, greedy_step, greedy_tokens
+from .kernels import greedy_step, greedy_tokens, runs_own_forward
 
 STOP_CHECK_EVERY = 16  # replays between two looks at "all rows finished?" (each one a synchronisation)
 
@@ -54,19 +54,18 @@ def _plain_greedy(config: GenerationConfig) -> bool:
 
 def graphable(model) -> bool:
     """Whether a replayed graph computes what the model's forward computes: in eval mode, on one device, plain
-    parameters (no DTensor, no PEFT layers), no Python hooks (a graph does not run them), a boolean-mask
-    implementation. (The caller checks the device is CUDA.)"""
+    parameters (no DTensor, no PEFT layers), no Python hooks and no forward bound on a module's instance (a graph
+    runs neither: `runs_own_forward`), a boolean-mask implementation. (The caller checks the device is CUDA.)"""
     parameters = list(model.parameters())
     return (
         not model.training
         and model.config._attn_implementation in BOOLEAN_MASK_IMPLEMENTATIONS
         and all(type(p) is torch.nn.Parameter for p in parameters)
         and len({p.device for p in parameters}) == 1
-        and not any(
-            m._forward_hooks or m._forward_pre_hooks or hasattr(m, "base_layer") or hasattr(m, "_hf_hook")
+        and all(
+            runs_own_forward(m) and not hasattr(m, "base_layer") and not hasattr(m, "_hf_hook")
             for m in model.modules()
         )
-        and not global_module_hooks()
     )
 
 

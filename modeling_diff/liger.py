@@ -39,6 +39,7 @@ import torch
 
 from . import modeling_diff_llama
 from .configuration import DiffLlamaConfig
+from .kernels import runs_own_forward
 from .modeling_diff_llama import DiffLlamaForCausalLM, DiffLlamaPreTrainedModel, DiffLlamaRMSNorm
 
 try:
@@ -106,13 +107,14 @@ def liger_fused_linear_loss(self: DiffLlamaForCausalLM, hidden_states, labels, *
     """`DiffLlamaForCausalLM.fused_linear_loss`: the shifted causal-LM loss of lm_head(hidden_states) (B, L, hidden)
     against `labels` (B, L), through Liger's fused linear cross-entropy (which unwraps a PEFT `modules_to_save`
     lm_head and gathers an FSDP-sharded one, as for Llama). Where PEFT adapters add to lm_head's output
-    (`adapts_lm_head`), the loss of lm_head's own output (its logits made, as on the plain path)."""
+    (`adapts_lm_head`), or lm_head has hooks or a forward bound on it (`runs_own_forward`), which the fused loss
+    would not run, the loss of lm_head's own output (its logits made, as on the plain path)."""
     shift_labels = loss_kwargs.pop("shift_labels", None)
     for name, value in (("labels", labels), ("shift_labels", shift_labels)):
         if value is not None:
             _check_labels(name, value, hidden_states.shape[:-1], self.config.vocab_size,
                           loss_kwargs.get("ignore_index", -100))
-    if adapts_lm_head(self):
+    if adapts_lm_head(self) or not runs_own_forward(self.lm_head):  # hooks, accelerate's bound forward: called
         return self.loss_function(logits=self.lm_head(hidden_states), labels=labels,
                                   vocab_size=self.config.vocab_size, shift_labels=shift_labels, **loss_kwargs)
     if LIGER_TAKES_CHUNK_BUDGET:

@@ -100,8 +100,10 @@ def test_everything_else_takes_transformers_generate(request_):
 
 
 def test_the_graph_needs_what_replay_preserves():
-    """Eager attention (an additive float mask), training mode and Python hooks (a graph does not run them) keep
-    transformers' loop; so does a CPU model (no CUDA graphs)."""
+    """Eager attention (an additive float mask), training mode, Python hooks and a forward bound on a module's
+    instance (steering and patching tools; a graph runs neither) keep transformers' loop; so does a CPU model (no
+    CUDA graphs). (A bound forward on a layer or its attention was graphed until this was checked: the decoding
+    graphs call the layer's parts directly, and its tokens differed from the model's.)"""
     model = tiny_model("v1", attn_implementation="sdpa")
     ids = torch.randint(3, 97, (1, 5))
     assert graphed_greedy_generate(model, ids, None, dict(STATIC, max_new_tokens=4)) is None  # CPU
@@ -112,6 +114,11 @@ def test_the_graph_needs_what_replay_preserves():
     handle = model.model.layers[0].register_forward_hook(lambda *args: None)
     assert not generation.graphable(model)
     handle.remove()
+    for module in (model.model.layers[0], model.model.layers[0].self_attn):
+        module.forward = lambda *args, original=module.forward, **kwargs: original(*args, **kwargs)
+        assert not generation.graphable(model)
+        del module.forward
+        assert generation.graphable(model)
     model.train()
     assert not generation.graphable(model)
 

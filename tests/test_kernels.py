@@ -1736,13 +1736,14 @@ def test_decode_attention_merges_many_splits(mode, heads, kv_heads, length, kv_l
 # ---- the model on the fast paths --------------------------------------------------------------------------
 
 
-def model_pair(mode, fast_implementation):
-    """The same weights twice: eager (the reference) and the fast implementation."""
+def model_pair(mode, fast_implementation, **config):
+    """The same weights twice: eager (the reference) and the fast implementation; `config`: more config fields."""
     if GPU:  # two layers of the ~1.1B shape
         overrides = dict(preset_config(f"1.1b-{mode}").to_diff_dict(), num_hidden_layers=2, vocab_size=1000)
         overrides = {k: v for k, v in overrides.items() if k not in ("model_type", "transformers_version")}
     else:  # heads of 16, the kernels' smallest tile
         overrides = dict(head_dim=16)
+    overrides.update(config)
     eager = tiny_model(mode, **overrides).to(DEVICE, DTYPE)
     fast = tiny_model(mode, attn_implementation=fast_implementation, **overrides).to(DEVICE, DTYPE)
     fast.load_state_dict(eager.state_dict())
@@ -2278,34 +2279,61 @@ def test_a_global_module_hook_sees_every_module_call_of_eager_on_the_fast_path(m
     assert calls["fast"]["model.layers.0.input_layernorm"] == 1 + 3  # the step, the prompt and two decoding steps
 
 
-@pytest.mark.parametrize("hooked", ["subln", "diff_lambda"])
-def test_a_hook_on_v1_s_subln_or_lambda_sees_every_call_of_eager_on_the_fast_path(monkeypatch, hooked):
-    """V1's combine and its decode kernel read subln's weight and lambda's vectors in place of calling the modules:
-    with a forward hook on either, the module is called as often as in eager (a training step, the prompt and two
-    decoding steps) and the logits stay eager's. (On an H100 at 827ac99 the combine's Triton path took a hooked
-    subln's work: the global-hook test above failed for V1.) On the CPU the combine takes its Triton path as on
-    CUDA, under the interpreter."""
+# (mode, the module hooked, config.dex_heads): the modules whose work the kernels take by reading their parameters
+DIFFERENTIAL_MODULES = [("v1", "subln", None), ("v1", "diff_lambda", None), ("dex", "dex_lambda", None),
+                        ("dex", "dex_proj", [[0, 1], [2]])]
+
+
+@pytest.mark.parametrize("peft_copy", [False, True], ids=["module", "peft_copy"])
+@pytest.mark.parametrize("mode, hooked, dex_heads", DIFFERENTIAL_MODULES)
+def test_a_hook_changing_a_differential_module_changes_the_fast_path_as_eager(monkeypatch, mode, hooked, dex_heads,
+                                                                              peft_copy):
+    """The combine, the flash-diff and decode kernels and DEX's fold read V1's subln and lambda, DEX's lambda and
+    f_D in place of calling them, where those modules are plain. With a forward hook that changes a module's output,
+    on the module or on the copy that PEFT's `modules_to_save` wrapper runs (`lora_config` trains them so), the
+    module is called as often as in eager (a training step, the prompt, two decoding steps) and the loss, gradients
+    and logits follow eager's. Before d4f8848 and its successor every case but f_D's PEFT copy failed: V1's
+    combine read a hooked subln's weight (on CUDA only: the CPU run forces the combine's Triton path), V1's and
+    DEX's decode kernels read a hooked lambda, DEX's fold applied a hooked f_D to I where eager (heads selected)
+    applies it to O, and the wrapper hid its copy's hooks."""
     from collections import Counter
 
     import modeling_diff.kernels.combine as combine
+    from modeling_diff.lora import get_lora_model, lora_config
 
     if not GPU:
         monkeypatch.setattr(combine, "_fused", lambda attn: True)
-    eager, fast = model_pair("v1", FAST)
-    ids = torch.randint(3, eager.config.vocab_size, (2, 6), device=DEVICE)
-    calls, logits = {}, {}
+    eager, fast = model_pair(mode, FAST, dex_heads=dex_heads)
+    # f_D's case: on the CPU more tokens than the hidden size (64), where DEX folds f_D into o_proj
+    ids = torch.randint(3, eager.config.vocab_size, (2, 40 if hooked == "dex_proj" else 6), device=DEVICE)
+    calls, results = {}, {}
     for name, model in (("eager", eager), ("fast", fast)):
+        if peft_copy:
+            torch.manual_seed(1)  # the same LoRA weights in both
+            model = get_lora_model(model, lora_config(lora_dropout=0.0))
         calls[name] = Counter()
-        for module_name, module in model.named_modules():
-            if module_name.endswith(hooked):
-                module.register_forward_hook(lambda m, args, out, key=module_name, seen=calls[name]: seen.update([key]))
-        model.train()(ids, labels=ids).loss.backward()
+        suffix = f"{hooked}.modules_to_save.default" if peft_copy else hooked
+        hooked_modules = [(n, m) for n, m in model.named_modules() if n.endswith(suffix)]
+        assert len(hooked_modules) == eager.config.num_hidden_layers
+        for module_name, module in hooked_modules:
+            module.register_forward_hook(lambda m, args, out, key=module_name, seen=calls[name]:
+                                         seen.update([key]) or out * 1.5 + 0.05)
+        loss = model.train()(ids, labels=ids).loss
+        loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
         out = model.eval().generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False, output_logits=True,
                                     return_dict_in_generate=True)
-        logits[name] = torch.stack(out.logits, 1)
+        results[name] = loss.detach(), grads, torch.stack(out.logits, 1)
     assert calls["fast"] == calls["eager"]
-    assert calls["fast"][f"model.layers.0.self_attn.{hooked}"] == 1 + 3  # the step, the prompt, two decoding steps
-    assert rel_err(logits["fast"], logits["eager"]) < TOL
+    assert set(calls["fast"].values()) == {1 + 3}  # each layer's: the step, the prompt, two decoding steps
+    (loss, grads, logits), (eager_loss, eager_grads, eager_logits) = results["fast"], results["eager"]
+    assert rel_err(loss, eager_loss) < TOL and rel_err(logits, eager_logits) < TOL
+    assert grads.keys() == eager_grads.keys()
+    for name in grads:  # (LoRA's A gets no gradient while its B is zero)
+        if eager_grads[name].any():
+            assert rel_err(grads[name], eager_grads[name]) < GRAD_TOL, name
+        else:
+            assert not grads[name].any(), name
 
 
 def test_decoding_steps_with_a_hook_on_the_mlp_show_it_the_mlps_own_output():

@@ -419,6 +419,39 @@ def test_adapters_on_lm_head_get_the_plain_paths_loss_and_gradients(mode):
     assert rel_err(merged(input_ids=input_ids, labels=labels).loss, expected) < TOL
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_hook_or_bound_forward_on_lm_head_runs_under_the_fused_loss(mode):
+    """Liger's fused loss reads lm_head's weight in place of calling it. With a forward hook on lm_head (or a forward
+    bound on it: accelerate's offloading, a patching tool), the fused loss had skipped it: a hook changing the
+    logits changed neither loss nor gradients. Such a model's loss is now lm_head's own output's, as on the plain
+    path, and lm_head is called once a step."""
+    plain = tiny_model(mode).to(DEVICE).train()
+    liger = copy.deepcopy(plain)
+    apply_liger_kernel_to_diff_llama(model=liger)
+    input_ids, labels = masked_batch(plain.config.vocab_size)
+    for bound in (False, True):
+        calls, losses, handles = [], [], []
+        for model in (plain, liger):
+            model.zero_grad(set_to_none=True)
+            lm_head = model.lm_head
+            if bound:  # a forward of the instance, changing the logits
+                lm_head.forward = lambda x, own=lm_head.forward: calls.append(1) or own(x) * 1.5 + 0.1
+            else:
+                handles.append(lm_head.register_forward_hook(lambda m, a, out: calls.append(1) or out * 1.5 + 0.1))
+            losses.append(model(input_ids=input_ids, labels=labels).loss)
+            losses[-1].backward()
+        assert len(calls) == 2  # lm_head once in each model's step
+        with torch.no_grad():
+            expected = formula_loss(plain(input_ids=input_ids).logits, labels)  # the logits as lm_head changes them
+        assert rel_err(losses[1], expected) < TOL and rel_err(losses[0], expected) < TOL
+        assert_same_gradients(plain, liger)
+        for model in (plain, liger):
+            if bound:
+                del model.lm_head.forward
+        for handle in handles:
+            handle.remove()
+
+
 def liger_chunk_rows(tokens: int, hidden: int, vocab: int, budget: int) -> int:
     """Rows of a chunk of Liger's fused loss (liger_kernel/ops/fused_linear_cross_entropy.py, 0.8.5)."""
     per_chunk = -(-tokens // -(-vocab // (budget * hidden)))

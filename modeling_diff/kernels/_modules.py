@@ -25,10 +25,18 @@ def global_module_hooks() -> bool:
 def runs_own_forward(module: nn.Module) -> bool:
     """No hooks (the module's own forward and backward hooks, torch's global ones) and no forward bound on the
     instance (accelerate's offloading, Liger's instance patch): a fast path may take the module's work without
-    anyone missing a call. The hooks are those `nn.Module.__call__` checks before it skips its hook machinery. The
-    dicts read directly: decoding steps ask this of several modules a layer, bound by host work."""
-    return not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks or "forward" in module.__dict__ or global_module_hooks())
+    anyone missing a call. The hooks are those `nn.Module.__call__` checks before it skips its hook machinery. Of
+    PEFT's `modules_to_save` wrapper, whose attributes read through to the active adapter's copy, the module it
+    wraps and every copy too: a kernel reading the wrapper's parameters calls none of them. The dicts read
+    directly: decoding steps ask this of several modules a layer, bound by host work."""
+    if (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
+            or "forward" in module.__dict__ or global_module_hooks()):
+        return False
+    copies = module._modules.get("modules_to_save")
+    if copies is None:
+        return True
+    wrapped = (module._modules.get("original_module"), *copies.values())
+    return all(runs_own_forward(copy) for copy in wrapped if copy is not None)
 
 
 def keep_own_forward(module: nn.Module) -> bool:
