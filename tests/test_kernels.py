@@ -2298,8 +2298,10 @@ def test_a_hook_changing_a_differential_module_changes_the_fast_path_as_eager(mo
     applies it to O, and the wrapper hid its copy's hooks."""
     from collections import Counter
 
+    from peft import get_peft_model
+
     import modeling_diff.kernels.combine as combine
-    from modeling_diff.lora import get_lora_model, lora_config
+    from modeling_diff.lora import lora_config
 
     if not GPU:
         monkeypatch.setattr(combine, "_fused", lambda attn: True)
@@ -2310,7 +2312,7 @@ def test_a_hook_changing_a_differential_module_changes_the_fast_path_as_eager(mo
     for name, model in (("eager", eager), ("fast", fast)):
         if peft_copy:
             torch.manual_seed(1)  # the same LoRA weights in both
-            model = get_lora_model(model, lora_config(lora_dropout=0.0))
+            model = get_peft_model(model, lora_config(lora_dropout=0.0))
         calls[name] = Counter()
         suffix = f"{hooked}.modules_to_save.default" if peft_copy else hooked
         hooked_modules = [(n, m) for n, m in model.named_modules() if n.endswith(suffix)]

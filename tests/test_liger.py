@@ -422,9 +422,16 @@ def test_adapters_on_lm_head_get_the_plain_paths_loss_and_gradients(mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_a_hook_or_bound_forward_on_lm_head_runs_under_the_fused_loss(mode):
     """Liger's fused loss reads lm_head's weight in place of calling it. With a forward hook on lm_head (or a forward
-    bound on it: accelerate's offloading, a patching tool), the fused loss had skipped it: a hook changing the
-    logits changed neither loss nor gradients. Such a model's loss is now lm_head's own output's, as on the plain
-    path, and lm_head is called once a step."""
+    bound on it: accelerate's hooks, which its offloading uses, added by accelerate's own `add_hook_to_module`), the
+    fused loss had skipped it: a hook changing the logits changed neither loss nor gradients. Such a model's loss is
+    now lm_head's own output's, as on the plain path, and lm_head is called once a step."""
+    from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
+
+    class ChangedLogits(ModelHook):
+        def post_forward(self, module, output):
+            calls.append(1)
+            return output * 1.5 + 0.1
+
     plain = tiny_model(mode).to(DEVICE).train()
     liger = copy.deepcopy(plain)
     apply_liger_kernel_to_diff_llama(model=liger)
@@ -434,8 +441,9 @@ def test_a_hook_or_bound_forward_on_lm_head_runs_under_the_fused_loss(mode):
         for model in (plain, liger):
             model.zero_grad(set_to_none=True)
             lm_head = model.lm_head
-            if bound:  # a forward of the instance, changing the logits
-                lm_head.forward = lambda x, own=lm_head.forward: calls.append(1) or own(x) * 1.5 + 0.1
+            if bound:  # accelerate binds a forward on the instance
+                add_hook_to_module(lm_head, ChangedLogits())
+                assert "forward" in vars(lm_head)
             else:
                 handles.append(lm_head.register_forward_hook(lambda m, a, out: calls.append(1) or out * 1.5 + 0.1))
             losses.append(model(input_ids=input_ids, labels=labels).loss)
@@ -447,7 +455,7 @@ def test_a_hook_or_bound_forward_on_lm_head_runs_under_the_fused_loss(mode):
         assert_same_gradients(plain, liger)
         for model in (plain, liger):
             if bound:
-                del model.lm_head.forward
+                remove_hook_from_module(model.lm_head)
         for handle in handles:
             handle.remove()
 
