@@ -23,7 +23,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, eager_attention_forward, repeat_kv
 from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs
+from transformers.utils import TransformersKwargs, logging
 
 from .configuration import DiffLlamaConfig
 from .kernels import (
@@ -34,6 +34,8 @@ from .kernels import (
     resolve, rotated_projections, rotated_projections_apply, runs_own_forward, split_linear, split_linear_applies,
     update_cache, uses_fast_kernels, v1_combine, v2_combine_projected, written_layer,
 )
+
+logger = logging.get_logger(__name__)
 
 
 def depth_lambda_init(layer_idx: int) -> float:
@@ -303,10 +305,17 @@ class _DiffAttentionBase(nn.Module, metaclass=abc.ABCMeta):
                 state_dict.setdefault(prefix + new, state_dict.pop(prefix + old))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
-    def implementation(self, hidden_states: torch.Tensor) -> str:
+    def implementation(self, hidden_states: torch.Tensor, kwargs: dict) -> str:
         """The attention implementation of this call (`sdpa` on CUDA -> `diff_triton`). Read once per forward:
         a config attribute costs microseconds, and decoding steps are bound by host work."""
-        return resolve(self.config._attn_implementation, hidden_states)
+        implementation = resolve(self.config._attn_implementation, hidden_states)
+        if kwargs.get("output_attentions") and uses_fast_kernels(implementation):
+            # as transformers' sdpa says it: the kernels return no maps, on every path (decode, flash-diff, FA4)
+            logger.warning_once(
+                f"`{implementation}` attention (what `sdpa` runs on CUDA) does not support `output_attentions=True`."
+                " Please set your attention to `eager` if you want the differential maps."
+            )
+        return implementation
 
     def attention_interface(self, implementation: str) -> Callable:
         return ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
@@ -521,7 +530,7 @@ class DiffAttentionV1(_DiffAttentionBase):
         self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs: Unpack[TransformersKwargs]
     ):
         input_shape = hidden_states.shape[:-1]  # (B, L)
-        implementation = self.implementation(hidden_states)
+        implementation = self.implementation(hidden_states, kwargs)
         if cache is not None:  # before the projections and the decode kernel, which may write the cache
             self.check_cache_width(cache)
         query_states, key_states, value_states, _ = self.project(
@@ -660,7 +669,7 @@ class DiffAttentionV2(_LlamaLayoutAttention):
         self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs: Unpack[TransformersKwargs]
     ):
         input_shape = hidden_states.shape[:-1]
-        implementation = self.implementation(hidden_states)
+        implementation = self.implementation(hidden_states, kwargs)
         query_states, key_states, value_states, side = self.project(
             implementation, hidden_states, position_embeddings, cache
         )
@@ -792,7 +801,7 @@ class DexAttention(_LlamaLayoutAttention):
         self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs: Unpack[TransformersKwargs]
     ):
         input_shape = hidden_states.shape[:-1]
-        implementation = self.implementation(hidden_states)
+        implementation = self.implementation(hidden_states, kwargs)
         query_states, key_states, value_states, _ = self.project(
             implementation, hidden_states, position_embeddings, cache
         )

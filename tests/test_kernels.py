@@ -2253,6 +2253,32 @@ def test_a_hook_on_a_decoder_layer_sees_its_sum_and_no_add_is_deferred(monkeypat
 
 
 @pytest.mark.parametrize("mode", MODES)
+@torch.no_grad()
+def test_output_attentions_on_the_fast_path_warns_as_sdpa_does(mode):
+    """The kernels return no maps (decode kernel, flash-diff, FlashAttention-4, SDPA), as transformers' sdpa returns
+    none: asked for them, the fast path says so once, as sdpa does, and points at eager, which returns the
+    differential maps of every step; the tokens are eager's."""
+    from transformers.testing_utils import CaptureLogger
+
+    from modeling_diff import diff_attention
+
+    eager, fast = model_pair(mode, FAST)
+    ids, mask = padded_batch(eager.config.vocab_size)
+    ask = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0, output_attentions=True,
+               return_dict_in_generate=True)
+    diff_attention.logger.warning_once.cache_clear()
+    with CaptureLogger(diff_attention.logger) as captured:
+        fast_out = fast.generate(ids, **ask)
+    assert "does not support `output_attentions=True`" in captured.out and "`eager`" in captured.out
+    assert all(step is None or len(step) == 0 or step[0] is None for step in fast_out.attentions)
+    with CaptureLogger(diff_attention.logger) as captured:
+        eager_out = eager.generate(ids, **ask)
+    assert captured.out == ""
+    assert [len(step) for step in eager_out.attentions] == [eager.config.num_hidden_layers] * 3
+    assert torch.equal(fast_out.sequences, eager_out.sequences)
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_a_global_module_hook_sees_every_module_call_of_eager_on_the_fast_path(mode):
     """torch's global module hooks (FlopCounterMode's module tracker, activation steering) are called for every
     module call, so with one registered the fast paths take no module's work (norms with their residual add, the
