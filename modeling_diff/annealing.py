@@ -88,15 +88,32 @@ def add_annealing_callback(trainer) -> AnnealingCallback:
     DefaultFlowCallback, ahead of the reporting integrations of `report_to` (TensorBoard, W&B, MLflow, ...). Trainer
     puts those ahead of the callbacks it is given (`callbacks=[...]`, `add_callback`), and they log each entry before
     a callback behind them has added the schedule: then only `trainer.state.log_history` and the console get it.
-    Returns the callback."""
-    callbacks = trainer.callback_handler.callbacks
-    held = [callback for callback in callbacks if isinstance(callback, AnnealingCallback)]
+    The place holds for an `AnnealingCallback` the trainer is given later through its handler's `add_callback`, and
+    so for the new one a resume with `restore_callback_states_from_checkpoint=True` puts in the returned one's place
+    (Trainer removes each stateful callback and appends the one rebuilt from the checkpoint). Returns the callback."""
+    handler = trainer.callback_handler
+    held = [callback for callback in handler.callbacks if isinstance(callback, AnnealingCallback)]
     callback = held[0] if held else AnnealingCallback()
-    for other in held:
-        callbacks.remove(other)
+    _place_after_flow(handler.callbacks, callback)
+    if not getattr(handler.add_callback, "places_annealing", False):
+        add_callback = handler.add_callback
+
+        def add_callback_in_place(added):
+            add_callback(added)
+            if isinstance(handler.callbacks[-1], AnnealingCallback):  # what was just added
+                _place_after_flow(handler.callbacks, handler.callbacks[-1])
+
+        add_callback_in_place.places_annealing = True
+        handler.add_callback = add_callback_in_place
+    return callback
+
+
+def _place_after_flow(callbacks: list, callback: AnnealingCallback) -> None:
+    """Put `callback` right after DefaultFlowCallback in `callbacks` (at the front without one), in place of every
+    AnnealingCallback there (one t, one log)."""
+    callbacks[:] = [other for other in callbacks if not isinstance(other, AnnealingCallback)]
     flow = [i for i, other in enumerate(callbacks) if isinstance(other, DefaultFlowCallback)]
     callbacks.insert(flow[0] + 1 if flow else 0, callback)
-    return callback
 
 
 __all__ = ["AnnealingCallback", "add_annealing_callback", "anneal_state", "set_anneal_step"]

@@ -148,6 +148,42 @@ def test_add_annealing_callback_puts_the_schedule_in_what_report_to_integrations
         assert [entry["anneal_fraction"] for entry in logged] == pytest.approx([1 / 8, 2 / 8, 3 / 8])
 
 
+def test_a_resume_that_restores_callback_states_keeps_the_schedule_in_what_integrations_log(tmp_path, monkeypatch):
+    """`restore_callback_states_from_checkpoint=True`: on resume Trainer replaces each stateful callback by a new one
+    built from the checkpoint and appends it behind every other, the integrations of `report_to` among them, which
+    then wrote each entry out before the schedule was added. A trainer given `add_annealing_callback` keeps the
+    restored callback right after DefaultFlowCallback: the resumed run's integration logs t of each step, and t
+    continues from the checkpoint's."""
+    import transformers.integrations.integration_utils as integrations
+
+    from modeling_diff.annealing import add_annealing_callback
+
+    class RecordingIntegration(TrainerCallback):  # what TensorBoardCallback's on_log does: write `logs` out
+        def __init__(self):
+            self.logged = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.logged.append(dict(logs))
+
+    monkeypatch.setitem(integrations.INTEGRATION_TO_CALLBACK, "tensorboard", RecordingIntegration)
+
+    def run(resume=None):
+        args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4, use_cpu=True,
+                                 save_strategy="steps", save_steps=2, logging_steps=1, report_to=["tensorboard"],
+                                 disable_tqdm=True, restore_callback_states_from_checkpoint=True)
+        trainer = Trainer(model=dex_model(anneal_steps=8), args=args, train_dataset=Blocks())
+        add_annealing_callback(trainer)
+        trainer.train(resume_from_checkpoint=resume)
+        names = [type(other).__name__ for other in trainer.callback_handler.callbacks]
+        assert names[:3] == ["DefaultFlowCallback", "AnnealingCallback", "RecordingIntegration"], names
+        assert names.count("AnnealingCallback") == 1
+        integration = trainer.callback_handler.callbacks[2]
+        return [entry["anneal_step"] for entry in integration.logged if "loss" in entry]
+
+    assert run() == [1, 2, 3, 4]
+    assert run(resume=str(tmp_path / "checkpoint-2")) == [3, 4]
+
+
 def test_custom_loop_advances_t_with_each_optimizer_step():
     model, ids = dex_model(anneal_steps=2, lambda_learn=0.3), token_ids()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
