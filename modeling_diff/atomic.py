@@ -271,8 +271,9 @@ def check_writable(dst: str | os.PathLike, name: str = "destination") -> None:
     """Refuse, before any work, a `dst` whose staging directory could not be made: `atomic_directory` stages next to
     `dst`, in its nearest existing parent (it creates the rest), then renames it over `dst`. Tried, not inferred from permissions: root ignores
     them, and read-only mounts and immutable folders do not show in them. A command that trains or evaluates for
-    hours calls it first, so that an unwritable destination is not found only when the results are ready."""
-    dst = Path(os.path.abspath(dst))
+    hours calls it first, so that an unwritable destination is not found only when the results are ready. A link is
+    followed, as `atomic_directory` follows it: the staging goes next to where it leads."""
+    given, dst = dst, _resolved(dst, name)
     parent = next(p for p in dst.parents if p.exists())
     # An existing dst is tried too: a rename replaces it, which an immutable (chattr +i) or read-only one refuses;
     # a command that puts its files into an existing folder writes there.
@@ -280,7 +281,7 @@ def check_writable(dst: str | os.PathLike, name: str = "destination") -> None:
         try:
             os.rmdir(tempfile.mkdtemp(prefix=".probe-", dir=directory))
         except OSError as error:
-            raise ValueError(f"{name} {str(dst)!r} cannot be written: {' '.join(str(error).split())}") from None
+            raise ValueError(f"{name} {str(given)!r} cannot be written: {' '.join(str(error).split())}") from None
 
 
 def _check_name_lengths(dst: str | os.PathLike, name: str) -> None:

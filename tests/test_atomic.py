@@ -318,6 +318,33 @@ def test_a_name_longer_than_the_filesystem_allows_is_refused_in_one_line(tmp_pat
     assert list(tmp_path.iterdir()) == []
 
 
+def test_check_writable_follows_a_link_to_where_the_staging_goes(tmp_path):
+    """A destination that is a link to a folder: `atomic_directory` stages next to the folder it leads to, so that
+    folder's parent is tried, not the link's (which let a training run end before its output could be written)."""
+    locked, links = tmp_path / "locked", tmp_path / "links"
+    (locked / "target").mkdir(parents=True)
+    links.mkdir()
+    (links / "out").symlink_to(locked / "target")
+    locked.chmod(0o555)
+    immutable = False
+    try:
+        if os.access(locked, os.W_OK):  # root ignores permissions: make the directory immutable instead
+            immutable = subprocess.run(["chattr", "+i", str(locked)], capture_output=True).returncode == 0
+            if not immutable:
+                pytest.skip("cannot make a directory read-only for this user (root without chattr)")
+        with pytest.raises(ValueError, match=r"^--out '.*/links/out' cannot be written: \[Errno"):
+            check_writable(links / "out", "--out")
+        with pytest.raises(ValueError, match="cannot be written"):  # what the check foresees
+            with atomic_directory(links / "out", overwrite=True):
+                pass
+    finally:
+        if immutable:
+            subprocess.run(["chattr", "-i", str(locked)], check=True)
+        locked.chmod(0o755)
+    check_writable(links / "out", "--out")
+    assert list(links.iterdir()) == [links / "out"] and list((locked / "target").iterdir()) == []
+
+
 def test_check_writable_tries_the_folder_the_staging_goes_into(tmp_path):
     check_writable(tmp_path / "new" / "deeper" / "out", "--out")  # made later by atomic_directory: its parent is tried
     assert list(tmp_path.iterdir()) == []  # the probe leaves nothing
