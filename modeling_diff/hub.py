@@ -23,9 +23,11 @@ import ast
 import importlib.util
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 
+import torch
 from huggingface_hub import HfApi, ModelCard, ModelCardData
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 from transformers.models.auto import modeling_auto
@@ -280,6 +282,34 @@ this repository.
     return ModelCard(content)
 
 
+def own_class(model) -> type:
+    """The model's class; under FSDP2's `fully_shard` the class it made the model an instance of, `FSDP<class>`, is a
+    subclass of FSDPModule and the model's own class, made on the fly."""
+    fsdp_module = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
+    if fsdp_module is not None and isinstance(model, fsdp_module):
+        return next(base for base in type(model).__bases__ if base is not fsdp_module)
+    return type(model)
+
+
+def writes_on_this_rank(is_main_process: bool) -> bool:
+    """Whether this process writes a saved folder: `is_main_process`, and rank 0 where torch.distributed is
+    initialized (where every rank calls the save, as transformers' `save_pretrained` decides it)."""
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return is_main_process and (not distributed or torch.distributed.get_rank() == 0)
+
+
+def gathers_from_every_rank(model) -> bool:
+    """Whether `save_pretrained` of `model` gathers its weights in collectives that every rank must join: a model
+    that transformers sharded (`tp_plan`, `DistributedConfig`) or whose parameters are DTensors."""
+    if getattr(model.config, "distributed_config", None) is not None:
+        return True
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(parameter, DTensor) for parameter in model.parameters())
+
+
 def save_for_hub(model, save_directory: str | os.PathLike, tokenizer=None, repo_id: str | None = None,
                  overwrite: bool | str = False, protect: tuple = (), **save_pretrained_kwargs) -> Path:
     """Write `model` (and `tokenizer`, if given) to `save_directory` as a self-contained remote-code folder,
@@ -287,16 +317,23 @@ def save_for_hub(model, save_directory: str | os.PathLike, tokenizer=None, repo_
     `overwrite=True` and only if it is an earlier output (holds a config.json), any folder with `overwrite="force"`;
     `save_directory` may not be, contain or lie inside a path of `protect` (the checkpoint it was loaded from), and
     must be valid UTF-8 (`check_destination`). `repo_id`, named in the model card, must be a Hub repository id
-    (`check_repo_id`). With `is_main_process=False` (another rank of a distributed run) nothing is written, as
-    `save_pretrained` writes nothing then."""
+    (`check_repo_id`). In a distributed run every rank may call it, as `save_pretrained`: only the main process
+    (`is_main_process`, and rank 0 where torch.distributed is initialized) writes; the others take part in what
+    `save_pretrained` gathers from every rank (a tensor-parallel model's or transformers' FSDP model's weights)
+    and write nothing. A model sharded with FSDP2's `fully_shard` is saved with its full `state_dict=` passed."""
     if save_pretrained_kwargs.get("push_to_hub"):  # save_pretrained would upload its staging folder, code-less
         raise ValueError("push_to_hub=True is no save_for_hub argument: save_pretrained would upload the staging "
                          "folder before the model code, auto_map and model card are in it; upload with "
                          "modeling_diff.hub.push_to_hub(model, repo_id)")
+    if save_pretrained_kwargs.get("distributed_checkpoint"):  # every rank writes its shards into the folder
+        raise ValueError("distributed_checkpoint=True is no save_for_hub argument: each rank would write its own "
+                         "shards into a folder that only the main process stages; save_for_hub gathers a sharded "
+                         "model's weights into one plain folder (from_pretrained loads it, sharded again with "
+                         "tp_plan or fully_shard)")
     if repo_id is not None:
         check_repo_id(repo_id)
     classes = registered_classes(type(model.config))
-    if type(model) not in classes.values():
+    if own_class(model) not in classes.values():
         if type(model).__module__.startswith("transformers_modules."):  # the copy of an exported folder's code
             raise ValueError(f"model is a {type(model).__name__} of remote code ({type(model).__module__}), loaded "
                              f"from an exported folder with trust_remote_code=True: load it with modeling_diff's "
@@ -305,7 +342,10 @@ def save_for_hub(model, save_directory: str | os.PathLike, tokenizer=None, repo_
         raise ValueError(f"model must be of a class registered with an Auto class {registered}, got "
                          f"{type(model).__module__}.{type(model).__name__}")
     sources = flatten_modules(sorted({_entry_module(cls) for cls in classes.values()}))
-    if not save_pretrained_kwargs.get("is_main_process", True):  # (its folder had no config.json to add auto_map to)
+    if not writes_on_this_rank(save_pretrained_kwargs.get("is_main_process", True)):
+        if gathers_from_every_rank(model):  # save_pretrained's collectives; it writes nothing (5.25) or elsewhere
+            with tempfile.TemporaryDirectory(prefix="diffllama-rank-") as elsewhere:
+                model.save_pretrained(elsewhere, **{**save_pretrained_kwargs, "is_main_process": False})
         return Path(save_directory).resolve()
 
     with atomic_directory(save_directory, overwrite, protect, name="save_directory",

@@ -12,7 +12,8 @@ the same step in one process, the reference the test compares against:
 - `zero_anneal_steps`: every rank's annealing steps t after one step of DDP with torch's ZeroRedundancyOptimizer;
 and, for each model `*-one-kv-head`, the error of a tensor-parallel forward (2 ranks cannot divide one kv head);
 and after the FSDP2 step an optimizer step, the full state dict gathered and saved with `save_pretrained`,
-reloaded with `from_pretrained` (rank 0), its logits written next to the sharded model's.
+reloaded with `from_pretrained` (rank 0), its logits written next to the sharded model's; `save_for_hub` called on
+every rank for the FSDP2 model (DIR/VARIANT-hub-fsdp2) and the tensor-parallel one (DIR/VARIANT-hub-tp).
 """
 
 import json
@@ -31,6 +32,7 @@ from transformers import AutoModelForCausalLM
 
 import modeling_diff  # noqa: F401  (registers the Auto classes)
 from modeling_diff import modeling_diff_llama
+from modeling_diff.hub import save_for_hub
 
 torch.set_num_threads(1)
 
@@ -89,6 +91,8 @@ def run_variant(path: Path, out: Path, batch: torch.Tensor) -> dict:
         with torch.no_grad():
             reloaded_logits = load(out / "saved")(input_ids=batch).logits
         results["saved"] = {"max_abs_diff": (reloaded_logits - sharded_logits).abs().max().item()}
+    # save_for_hub called on every rank, as save_pretrained is: rank 0 writes the folder
+    save_for_hub(fsdp, path.parent / f"{path.name}-hub-fsdp2", state_dict=state, is_main_process=rank == 0)
 
     # The project's kernels under fully_shard (Triton's interpreter on the CPU): RMSNorm, RoPE and the MLP's node,
     # which reads the unsharded Linear weights directly.
@@ -118,6 +122,8 @@ def run_variant(path: Path, out: Path, batch: torch.Tensor) -> dict:
     loss = loss_of(tp, batch)
     loss.backward()
     results["tp"] = {"loss": loss.item(), "grads": gradients(tp)}
+    # every rank, is_main_process left at its default: the weights are gathered from both ranks, rank 0 writes
+    save_for_hub(tp, path.parent / f"{path.name}-hub-tp")
     with torch.no_grad():
         generated = tp.generate(batch[:1, :4], max_new_tokens=4, do_sample=False)
     results["tp_generate"] = generated.tolist()

@@ -129,6 +129,27 @@ def test_sharded_training_saves_a_plain_model_and_bf16_shards_in_one_dtype(scale
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
+def test_save_for_hub_on_every_rank_writes_one_folder_of_the_whole_model(scale_out, variant):
+    """Every rank calls save_for_hub, as save_pretrained: on a tensor-parallel model rank 0 waited for the other
+    rank, which had returned without taking part in the gather (a hang); an FSDP2 model (class `FSDP<class>`) was
+    refused as of no registered class. Rank 0 writes one remote-code folder: the tensor-parallel model's is the
+    unsharded model (no optimizer step), the FSDP2 model's the folder save_pretrained wrote of it."""
+    root, batch, results = scale_out
+    with torch.no_grad():
+        expected = variant_model(variant)(input_ids=batch).logits
+        tensor_parallel = DiffLlamaForCausalLM.from_pretrained(root / f"{variant}-hub-tp")
+        torch.testing.assert_close(tensor_parallel(input_ids=batch).logits, expected, rtol=1e-5, atol=1e-6)
+        fsdp2 = DiffLlamaForCausalLM.from_pretrained(root / f"{variant}-hub-fsdp2").state_dict()
+        saved = AutoModelForCausalLM.from_pretrained(root / f"{variant}-rank0" / "saved").state_dict()
+        assert fsdp2.keys() == saved.keys()
+        for name, tensor in saved.items():
+            torch.testing.assert_close(fsdp2[name], tensor, rtol=0, atol=0, msg=name)
+    for folder in ("hub-tp", "hub-fsdp2"):
+        config = json.loads((root / f"{variant}-{folder}" / "config.json").read_text())
+        assert config["auto_map"]["AutoModelForCausalLM"].endswith(".DiffLlamaForCausalLM")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_a_zero_redundancy_optimizer_step_advances_t_once_on_every_rank(scale_out, variant):
     """ZeroRedundancyOptimizer steps its rank's shard optimizer inside its own step: t advanced by 2, and on a rank
     whose shard held none of a layer's parameters by 1, so the ranks computed different forwards."""

@@ -472,6 +472,14 @@ def test_save_for_hub_refuses_push_to_hub_which_would_upload_its_staging_folder(
     assert list(tmp_path.iterdir()) == []
 
 
+def test_save_for_hub_refuses_a_distributed_checkpoint_which_each_rank_writes_itself(tmp_path):
+    """`distributed_checkpoint=True` has every rank write its DCP shards into the folder, which save_for_hub stages
+    on the main process alone: refused before anything is written."""
+    with pytest.raises(ValueError, match=r"distributed_checkpoint=True is no save_for_hub argument: each rank"):
+        save_for_hub(trained_looking_model("dex"), tmp_path / "export", distributed_checkpoint=True)
+    assert list(tmp_path.iterdir()) == []
+
+
 def write_package(root: Path, files: dict) -> None:
     for name, source in files.items():
         path = root / name
