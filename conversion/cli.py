@@ -8,7 +8,7 @@ from pathlib import Path
 
 from safetensors import SafetensorError
 
-from modeling_diff.atomic import overwrite_from_flags
+from modeling_diff.atomic import InterruptedAfterWriting, overwrite_from_flags
 from modeling_diff.text_files import read_text_file
 
 from . import diffllama, ecosystem
@@ -95,6 +95,9 @@ def _summary(dst: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
+    except InterruptedAfterWriting as interrupt:  # taken while the output replaced DST: DST is the new output
+        print(f"modeling-diff: interrupted; {str(interrupt.path)!r} had been written", file=sys.stderr)
+        return 130
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (which the writer raises as one): its output was removed
         print("modeling-diff: interrupted; nothing was written", file=sys.stderr)
         return 130

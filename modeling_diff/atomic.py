@@ -69,6 +69,15 @@ def sigterm_as_interrupt():
         signal.signal(signal.SIGTERM, previous)
 
 
+class InterruptedAfterWriting(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM taken while `atomic_directory` replaced its destination, raised once the renames were
+    done: the new output is in place (`path`), which a command's "interrupted" line must say."""
+
+    def __init__(self, path: Path):
+        super().__init__(f"interrupted after {str(path)!r} was written")
+        self.path = path
+
+
 @contextlib.contextmanager
 def signals_deferred():
     """Ctrl-C and SIGTERM wait until the block is done (and are raised right after it): the two renames that
@@ -368,8 +377,15 @@ def atomic_directory(dst: str | os.PathLike, overwrite: bool | str = False, prot
                                  f"being locked; nothing was written")
             yield staging
             staging.chmod(0o755)  # made private to the user
-            with signals_deferred():
-                _replace(staging, dst, overwrite, name, expected)
+            replaced = False
+            try:
+                with signals_deferred():
+                    _replace(staging, dst, overwrite, name, expected)
+                    replaced = True
+            except KeyboardInterrupt as interrupt:  # taken during the renames, raised after them
+                if replaced:
+                    raise InterruptedAfterWriting(dst) from interrupt
+                raise
     except BaseException:
         for path in created:  # parents this call created, if still empty
             with contextlib.suppress(OSError):
@@ -433,5 +449,5 @@ def _put_back(replaced: Path, dst: Path, old: Path, name: str, stem: str) -> Non
                          f"before is kept in {str(kept / dst.name)!r}") from error
 
 
-__all__ = ["FORCE", "atomic_directory", "check_destination", "check_writable", "locked_staging", "open_lock_file",
+__all__ = ["FORCE", "InterruptedAfterWriting", "atomic_directory", "check_destination", "check_writable", "locked_staging", "open_lock_file",
            "overwrite_from_flags", "signals_deferred", "sigterm_as_interrupt"]

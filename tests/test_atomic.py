@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from modeling_diff.atomic import atomic_directory, check_writable, locked_staging
+from modeling_diff.atomic import InterruptedAfterWriting, atomic_directory, check_writable, locked_staging
 
 
 def test_written_whole_and_staging_removed_on_failure(tmp_path):
@@ -95,9 +95,12 @@ def test_a_signal_between_the_two_renames_waits_for_them(tmp_path, monkeypatch):
         return result
 
     monkeypatch.setattr(Path, "rename", rename_then_terminate)
-    with pytest.raises(KeyboardInterrupt, match="terminated by signal SIGTERM"):
+    with pytest.raises(KeyboardInterrupt) as raised:
         with atomic_directory(dst, overwrite=True) as staging:
             (staging / "config.json").write_text("new")
+    # raised once the new output was in place, and saying so (a command's line must not say nothing was written)
+    assert isinstance(raised.value, InterruptedAfterWriting) and raised.value.path == dst
+    assert str(raised.value.__cause__) == "terminated by signal SIGTERM"
     assert (dst / "config.json").read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["out"]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the previous handler is back
 

@@ -327,6 +327,34 @@ def test_the_command_line_interrupted_says_so_in_one_line_and_leaves_nothing(src
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
+# SIGTERM taken while the output replaces DST (deferred through the renames, as Ctrl-C would be).
+_TERMINATED_IN_THE_RENAMES_CLI = """
+import os, signal, sys
+import modeling_diff.atomic as atomic
+original = atomic._replace
+def replace_then_terminate(*args):
+    os.kill(os.getpid(), signal.SIGTERM)
+    original(*args)
+atomic._replace = replace_then_terminate
+from modeling_diff.conversion.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_the_command_line_interrupted_during_the_renames_says_the_output_was_written(src, tmp_path):
+    """A signal taken while the new output replaced an earlier one waits for the renames, and then the output is
+    in place: the line said "nothing was written" after DST had been replaced."""
+    dst = tmp_path / "dst"
+    assert main(["convert", str(src), str(dst), "--heads", "all", "--quiet"]) == 0
+    (dst / "config.json").write_text((dst / "config.json").read_text().replace("{", '{"earlier": 1,', 1))
+    run = subprocess.run([sys.executable, "-c", _TERMINATED_IN_THE_RENAMES_CLI, "convert", str(src), str(dst),
+                          "--heads", "all", "--quiet", "--overwrite"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 130 and run.stderr.strip() == (
+        f"modeling-diff: interrupted; {str(dst)!r} had been written"), run.stderr
+    assert "earlier" not in (dst / "config.json").read_text()  # the new output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "src"]
+
+
 def test_killed_and_terminated_writers_leave_nothing(src, tmp_path):
     """SIGTERM unwinds like Ctrl-C (staging and lock removed at once); after SIGKILL the next conversion to the same
     destination removes the dead process's staging directory."""
