@@ -115,6 +115,17 @@ def test_trainer_callback_anneals_and_resumes_exactly(tmp_path):
         torch.testing.assert_close(tensor, expected[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+class RecordingIntegration(TrainerCallback):
+    """In TensorBoard's place among `report_to`'s integrations (tensorboard is not installed): what
+    TensorBoardCallback's on_log does, write `logs` out."""
+
+    def __init__(self):
+        self.logged = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logged.append(dict(logs))
+
+
 def test_add_annealing_callback_puts_the_schedule_in_what_report_to_integrations_log(tmp_path, monkeypatch):
     """Trainer calls the integrations of `report_to` (TensorBoard, W&B, ...) before the callbacks it is given, and
     they write each log entry out before `callbacks=[AnnealingCallback()]` adds the schedule to it: they never logged
@@ -123,13 +134,6 @@ def test_add_annealing_callback_puts_the_schedule_in_what_report_to_integrations
     import transformers.integrations.integration_utils as integrations
 
     from modeling_diff.annealing import add_annealing_callback
-
-    class RecordingIntegration(TrainerCallback):  # what TensorBoardCallback's on_log does: write `logs` out
-        def __init__(self):
-            self.logged = []
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            self.logged.append(dict(logs))
 
     monkeypatch.setitem(integrations.INTEGRATION_TO_CALLBACK, "tensorboard", RecordingIntegration)
     for given in ([], [AnnealingCallback()]):
@@ -157,13 +161,6 @@ def test_a_resume_that_restores_callback_states_keeps_the_schedule_in_what_integ
     import transformers.integrations.integration_utils as integrations
 
     from modeling_diff.annealing import add_annealing_callback
-
-    class RecordingIntegration(TrainerCallback):  # what TensorBoardCallback's on_log does: write `logs` out
-        def __init__(self):
-            self.logged = []
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            self.logged.append(dict(logs))
 
     monkeypatch.setitem(integrations.INTEGRATION_TO_CALLBACK, "tensorboard", RecordingIntegration)
 
