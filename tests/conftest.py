@@ -1,4 +1,7 @@
+import contextlib
 import os
+import subprocess
+from pathlib import Path
 
 # Tests never reach the Hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -12,6 +15,8 @@ torch.set_num_threads(1)
 
 if not torch.cuda.is_available():  # Triton kernels then run through its interpreter; must precede `import triton`
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 import modeling_diff  # noqa: E402, F401  (registers the Auto classes)
 from modeling_diff import DiffLlamaConfig, DiffLlamaForCausalLM  # noqa: E402
@@ -48,3 +53,21 @@ def tiny_model(mode: str, seed: int = 0, attn_implementation: str = "eager", **o
             for layer in model.model.layers:
                 layer.self_attn.dex_proj.weight.normal_(0.0, 0.3)
     return model
+
+
+@contextlib.contextmanager
+def unwritable(directory: Path):
+    """`directory` refuses new entries for the block: read-only, or immutable (chattr +i) where permissions do not
+    bind (root); the test is skipped where neither can be done. Writable again afterwards."""
+    directory.chmod(0o555)
+    immutable = False
+    try:
+        if os.access(directory, os.W_OK):  # root ignores permissions: make the directory immutable instead
+            immutable = subprocess.run(["chattr", "+i", str(directory)], capture_output=True).returncode == 0
+            if not immutable:
+                pytest.skip("cannot make a directory read-only for this user (root without chattr)")
+        yield
+    finally:
+        if immutable:
+            subprocess.run(["chattr", "-i", str(directory)], check=True)
+        directory.chmod(0o755)

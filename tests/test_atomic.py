@@ -8,6 +8,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from conftest import unwritable
 
 from modeling_diff.atomic import InterruptedAfterWriting, atomic_directory, check_writable, locked_staging
 
@@ -328,22 +329,12 @@ def test_check_writable_follows_a_link_to_where_the_staging_goes(tmp_path):
     (locked / "target").mkdir(parents=True)
     links.mkdir()
     (links / "out").symlink_to(locked / "target")
-    locked.chmod(0o555)
-    immutable = False
-    try:
-        if os.access(locked, os.W_OK):  # root ignores permissions: make the directory immutable instead
-            immutable = subprocess.run(["chattr", "+i", str(locked)], capture_output=True).returncode == 0
-            if not immutable:
-                pytest.skip("cannot make a directory read-only for this user (root without chattr)")
+    with unwritable(locked):
         with pytest.raises(ValueError, match=r"^--out '.*/links/out' cannot be written: \[Errno"):
             check_writable(links / "out", "--out")
         with pytest.raises(ValueError, match="cannot be written"):  # what the check foresees
             with atomic_directory(links / "out", overwrite=True):
                 pass
-    finally:
-        if immutable:
-            subprocess.run(["chattr", "-i", str(locked)], check=True)
-        locked.chmod(0o755)
     check_writable(links / "out", "--out")
     assert list(links.iterdir()) == [links / "out"] and list((locked / "target").iterdir()) == []
 
