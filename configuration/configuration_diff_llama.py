@@ -15,6 +15,7 @@ from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RopeParameters
 
 DIFF_MODES = ("v1", "v2", "dex")
+MAX_ANNEAL_STEPS = 2**31  # anneal_steps lies in [0, MAX_ANNEAL_STEPS): t / T is computed from the int64 step
 
 # Each mode's own parameters in the tensor-parallel plan. V2's lambda_proj (one output per pair) is column-wise, so
 # each rank computes the weights of its own pairs. The others are held whole by every rank while they act on its
@@ -211,7 +212,7 @@ class DiffLlamaConfig(PreTrainedConfig):
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         _check_dtype("dtype", self.dtype)
         # (t / T is computed from the int64 step: a T beyond int64 overflowed in the first forward)
-        if isinstance(self.anneal_steps, bool) or not 0 <= self.anneal_steps < 2**31:
+        if isinstance(self.anneal_steps, bool) or not 0 <= self.anneal_steps < MAX_ANNEAL_STEPS:
             raise ValueError(f"anneal_steps must be an integer in [0, 2**31), got {self.anneal_steps!r}")
         if self.anneal_steps and self.diff_mode == "v1":
             raise ValueError(f"anneal_steps is not used by diff_mode='v1' (only V2 and DEX anneal); leave it 0, got "

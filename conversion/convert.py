@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from transformers.initialization import no_init_weights
 
-from modeling_diff.atomic import atomic_directory, check_destination
+from modeling_diff.atomic import atomic_directory, check_destination, check_writable, save_tokenizer
 from modeling_diff.checkpoint_files import (CHAT_TEMPLATE_DIR, TOKENIZER_CONFIG, TOKENIZER_READS, check_gguf,
                                             check_no_adapter, check_side_files, check_whole_read, checkpoint_root,
                                             fast_tokenizer_files, is_inside, load_tokenizer, read_json_object,
@@ -41,14 +41,19 @@ DEFAULT_ANNEAL_STEPS = 1000
 DEFAULT_HEAD_FRACTION = 0.5
 DEFAULT_NOISE_INIT = "copy"
 # Files of a checkpoint directory that are rewritten, not copied: config.json, and the weights and their index
-# by these endings (of any name: config.json's transformers_weights may name an index).
-_WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
+# by these endings (of any name: config.json's transformers_weights may name an index). Every format's index: a
+# stale pytorch_model.bin.index.json was carried into DST, which `export` then refused (its shards are not there).
+_WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".pt", ".pth", ".gguf",
+                    ".msgpack", ".msgpack.index.json", ".h5", ".h5.index.json")
 # An output directory that `overwrite` may replace holds one of these (an earlier conversion, a checkpoint).
 EARLIER_OUTPUT_FILES = ("config.json",)
 # A tokenizer's vocabulary lives in one of these (tokenizer_config.json alone holds none).
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
-# AutoTokenizer reads these files next to a .gguf file (the tokenizer itself comes from the .gguf).
-_GGUF_SIDE_FILES = ("tokenizer_config.json", f"{CHAT_TEMPLATE_DIR}/*.jinja")
+# AutoTokenizer reads these files next to a .gguf file: tokenizer_config.json and the chat templates, and the files
+# of its tokenizer class's `vocab_files_names` (a tokenizer.json there is loaded instead of the .gguf's own
+# tokenizer). Checked as a folder's tokenizer files are: a tokenizer.json linking to another model's was carried
+# into DST as the source's, a sparse one of 3 GiB read whole.
+_GGUF_SIDE_FILES = TOKENIZER_READS
 # The name of a versioned tokenizer file, as transformers' `get_fast_tokenizer_file` finds its version in it.
 _VERSIONED_TOKENIZER = re.compile(r"tokenizer\.(.+)\.json")
 # The dtypes a source's config.json may name: those of the tensors the converter takes (`TensorMapping.check`).
@@ -60,7 +65,7 @@ def save_model(model: PreTrainedModel, dst: str | Path, tokenizer=None, overwrit
     with atomic_directory(dst, overwrite, expected=EARLIER_OUTPUT_FILES) as tmp:
         model.save_pretrained(tmp)
         if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
+            save_tokenizer(tokenizer, tmp)
     return Path(dst).resolve()
 
 
@@ -271,7 +276,8 @@ def convert_checkpoint(
     are then left unset.
     """
     src = Path(src)
-    protect = (src, checkpoint_root(src))  # a Hub cache snapshot's blobs are its repository folder's
+    is_gguf = src.is_file() and src.suffix == ".gguf"
+    protect = _protected(src, is_gguf)
     started = time.perf_counter()
     between_diffllamas = diffllama.applies(src, to)
     if between_diffllamas:
@@ -284,7 +290,7 @@ def convert_checkpoint(
         noise_init = noise_init or DEFAULT_NOISE_INIT
         check_arguments(method, heads, head_fraction, anneal_steps, noise_init)
         calibration = with_default_calibration(method, heads, calibration, progress)
-    if src.is_file() and src.suffix == ".gguf":
+    if is_gguf:
         require("gguf", f"converting the .gguf file {src.name}")
         try:
             check_gguf(src)
@@ -292,15 +298,20 @@ def convert_checkpoint(
             raise ValueError(f"source {error}") from None
         check_side_files(src.parent, _GGUF_SIDE_FILES)
         check_no_adapter(src.parent)  # from_pretrained(src.parent, gguf_file=...) would apply it
-        # The family, the tokenizer (from the file's metadata, in a moment; the output needs it), the heads and the
-        # calibration against the metadata, then the destination: all before the model is dequantised.
+        # The family, the output's config and the tensors the file must hold, the tokenizer (from the file's
+        # metadata, in a moment; the output needs it), the heads and the calibration against the metadata, then the
+        # destination: all before the model is dequantised.
         source_config = _source_config(src.parent, gguf_file=src.name)
         check_source_architecture(source_config)
+        # The output's DiffLlamaConfig, built (and so validated) now: a rope_freq_base below 1 or anneal_steps beyond
+        # its bound was refused only after dequantising, beside DST's lock and staging.
+        expected = TensorMapping.for_source(source_config, method, None, anneal_steps, noise_init)
         tokenizer = load_tokenizer(src.parent, " from the file's tokenizer.ggml.* metadata", gguf_file=src.name)
         if isinstance(calibration, str) and chooses_heads_by_entropy(method, heads):
             calibration = calibration_ids_from(calibration, tokenizer)
         _chosen_heads(source_config, method, heads, calibration)
-        dst = check_destination(dst, overwrite, protect=protect, expected=EARLIER_OUTPUT_FILES)
+        _check_gguf_tensors(src, source_config, expected)
+        dst = _checked_destination(dst, overwrite, protect)
         with atomic_directory(dst, overwrite, protect=protect, expected=EARLIER_OUTPUT_FILES) as tmp:
             try:  # a file gguf's reader parses whose tensors do not match its metadata fails in transformers
                 model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32,
@@ -310,7 +321,7 @@ def convert_checkpoint(
             converted = convert_model(model, method, heads, head_fraction, calibration, tokenizer, anneal_steps,
                                       noise_init, progress)
             converted.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
+            save_tokenizer(tokenizer, tmp)
         return dst
 
     # Everything that can be refused is refused here, before the destination is touched or the calibration runs.
@@ -333,7 +344,7 @@ def convert_checkpoint(
     carried = _carried_files(source)
     tokenizer_config, versioned = _versioned_tokenizers(source, carried)
     carried += versioned
-    dst = check_destination(dst, overwrite, protect=protect, expected=EARLIER_OUTPUT_FILES)
+    dst = _checked_destination(dst, overwrite, protect)
 
     with atomic_directory(dst, overwrite, protect=protect, expected=EARLIER_OUTPUT_FILES) as tmp:
         mapping = plan.mapping(source.get, progress)
@@ -345,12 +356,57 @@ def convert_checkpoint(
             (tmp / path.relative_to(source.path)).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(path, tmp / path.relative_to(source.path))
         if tokenizer_config is not None:
-            (tmp / TOKENIZER_CONFIG).write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n",
-                                                encoding="utf-8")
+            (tmp / TOKENIZER_CONFIG).write_bytes(tokenizer_config)
     if progress:
         target = getattr(mapping.config, "diff_mode", mapping.config.model_type)
         tqdm.write(f"converted {src} -> {dst} ({target}) in {time.perf_counter() - started:.1f} s")
     return dst
+
+
+def _protected(src: Path, is_gguf: bool) -> tuple[Path, ...]:
+    """What DST may not be, contain or lie inside: SRC, and for a Hub cache snapshot its repository folder, whose
+    blobs/ the snapshot's files link into. For a .gguf SRC that folder is found from the file's folder, as it is named
+    (`models--o--n/snapshots/<rev>/`): the file itself resolves into blobs/, where no snapshot shows, and DST was
+    allowed onto refs/ or another snapshot. The folder of a .gguf outside a cache is no part of the source (an
+    output may go beside the file)."""
+    if not is_gguf:
+        return src, checkpoint_root(src)
+    root = checkpoint_root(src.parent)
+    return (src, root) if root != src.parent.resolve() else (src,)
+
+
+def _checked_destination(dst, overwrite, protect: tuple[Path, ...]) -> Path:
+    """DST, resolved, refused now if `atomic_directory` would refuse it or could not replace it: an immutable (or
+    otherwise unreplaceable) earlier output with `overwrite` was refused only after the calibration and the whole
+    conversion, by the final rename."""
+    checked = check_destination(dst, overwrite, protect=protect, expected=EARLIER_OUTPUT_FILES)
+    check_writable(checked)
+    return checked
+
+
+def _check_gguf_tensors(src: Path, source_config, expected: TensorMapping) -> None:
+    """Every tensor the source model needs must be in the GGUF file `src`, compared by name before it is dequantised
+    by transformers' rule (`get_gguf_hf_weights_map`: gguf's tensor name map for the model type, on the name without
+    its .weight / .bias): transformers loads a file missing one (say blk.1.ffn_down.weight) with that tensor left at
+    its random start and only prints a report, and the random weights were converted (exit 0)."""
+    from gguf import MODEL_ARCH_NAMES, GGUFReader, get_tensor_name_map
+
+    arch = next((key for key, name in MODEL_ARCH_NAMES.items() if name == source_config.model_type), None)
+    if arch is None:  # transformers cannot map it either (it refuses to load it)
+        return
+    name_map = get_tensor_name_map(arch, source_config.num_hidden_layers)
+    held = {tensor.name for tensor in GGUFReader(src).tensors}
+    missing = {}
+    for name in sorted(expected.source_shapes):
+        stem, _, suffix = name.rpartition(".")
+        gguf_name = name_map.get_name(stem)  # None: transformers finds no tensor for it either
+        if gguf_name is None or f"{gguf_name}.{suffix}" not in held:
+            missing[name] = f"{gguf_name}.{suffix}" if gguf_name else "no GGUF name"
+    if missing:
+        shown = ", ".join(f"{name!r} ({gguf_name})" for name, gguf_name in list(missing.items())[:5])
+        shown += f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ValueError(f"tensor {shown} missing from the GGUF file {str(src)!r}: transformers would leave it at "
+                         f"random; every tensor of a {source_config.num_hidden_layers}-layer model is needed")
 
 
 def _check_raw_source_config(config: dict, src: Path) -> None:
@@ -414,9 +470,9 @@ def _carried_files(source: CheckpointDir) -> list[Path]:
     return carried
 
 
-def _versioned_tokenizers(source: CheckpointDir, carried: list[Path]) -> tuple[dict | None, list[Path]]:
-    """The carried tokenizer_config.json rewritten where its `fast_tokenizer_files` must change (None to copy it
-    unchanged), and the files those entries name that the top-level copy does not carry.
+def _versioned_tokenizers(source: CheckpointDir, carried: list[Path]) -> tuple[bytes | None, list[Path]]:
+    """The carried tokenizer_config.json rewritten where its `fast_tokenizer_files` must change (its bytes; None to
+    copy it unchanged), and the files those entries name that the top-level copy does not carry.
 
     transformers reads the entry for its version by a name relative to the folder, a subfolder's or `..` included.
     An entry leading out of the source (`../other/tokenizer.4.0.json`, or through a link) would make the output
@@ -445,7 +501,20 @@ def _versioned_tokenizers(source: CheckpointDir, carried: list[Path]) -> tuple[d
             files.append(source.path / plain)
     if kept == names:
         return None, files
-    return {**read_json_object(source.path / TOKENIZER_CONFIG), "fast_tokenizer_files": kept}, files
+    return _rewritten_tokenizer_config(source.path, kept), files
+
+
+def _rewritten_tokenizer_config(path: Path, fast_tokenizer_files: list[str]) -> bytes:
+    """The bytes of the tokenizer_config.json of checkpoint `path` with `fast_tokenizer_files` in place of its own,
+    made now, before the calibration and DST: a string holding a lone surrogate (the JSON escape "\\udc80", which
+    Python reads) cannot be written as UTF-8, and failed after the whole conversion, naming no file."""
+    config = {**read_json_object(path / TOKENIZER_CONFIG), "fast_tokenizer_files": fast_tokenizer_files}
+    try:
+        return (json.dumps(config, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"{TOKENIZER_CONFIG} in {str(path)!r} must be rewritten (its fast_tokenizer_files), but a "
+                         f"string in it holds a lone surrogate ({error.object[error.start:error.end]!r}, a \\u "
+                         f"escape of half a character), which UTF-8 cannot hold: remove it") from None
 
 
 __all__ = ["calibration_ids_from", "convert_checkpoint", "convert_model", "save_model"]

@@ -26,6 +26,7 @@ import modeling_diff  # noqa: F401  (registers DiffLlama with AutoModelForCausal
 from modeling_diff.annealing import AnnealingCallback, anneal_state
 from modeling_diff.atomic import check_destination, overwrite_from_flags
 from modeling_diff.checkpoint_files import first_non_finite
+from modeling_diff.configuration import MAX_ANNEAL_STEPS
 from modeling_diff.data import SMOLLM2_GGUF, load_smollm2, shakespeare, text_blocks
 
 from .convert import EARLIER_OUTPUT_FILES, convert_model, save_model
@@ -110,7 +111,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             parser.error(f"{flag} must be an integer >= 1, got {value}")
     if args.seq_len < 2:  # a next-token loss, and the entropy calibration, need two tokens
         parser.error(f"--seq-len must be an integer >= 2, got {args.seq_len}")
-    if not 0 <= args.anneal_steps < 2**31:
+    if not 0 <= args.anneal_steps < MAX_ANNEAL_STEPS:
         parser.error(f"--anneal-steps must be an integer in [0, 2**31), got {args.anneal_steps}")
     if not (math.isfinite(args.lr) and args.lr > 0):
         parser.error(f"--lr must be a finite number > 0, got {args.lr}")

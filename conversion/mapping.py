@@ -20,7 +20,7 @@ import torch
 from transformers import PreTrainedConfig
 
 from modeling_diff.checkpoint_files import is_finite
-from modeling_diff.configuration import DiffLlamaConfig
+from modeling_diff.configuration import MAX_ANNEAL_STEPS, DiffLlamaConfig
 from modeling_diff.diff_attention import layer_lambda_init
 from modeling_diff.modeling_diff_llama import DiffLlamaForCausalLM
 
@@ -47,8 +47,10 @@ def check_method(method: str, anneal_steps: int, noise_init: str = "copy") -> No
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if noise_init not in NOISE_INITS:
         raise ValueError(f"noise_init must be one of {NOISE_INITS}, got {noise_init!r}")
-    if not isinstance(anneal_steps, int) or anneal_steps < 0:
-        raise ValueError(f"anneal_steps must be an integer >= 0, got {anneal_steps!r}")
+    # DiffLlamaConfig's bound, checked with the other arguments: left to the output's config, built from the
+    # source's, 2**40 was refused only after a GGUF source had been dequantised.
+    if isinstance(anneal_steps, bool) or not isinstance(anneal_steps, int) or not 0 <= anneal_steps < MAX_ANNEAL_STEPS:
+        raise ValueError(f"anneal_steps must be an integer >= 0 and < 2**31 (the config's bound), got {anneal_steps!r}")
     if method == "v2" and anneal_steps == 0:
         # Without annealing the noise head enters at full weight and the converted model is no longer the source.
         raise ValueError("anneal_steps must be >= 1 for method='v2': the noise term is annealed in from 0")

@@ -31,7 +31,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, Trainer, TrainingArg
 import modeling_diff
 from modeling_diff.annealing import add_annealing_callback
 from modeling_diff.atomic import (atomic_directory, check_destination, check_writable, overwrite_from_flags,
-                                  sigterm_as_interrupt)
+                                  save_tokenizer, sigterm_as_interrupt)
 from modeling_diff.checkpoint_files import (CONFIG_FILES, LOADING_ERRORS, SIDE_FILES, check_loading_info,
                                             check_side_files, check_weight_files, first_non_finite,
                                             load_tokenizer)
@@ -252,7 +252,7 @@ def train(argv, saved: dict) -> None:
                     # Saved here, not as Trainer's processing_class: that also rewrites the model config's special
                     # token ids to the tokenizer's (align_special_tokens), which the model's config may refuse
                     if args.tokenizer_object is not None:
-                        args.tokenizer_object.save_pretrained(staging)
+                        save_tokenizer(args.tokenizer_object, staging)
                     saved["staging"] = _identity(staging)
             except (ValueError, OSError) as error:  # an --output-dir made or changed meanwhile, the disk: one line
                 print(f"{Path(sys.argv[0]).name}: error: {' '.join(str(error).split())}", file=sys.stderr)

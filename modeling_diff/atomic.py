@@ -69,6 +69,22 @@ def sigterm_as_interrupt():
         signal.signal(signal.SIGTERM, previous)
 
 
+def save_tokenizer(tokenizer, directory: str | os.PathLike) -> None:
+    """`tokenizer.save_pretrained(directory)`, a failure of the disk raised as the OSError it is: the tokenizers
+    library raises a bare Exception ("No space left on device (os error 28)"), which the commands' one-line errors
+    did not take (a traceback, exit status 1)."""
+    try:
+        tokenizer.save_pretrained(directory)
+    except OSError:
+        raise
+    except Exception as error:
+        code = re.search(r"\(os error (\d+)\)", str(error))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), f"the tokenizer could not be written: {' '.join(str(error).split())}"
+                      ) from error
+
+
 class InterruptedAfterWriting(KeyboardInterrupt):
     """Ctrl-C or SIGTERM taken while `atomic_directory` replaced its destination, raised once the renames were
     done: the new output is in place (`path`), which a command's "interrupted" line must say."""
@@ -449,5 +465,6 @@ def _put_back(replaced: Path, dst: Path, old: Path, name: str, stem: str) -> Non
                          f"before is kept in {str(kept / dst.name)!r}") from error
 
 
-__all__ = ["FORCE", "InterruptedAfterWriting", "atomic_directory", "check_destination", "check_writable", "locked_staging", "open_lock_file",
-           "overwrite_from_flags", "signals_deferred", "sigterm_as_interrupt"]
+__all__ = ["FORCE", "InterruptedAfterWriting", "atomic_directory", "check_destination", "check_writable",
+           "locked_staging", "open_lock_file", "overwrite_from_flags", "save_tokenizer", "signals_deferred",
+           "sigterm_as_interrupt"]

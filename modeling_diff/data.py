@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .atomic import atomic_directory, check_destination, open_lock_file
+from .atomic import atomic_directory, check_destination, open_lock_file, save_tokenizer
 from .checkpoint_files import LOADING_ERRORS, check_loading_info, load_tokenizer
 from .extras import require
 
@@ -179,7 +179,7 @@ def _save_smollm2_copy(cache_dir: Path, target: Path) -> None:
     # never half a copy; what is there without a config.json is someone else's, not a copy to replace
     with atomic_directory(target, overwrite=True, name="SmolLM2 cache", expected=("config.json",)) as staging:
         model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
+        save_tokenizer(tokenizer, staging)
 
 
 __all__ = ["SMOLLM2_COPY", "SMOLLM2_GGUF", "load_smollm2", "package_dir", "shakespeare", "text_blocks",

@@ -32,7 +32,7 @@ from huggingface_hub import HfApi, ModelCard, ModelCardData
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 from transformers.models.auto import modeling_auto
 
-from .atomic import atomic_directory
+from .atomic import atomic_directory, save_tokenizer
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Flattening the import graph
@@ -352,7 +352,7 @@ def save_for_hub(model, save_directory: str | os.PathLike, tokenizer=None, repo_
                           expected=("config.json",)) as staging:
         model.save_pretrained(staging, **save_pretrained_kwargs)
         if tokenizer is not None:
-            tokenizer.save_pretrained(staging)
+            save_tokenizer(tokenizer, staging)
         clashes = sorted(f"{flat}.py" for flat in sources if (staging / f"{flat}.py").exists())
         if clashes:
             raise ValueError(f"model code files {clashes} would overwrite files written by save_pretrained")

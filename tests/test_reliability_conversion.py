@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import unwritable
 from ecosystem_helpers import byte_tokenizer, write_gguf_header
 from safetensors import SafetensorError
 from test_conversion import tiny_llama, token_ids
@@ -579,19 +580,9 @@ def test_destination_under_a_file_or_read_only(src, tmp_path, capsys):
     assert "lies under" in line and "is not a directory" in line
     read_only = tmp_path / "read-only"
     read_only.mkdir()
-    read_only.chmod(0o555)
-    immutable = False
-    try:
-        if os.access(read_only, os.W_OK):  # root ignores permissions: make the directory immutable instead
-            immutable = subprocess.run(["chattr", "+i", str(read_only)], capture_output=True).returncode == 0
-            if not immutable:
-                pytest.skip("cannot make a directory read-only for this user (root without chattr)")
+    with unwritable(read_only):
         line = cli_error(["convert", str(src), str(read_only / "dst"), "--heads", "all"], capsys)
         assert "cannot be written" in line and str(read_only / "dst") in line
-    finally:
-        if immutable:
-            subprocess.run(["chattr", "-i", str(read_only)], check=True)
-        read_only.chmod(0o755)
     assert list(read_only.iterdir()) == []
 
 
