@@ -371,11 +371,15 @@ def push_to_hub(model, repo_id: str, tokenizer=None, *, private: bool | None = N
                 create_pr: bool = False, api: HfApi | None = None):
     """Upload `model` (and `tokenizer`) to the Hub repository `repo_id` as a self-contained remote-code repository:
     the folder of `save_for_hub`, uploaded in one commit by `huggingface_hub`'s `upload_folder`.
-    Returns the `CommitInfo` of that commit."""
+    Returns the `CommitInfo` of that commit. In a distributed run every rank may call it, as `save_for_hub`: rank 0
+    uploads, the others take part in the save's gather and return None (each had uploaded a commit of its own, or,
+    writing no folder, failed)."""
     check_repo_id(repo_id)
     api = api if api is not None else HfApi(token=token)
     with tempfile.TemporaryDirectory(prefix="diffllama-hub-") as tmp:
         folder = save_for_hub(model, Path(tmp) / "export", tokenizer=tokenizer, repo_id=repo_id)
+        if not writes_on_this_rank(True):
+            return None
         repo_url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
         return api.upload_folder(
             repo_id=repo_url.repo_id,

@@ -463,6 +463,20 @@ def test_push_to_hub_uploads_the_export_folder(tmp_path, with_tokenizer):
         push_to_hub(model, "a/b/c", api=api)
 
 
+def test_push_to_hub_on_another_rank_uploads_nothing(monkeypatch):
+    """Every rank of a distributed run may call it, as save_for_hub: a rank other than 0 writes no folder and makes
+    no call to the Hub (each rank had uploaded a commit of its own)."""
+    import torch.distributed
+
+    class RefusingApi:
+        def __getattr__(self, name):
+            pytest.fail(f"another rank called the Hub ({name})")
+
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 1)
+    assert push_to_hub(trained_looking_model("v1"), "me/tiny-diff", api=RefusingApi()) is None
+
+
 def test_save_for_hub_refuses_push_to_hub_which_would_upload_its_staging_folder(tmp_path, monkeypatch):
     """`save_for_hub(model, folder, push_to_hub=True)` handed push_to_hub on to save_pretrained, which tried to upload
     the hidden staging folder (a repository named after it) before the model code, auto_map and card were in it."""
