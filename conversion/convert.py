@@ -5,7 +5,9 @@ local safetensors directory, single-file or sharded (`convert_checkpoint`, strea
 GGUF file (`convert_checkpoint`, dequantised by transformers, then converted in memory).
 """
 
+import contextlib
 import copy
+import functools
 import json
 import logging
 import os
@@ -312,7 +314,8 @@ def convert_checkpoint(
         _chosen_heads(source_config, method, heads, calibration)
         _check_gguf_tensors(src, source_config, expected)
         dst = _checked_destination(dst, overwrite, protect)
-        with atomic_directory(dst, overwrite, protect=protect, expected=EARLIER_OUTPUT_FILES) as tmp:
+        with atomic_directory(dst, overwrite, protect=protect, expected=EARLIER_OUTPUT_FILES) as tmp, \
+                _transformers_bars(progress):
             try:  # a file gguf's reader parses whose tensors do not match its metadata fails in transformers
                 model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32,
                                                              local_files_only=True)
@@ -361,6 +364,30 @@ def convert_checkpoint(
         target = getattr(mapping.config, "diff_mode", mapping.config.model_type)
         tqdm.write(f"converted {src} -> {dst} ({target}) in {time.perf_counter() - started:.1f} s")
     return dst
+
+
+@contextlib.contextmanager
+def _transformers_bars(progress: bool):
+    """transformers' own progress bars (dequantising a .gguf, loading, writing shards) off for the block where
+    `progress` is off: `--quiet` ("no progress bars") showed three of them for a .gguf SRC. The dequantising one is
+    a plain tqdm of transformers' GGUF module, which its progress-bar switch does not reach."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_loading
+    from transformers.utils import logging as transformers_logging
+
+    if progress:
+        yield
+        return
+    shown, gguf_bar = transformers_logging.is_progress_bar_enabled(), getattr(gguf_loading, "tqdm", None)
+    transformers_logging.disable_progress_bar()
+    if gguf_bar is not None:
+        gguf_loading.tqdm = functools.partial(gguf_bar, disable=True)
+    try:
+        yield
+    finally:
+        if gguf_bar is not None:
+            gguf_loading.tqdm = gguf_bar
+        if shown:
+            transformers_logging.enable_progress_bar()
 
 
 def _protected(src: Path, is_gguf: bool) -> tuple[Path, ...]:

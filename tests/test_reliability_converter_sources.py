@@ -121,10 +121,12 @@ def test_a_gguf_file_missing_a_tensor_is_refused_naming_it_before_it_is_dequanti
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gguf"]
 
 
-def test_a_complete_gguf_file_converts_to_the_logits_transformers_loads(tmp_path):
-    """The check of its tensors refuses none of a complete file (and DST beside the file is no part of the source)."""
+def test_a_complete_gguf_file_converts_to_the_logits_transformers_loads(tmp_path, capsys):
+    """The check of its tensors refuses none of a complete file (and DST beside the file is no part of the source).
+    `--quiet` shows no progress bar, transformers' own included (dequantising, loading, writing: three were shown)."""
     gguf = write_gguf(tmp_path / "model.gguf")
     assert main(["convert", str(gguf), str(tmp_path / "dst"), "--heads", "all", "--quiet"]) == 0
+    assert capsys.readouterr().err == ""
     ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
     source = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="model.gguf", dtype=torch.float32).eval()
     with torch.no_grad():
