@@ -69,6 +69,14 @@ def sigterm_as_interrupt():
         signal.signal(signal.SIGTERM, previous)
 
 
+def writes_on_this_rank(is_main_process: bool = True) -> bool:
+    """Whether this process writes a saved folder: `is_main_process`, and rank 0 where torch.distributed is
+    initialized (where every rank calls the save, as transformers' `save_pretrained` decides it)."""
+    import torch.distributed as dist
+
+    return is_main_process and not (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0)
+
+
 def save_tokenizer(tokenizer, directory: str | os.PathLike) -> None:
     """`tokenizer.save_pretrained(directory)`, a failure of the disk raised as the OSError it is: the tokenizers
     library raises a bare Exception ("No space left on device (os error 28)"), which the commands' one-line errors
@@ -467,4 +475,4 @@ def _put_back(replaced: Path, dst: Path, old: Path, name: str, stem: str) -> Non
 
 __all__ = ["FORCE", "InterruptedAfterWriting", "atomic_directory", "check_destination", "check_writable",
            "locked_staging", "open_lock_file", "overwrite_from_flags", "save_tokenizer", "signals_deferred",
-           "sigterm_as_interrupt"]
+           "sigterm_as_interrupt", "writes_on_this_rank"]

@@ -32,7 +32,7 @@ from huggingface_hub import HfApi, ModelCard, ModelCardData
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 from transformers.models.auto import modeling_auto
 
-from .atomic import atomic_directory, save_tokenizer
+from .atomic import atomic_directory, save_tokenizer, writes_on_this_rank
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Flattening the import graph
@@ -289,13 +289,6 @@ def own_class(model) -> type:
     if fsdp_module is not None and isinstance(model, fsdp_module):
         return next(base for base in type(model).__bases__ if base is not fsdp_module)
     return type(model)
-
-
-def writes_on_this_rank(is_main_process: bool) -> bool:
-    """Whether this process writes a saved folder: `is_main_process`, and rank 0 where torch.distributed is
-    initialized (where every rank calls the save, as transformers' `save_pretrained` decides it)."""
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    return is_main_process and (not distributed or torch.distributed.get_rank() == 0)
 
 
 def gathers_from_every_rank(model) -> bool:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from torch import nn
 
-from .atomic import atomic_directory
+from .atomic import atomic_directory, writes_on_this_rank
 from .extras import require
 from .peft_targets import register_peft_default_targets
 
@@ -61,14 +61,15 @@ def save_lora(peft_model: PeftModel, save_directory: str | os.PathLike, overwrit
     """`peft_model.save_pretrained(save_directory, **kwargs)`, never half-written. An existing non-empty folder is
     replaced only with `overwrite=True` and only if it holds an adapter (adapter_config.json), any folder with
     `overwrite="force"`; `save_directory` may not be, contain or lie inside the base model's local folder nor a path
-    of `protect`. With `is_main_process=False` (another rank of a distributed run) nothing is written, as PEFT
-    writes nothing then. Load with `PeftModel.from_pretrained(base_model, save_directory)`, which opens UTF-8 paths
+    of `protect`. With `is_main_process=False`, or on a rank other than 0 where torch.distributed is initialized
+    (every rank may call it), nothing is written: every rank wrote, and a rank that met another's lock was refused
+    at once. Load with `PeftModel.from_pretrained(base_model, save_directory)`, which opens UTF-8 paths
     only (safetensors): another is refused (`check_destination`). Every adapter saved (`selected_adapters`, by
     default all) must have a plain folder name (`check_adapter_name`): PEFT writes it in a folder of that name."""
     selected = kwargs.get("selected_adapters")
     for name in (list(peft_model.peft_config) if selected is None else selected):
         check_adapter_name(name)
-    if not kwargs.get("is_main_process", True):
+    if not writes_on_this_rank(kwargs.get("is_main_process", True)):  # every rank may call it, as save_for_hub
         return Path(save_directory).resolve()
     base = getattr(peft_model.get_base_model(), "name_or_path", "") or ""
     protect = (*protect, *([base] if base and Path(base).is_dir() else []))

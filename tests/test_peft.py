@@ -118,6 +118,20 @@ def test_save_lora_replaces_only_an_adapter_never_its_base_model_and_writes_noth
     assert (photos / "adapter_config.json").is_file() and not (photos / "holiday.jpg").exists()
 
 
+def test_save_lora_on_another_rank_of_a_distributed_run_writes_nothing(tmp_path, monkeypatch):
+    """Every rank may call it, as save_pretrained and save_for_hub: a rank other than 0 writes nothing (every rank
+    wrote, and one meeting another's lock was refused)."""
+    import torch.distributed
+
+    model = get_lora_model(base_model("dex"))
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 1)
+    assert save_lora(model, tmp_path / "adapter") == (tmp_path / "adapter").resolve()
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 0)
+    assert (save_lora(model, tmp_path / "adapter") / "adapter_config.json").is_file()
+
+
 def test_save_lora_refuses_a_folder_whose_path_is_not_utf8(tmp_path):
     """The adapter was written, but safetensors opens UTF-8 paths only: PeftModel.from_pretrained could not load it.
     Refused before anything is written, naming the argument and the rule."""
