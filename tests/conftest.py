@@ -1,5 +1,7 @@
 import contextlib
+import errno
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -15,8 +17,6 @@ torch.set_num_threads(1)
 
 if not torch.cuda.is_available():  # Triton kernels then run through its interpreter; must precede `import triton`
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
 
 import modeling_diff  # noqa: E402, F401  (registers the Auto classes)
 from modeling_diff import DiffLlamaConfig, DiffLlamaForCausalLM  # noqa: E402
@@ -58,16 +58,41 @@ def tiny_model(mode: str, seed: int = 0, attn_implementation: str = "eager", **o
 @contextlib.contextmanager
 def unwritable(directory: Path):
     """`directory` refuses new entries for the block: read-only, or immutable (chattr +i) where permissions do not
-    bind (root); the test is skipped where neither can be done. Writable again afterwards."""
+    bind (root). Where neither can be done (root without chattr), this process's os.mkdir and os.open refuse
+    entries in it as the filesystem would (EACCES): every writer the tests attack makes its probe, staging or lock
+    through them. Writable again afterwards."""
     directory.chmod(0o555)
     immutable = False
     try:
         if os.access(directory, os.W_OK):  # root ignores permissions: make the directory immutable instead
-            immutable = subprocess.run(["chattr", "+i", str(directory)], capture_output=True).returncode == 0
-            if not immutable:
-                pytest.skip("cannot make a directory read-only for this user (root without chattr)")
-        yield
+            immutable = shutil.which("chattr") is not None and subprocess.run(
+                ["chattr", "+i", str(directory)], capture_output=True).returncode == 0
+        with contextlib.nullcontext() if immutable or not os.access(directory, os.W_OK) else _refused_in(directory):
+            yield
     finally:
         if immutable:
             subprocess.run(["chattr", "-i", str(directory)], check=True)
         directory.chmod(0o755)
+
+
+def _refused_in(directory: Path):
+    """os.mkdir and os.open refusing new entries directly in `directory` (EACCES), as a read-only one does."""
+    from unittest import mock
+
+    inside = directory.resolve()
+    real_mkdir, real_open = os.mkdir, os.open
+
+    def refused(path):
+        if Path(os.path.abspath(path)).parent.resolve() == inside:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+
+    def mkdir(path, *args, **kwargs):
+        refused(path)
+        return real_mkdir(path, *args, **kwargs)
+
+    def open_(path, flags, *args, **kwargs):
+        if flags & os.O_CREAT and not os.path.exists(path):
+            refused(path)
+        return real_open(path, flags, *args, **kwargs)
+
+    return mock.patch.multiple(os, mkdir=mkdir, open=open_)
