@@ -308,7 +308,8 @@ def convert_checkpoint(
         # The output's DiffLlamaConfig, built (and so validated) now: a rope_freq_base below 1 or anneal_steps beyond
         # its bound was refused only after dequantising, beside DST's lock and staging.
         expected = TensorMapping.for_source(source_config, method, None, anneal_steps, noise_init)
-        tokenizer = load_tokenizer(src.parent, " from the file's tokenizer.ggml.* metadata", gguf_file=src.name)
+        with _transformers_bars(progress):  # transformers 5.17 shows a bar while it builds a GGUF tokenizer's merges
+            tokenizer = load_tokenizer(src.parent, " from the file's tokenizer.ggml.* metadata", gguf_file=src.name)
         if isinstance(calibration, str) and chooses_heads_by_entropy(method, heads):
             calibration = calibration_ids_from(calibration, tokenizer)
         _chosen_heads(source_config, method, heads, calibration)
