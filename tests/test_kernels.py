@@ -2321,7 +2321,10 @@ def test_a_hook_changing_a_differential_module_changes_the_fast_path_as_eager(mo
     and logits follow eager's. Before d4f8848 and its successor every case but f_D's PEFT copy failed: V1's
     combine read a hooked subln's weight (on CUDA only: the CPU run forces the combine's Triton path), V1's and
     DEX's decode kernels read a hooked lambda, DEX's fold applied a hooked f_D to I where eager (heads selected)
-    applies it to O, and the wrapper hid its copy's hooks."""
+    applies it to O, and the wrapper hid its copy's hooks. On the GPU, in bfloat16: 64 tokens (at 6, bfloat16 eager's
+    own lambda gradient lay 2.8 times its norm off float32's, of the opposite sign, while the fast path in float32 gave
+    float32's to 1e-4), and the new tokens chosen for both (greedy picks differed at a near tie, and every logit
+    after it)."""
     from collections import Counter
 
     from peft import get_peft_model
@@ -2333,7 +2336,10 @@ def test_a_hook_changing_a_differential_module_changes_the_fast_path_as_eager(mo
         monkeypatch.setattr(combine, "_fused", lambda attn: True)
     eager, fast = model_pair(mode, FAST, dex_heads=dex_heads)
     # f_D's case: on the CPU more tokens than the hidden size (64), where DEX folds f_D into o_proj
-    ids = torch.randint(3, eager.config.vocab_size, (2, 40 if hooked == "dex_proj" else 6), device=DEVICE)
+    length = 40 if hooked == "dex_proj" else 64 if GPU else 6
+    ids = torch.randint(3, eager.config.vocab_size, (2, length), device=DEVICE)
+    chosen = torch.randint(3, eager.config.vocab_size, (2, 3)).tolist()  # the new tokens, the same for both
+    choose = lambda row, tokens: [chosen[row][len(tokens) - length]]  # noqa: E731
     calls, results = {}, {}
     for name, model in (("eager", eager), ("fast", fast)):
         if peft_copy:
@@ -2349,8 +2355,9 @@ def test_a_hook_changing_a_differential_module_changes_the_fast_path_as_eager(mo
         loss = model.train()(ids, labels=ids).loss
         loss.backward()
         grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-        out = model.eval().generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False, output_logits=True,
-                                    return_dict_in_generate=True)
+        out = model.eval().generate(ids, max_new_tokens=3, do_sample=False, prefix_allowed_tokens_fn=choose,
+                                    output_logits=True, return_dict_in_generate=True)
+        assert out.sequences[:, length:].tolist() == chosen
         results[name] = loss.detach(), grads, torch.stack(out.logits, 1)
     assert calls["fast"] == calls["eager"]
     assert set(calls["fast"].values()) == {1 + 3}  # each layer's: the step, the prompt, two decoding steps
