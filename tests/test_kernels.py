@@ -1137,7 +1137,7 @@ def test_decode_kernel_shared_memory_bounds_what_triton_allocates_for_the_h200()
         "                                      (64, 64, 4, 64, 128, 0), (16, 64, 4, 64, 64, 0),\n"
         "                                      (16, 128, 4, 64, 128, 1), (16, 64, 4, 64, 64, 1)):\n"
         "    c = dict(SCALE=0.125, HAS_MASK=bool(mask), BLOCK_N=n, FIRST_N=0, PDL=True, G=8,\n"
-        "             BLOCK_R=rows, DQ=dq, DK=dk, DV=dk, PAIRED=dk == 2 * dq)\n"
+        "             BLOCK_R=rows, DQ=dq, DK=dk, DV=dk, PAIRED=dk == 2 * dq, PRECISION=\"tf32\")\n"
         "    shared = k.compile_sm90(_decode_partial, c, 4, stages).metadata.shared\n"
         "    print(shared, partial_shared_memory(rows, n, stages, dk, dk, 2, bool(mask)))\n"
     )
@@ -1156,6 +1156,28 @@ def test_decode_attention_reads_strided_cache_views():
     visible = torch.ones(2, 1, 64, dtype=torch.bool, device=DEVICE)
     assert rel_err(decode_attention(q, k, v, None, 0.2), attention_formula(q, k, v, visible, 0.2)) < TOL
 
+
+
+def test_a_float32_decoding_step_computes_in_float32_unless_torch_allows_tf32():
+    """The decode kernel's products for float32 operands in full precision, as torch's float32 matmuls, not Triton's
+    default TF32 (10 bits of mantissa; with it a float32 model's generate logits lay 8e-4 off eager's on an H100);
+    TF32 where `torch.set_float32_matmul_precision("high")` allows it, as for torch's. On the CPU the interpreter
+    computes float32 either way: there only the choice is checked."""
+    from modeling_diff.kernels._triton import dot_precision
+
+    torch.manual_seed(4)
+    q, k, v = (torch.randn(*shape, device=DEVICE) for shape in ((2, 8, 1, 64), (2, 2, 300, 64), (2, 2, 300, 64)))
+    visible = torch.ones(2, 1, 300, dtype=torch.bool, device=DEVICE)
+    reference = attention_formula(q, k, v, visible, 0.125)
+    assert dot_precision(torch.bfloat16) == "tf32"  # (no choice for 16-bit operands: Triton's default)
+    assert dot_precision(torch.float32) == "ieee" and rel_err(decode_attention(q, k, v, None, 0.125), reference) < 1e-5
+    default = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        assert dot_precision(torch.float32) == "tf32"
+        assert rel_err(decode_attention(q, k, v, None, 0.125), reference) < 2e-3
+    finally:
+        torch.set_float32_matmul_precision(default)
 
 # ---- flash-diff: both maps of a differential head and the combine in one kernel ------------------------------
 

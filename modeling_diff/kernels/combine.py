@@ -25,7 +25,8 @@ from torch import nn
 
 from ._modules import is_plain_norm, linear_in_product_dtype, recomputed_linear_backward
 from ._triton import (
-    TRITON_AVAILABLE, cdiv, eager_kernels_run_on, is_power_of_2, needs_grad, next_power_of_2, triton_available,
+    TRITON_AVAILABLE, cdiv, dot_precision, eager_kernels_run_on, is_power_of_2, needs_grad, next_power_of_2,
+    triton_available,
 )
 from .decode import DexCombine
 
@@ -350,14 +351,9 @@ def dex_folded_projection_applies(weight: torch.Tensor, combine: DexCombine) -> 
 
 
 def _dex_fold_constexprs(weight: torch.Tensor, operator: torch.Tensor, anneal_steps: int) -> dict:
-    """The fold kernels' constexprs but the products' precision (`_dex_fold_precision`)."""
+    """The fold kernels' constexprs but the products' precision (`_triton.dot_precision`)."""
     d = operator.shape[-1]
     return dict(ANNEALED=anneal_steps > 0, H=weight.shape[1] // d, D=d)
-
-
-def _dex_fold_precision(weight: torch.Tensor) -> str:
-    """float32 products in full precision, not TF32 (the argument does not apply to bf16 / fp16 products)."""
-    return "ieee" if weight.dtype == torch.float32 else "tf32"
 
 
 class _DexFoldedProjection(torch.autograd.Function):
@@ -369,7 +365,7 @@ class _DexFoldedProjection(torch.autograd.Function):
         grid = (cdiv(weight.shape[0], DEX_FOLD_BLOCK_R), constexprs["H"])
         _dex_fold_fwd[grid](weight, operator, lambda_learn, head_mask, anneal_step, folded, weight.shape[0],
                             anneal_steps, lambda_init, **constexprs, BLOCK_R=DEX_FOLD_BLOCK_R,
-                            PRECISION=_dex_fold_precision(weight))
+                            PRECISION=dot_precision(weight.dtype))
         ctx.save_for_backward(weight, operator, lambda_learn, head_mask, anneal_step)
         ctx.anneal_steps, ctx.lambda_init = anneal_steps, lambda_init
         return folded
@@ -388,7 +384,7 @@ class _DexFoldedProjection(torch.autograd.Function):
         _dex_fold_bwd[(heads, splits)](
             weight, operator, lambda_learn, head_mask, anneal_step, grad.contiguous(), grad_weight, grad_f_parts,
             grad_lambda_parts, hidden, rows_per_split, ctx.anneal_steps, ctx.lambda_init, **constexprs,
-            BLOCK_R=DEX_FOLD_BLOCK_R, PRECISION=_dex_fold_precision(weight),
+            BLOCK_R=DEX_FOLD_BLOCK_R, PRECISION=dot_precision(weight.dtype),
         )
         grad_operator, grad_lambda = torch.empty_like(operator), torch.empty_like(lambda_learn)
         _dex_fold_bwd_reduce[(d * d // DEX_FOLD_REDUCE_BLOCK,)](  # d * d >= 256: whole blocks

@@ -20,7 +20,9 @@ import torch
 from torch.library import triton_op, wrap_triton
 
 from . import _triton  # DECODE_PDL_MAX_TOKENS read where used: one value for these kernels, set in one place
-from ._triton import TRITON_INTERPRETING, cdiv, dependent_launch, next_power_of_2, shared_memory, sm_count
+from ._triton import (
+    TRITON_INTERPRETING, cdiv, dependent_launch, dot_precision, next_power_of_2, shared_memory, sm_count,
+)
 from .masks import causal_offset, kernel_mask
 from .triton_combine import anneal_fraction, dex_lambda, differential_lambda, v1_combine_rows
 
@@ -78,13 +80,13 @@ REDUCE_NUM_WARPS_FEW_SPLITS = 1
 
 @triton.jit
 def _attend_tile(q, K, V, Mask, b, kvh, t, row_ok, dk, dv, n, end, k, v, skb, skh, sks, svb, svh, svs, smb, sml, sms,
-                 offset, qk_scale, m_i, l_i, acc, HAS_MASK: tl.constexpr):
+                 offset, qk_scale, m_i, l_i, acc, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr):
     """One tile of keys n (N,), those below `end`, into the online softmax (m_i, l_i, acc) of the rows; k (DK, N) and
     v (N, DV) as loaded, or None to load them here."""
     n_ok = n < end
     if k is None:
         k = tl.load(K + b * skb + kvh * skh + n[None, :] * sks + dk[:, None], mask=n_ok[None, :], other=0.0)
-    s = tl.dot(q, k) * qk_scale  # (BLOCK_R, BLOCK_N), fp32
+    s = tl.dot(q, k, input_precision=PRECISION) * qk_scale  # (BLOCK_R, BLOCK_N), fp32
     if HAS_MASK:
         allowed = tl.load(
             Mask + b * smb + t[:, None] * sml + n[None, :] * sms, mask=row_ok[:, None] & n_ok[None, :], other=0
@@ -99,7 +101,7 @@ def _attend_tile(q, K, V, Mask, b, kvh, t, row_ok, dk, dv, n, end, k, v, skb, sk
     if v is None:
         v = tl.load(V + b * svb + kvh * svh + n[:, None] * svs + dv[None, :], mask=n_ok[:, None], other=0.0)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l_i, acc
 
 
@@ -114,7 +116,7 @@ def _decode_partial(
     SCALE: tl.constexpr,  # a compile-time constant: a runtime float would reach Inductor's launch as fp64
     G: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     DQ: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, PAIRED: tl.constexpr,
-    FIRST_N: tl.constexpr, PDL: tl.constexpr,
+    FIRST_N: tl.constexpr, PDL: tl.constexpr, PRECISION: tl.constexpr,  # tl.dot's (`_triton.dot_precision`)
 ):
     # FIRST_N > 0: the step's keys and values are at the positions Written.. (a StaticCache layer's length, int64,
     # that the projections' launch, the kernel before, did not advance: `cache_write.py`). The chunk's first FIRST_N
@@ -160,11 +162,11 @@ def _decode_partial(
         v = tl.where(new[:, None], tl.load(V + b * svb + kvh * svh + n[:, None] * svs + dv[None, :],
                                            mask=new[:, None], other=0.0), v)
         m_i, l_i, acc = _attend_tile(q, K, V, Mask, b, kvh, t, row_ok, dk, dv, n, end, k, v, skb, skh, sks, svb,
-                                     svh, svs, smb, sml, sms, offset, qk_scale, m_i, l_i, acc, HAS_MASK)
+                                     svh, svs, smb, sml, sms, offset, qk_scale, m_i, l_i, acc, HAS_MASK, PRECISION)
     for n0 in range(FIRST_N, chunk, BLOCK_N):
         m_i, l_i, acc = _attend_tile(q, K, V, Mask, b, kvh, t, row_ok, dk, dv, start + n0 + tl.arange(0, BLOCK_N), S,
                                      None, None, skb, skh, sks, svb, svh, svs, smb, sml, sms, offset, qk_scale,
-                                     m_i, l_i, acc, HAS_MASK)
+                                     m_i, l_i, acc, HAS_MASK, PRECISION)
 
     part = pid_bh * splits + split
     tl.store(Part + (part * BLOCK_R + r)[:, None] * DV + dv[None, :], acc)
@@ -366,7 +368,7 @@ def _partial_softmaxes(query, key, value, mask, scale: float, launcher, written=
         kv_heads, kv_length, length, causal_offset(length, kv_length, mask is not None), chunk, splits, parts,
         SCALE=scale, G=groups, HAS_MASK=mask is not None, BLOCK_R=block_rows, BLOCK_N=block_n,
         DQ=q_dim, DK=k_dim, DV=v_dim, PAIRED=k_dim == 2 * q_dim,
-        FIRST_N=first_n, PDL=pdl, num_warps=PARTIAL_NUM_WARPS, num_stages=stages,
+        FIRST_N=first_n, PDL=pdl, PRECISION=dot_precision(query.dtype), num_warps=PARTIAL_NUM_WARPS, num_stages=stages,
         **({"launch_pdl": True} if pdl else {}),
     )
     return work, splits, parts, block_rows
