@@ -33,8 +33,8 @@ WITHOUT_THE_PACKAGE = r"""
 import json, sys, importlib.util
 REPO = sys.argv[1]
 sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
-def in_repo(path):  # the repository's own folders; the virtual environment may live inside it
-    return (path + "/").startswith(REPO + "/") and not (path + "/").startswith(sys.prefix + "/")
+def in_repo(path):  # the repository's own folders; virtual environments' (make test-floor's two) may live inside it
+    return (path + "/").startswith(REPO + "/") and "site-packages" not in path.split("/")
 sys.path[:] = [p for p in sys.path if "__editable__" not in p and not in_repo(p)]
 sys.path_importer_cache.clear()
 result = {"modeling_diff_importable": importlib.util.find_spec("modeling_diff") is not None}
