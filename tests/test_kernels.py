@@ -1161,7 +1161,8 @@ def test_decode_attention_reads_strided_cache_views():
 def test_a_float32_decoding_step_computes_in_float32_unless_torch_allows_tf32():
     """The decode kernel's products for float32 operands in full precision, as torch's float32 matmuls, not Triton's
     default TF32 (10 bits of mantissa; with it a float32 model's generate logits lay 8e-4 off eager's on an H100);
-    TF32 where `torch.set_float32_matmul_precision("high")` allows it, as for torch's. On the CPU the interpreter
+    TF32 where torch allows it (`torch.set_float32_matmul_precision("high")` or the newer
+    `torch.backends.cuda.matmul.fp32_precision = "tf32"`), as for torch's. On the CPU the interpreter
     computes float32 either way: there only the choice is checked."""
     from modeling_diff.kernels._triton import dot_precision
 
@@ -1171,13 +1172,20 @@ def test_a_float32_decoding_step_computes_in_float32_unless_torch_allows_tf32():
     reference = attention_formula(q, k, v, visible, 0.125)
     assert dot_precision(torch.bfloat16) == "tf32"  # (no choice for 16-bit operands: Triton's default)
     assert dot_precision(torch.float32) == "ieee" and rel_err(decode_attention(q, k, v, None, 0.125), reference) < 1e-5
-    default = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("high")
-    try:
-        assert dot_precision(torch.float32) == "tf32"
-        assert rel_err(decode_attention(q, k, v, None, 0.125), reference) < 2e-3
-    finally:
-        torch.set_float32_matmul_precision(default)
+    matmul = torch.backends.cuda.matmul
+    # torch's two ways to allow TF32, each put back by its own (a mix of the two makes torch's older getters raise)
+    legacy, newer = torch.get_float32_matmul_precision(), matmul.fp32_precision
+    for allow, put_back in ((lambda: torch.set_float32_matmul_precision("high"),
+                             lambda: torch.set_float32_matmul_precision(legacy)),
+                            (lambda: setattr(matmul, "fp32_precision", "tf32"),
+                             lambda: setattr(matmul, "fp32_precision", newer))):
+        allow()
+        try:
+            assert dot_precision(torch.float32) == "tf32"
+            assert rel_err(decode_attention(q, k, v, None, 0.125), reference) < 2e-3
+        finally:
+            put_back()
+        assert dot_precision(torch.float32) == "ieee" and torch.get_float32_matmul_precision() == "highest"
 
 # ---- flash-diff: both maps of a differential head and the combine in one kernel ------------------------------
 

@@ -177,10 +177,19 @@ def product_dtype(x: torch.Tensor, *weights: torch.Tensor) -> torch.dtype | None
 
 def dot_precision(dtype: torch.dtype) -> str:
     """tl.dot's input_precision for operands of `dtype`: float32 products in full precision ("ieee"), as torch's own
-    float32 matmuls, unless `torch.set_float32_matmul_precision` allows TF32 ("high" or "medium"). Triton's default
-    is TF32 (10 bits of mantissa): with it a float32 model's generate logits lay 8e-4 off eager's on an H100, where
-    its forward passes agreed to 1e-6. bf16 / fp16 operands take no such choice ("tf32": the default)."""
-    return "ieee" if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest" else "tf32"
+    float32 matmuls, unless torch allows them TF32 (`torch.backends.cuda.matmul.fp32_precision = "tf32"`, or
+    `torch.set_float32_matmul_precision("high")`, which sets it). Triton's default is TF32 (10 bits of mantissa): with
+    it a float32 model's generate logits lay 8e-4 off eager's on an H100, where its forward passes agreed to 1e-6.
+    bf16 / fp16 operands take no such choice ("tf32": the default). (torch.get_float32_matmul_precision raises once
+    the newer setting was used, so it is read only where torch has no newer setting.)"""
+    if dtype != torch.float32:
+        return "tf32"
+    matmul = torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):
+        tf32 = matmul.fp32_precision == "tf32"
+    else:
+        tf32 = torch.get_float32_matmul_precision() != "highest"
+    return "tf32" if tf32 else "ieee"
 
 
 def cdiv(a: int, b: int) -> int:
