@@ -178,8 +178,9 @@ def product_dtype(x: torch.Tensor, *weights: torch.Tensor) -> torch.dtype | None
 def dot_precision(dtype: torch.dtype) -> str:
     """tl.dot's input_precision for operands of `dtype`: float32 products in full precision ("ieee"), as torch's own
     float32 matmuls, unless torch allows them TF32 (`torch.backends.cuda.matmul.fp32_precision = "tf32"`, or
-    `torch.set_float32_matmul_precision("high")`, which sets it). Triton's default is TF32 (10 bits of mantissa): with
-    it a float32 model's generate logits lay 8e-4 off eager's on an H100, where its forward passes agreed to 1e-6.
+    `torch.set_float32_matmul_precision("high")`, which sets it). Triton's default is TF32 (10 bits of mantissa): while
+    the decode kernel took it, a float32 model's generate logits lay 8e-4 off eager's on an H100, where its forward
+    passes agreed to 1e-6.
     bf16 / fp16 operands take no such choice ("tf32": the default). (torch.get_float32_matmul_precision raises once
     the newer setting was used, so it is read only where torch has no newer setting.)"""
     if dtype != torch.float32:
