@@ -300,33 +300,34 @@ def convert_checkpoint(
             raise ValueError(f"source {error}") from None
         check_side_files(src.parent, _GGUF_SIDE_FILES)
         check_no_adapter(src.parent)  # from_pretrained(src.parent, gguf_file=...) would apply it
-        # The family, the output's config and the tensors the file must hold, the tokenizer (from the file's
-        # metadata, in a moment; the output needs it), the heads and the calibration against the metadata, then the
-        # destination: all before the model is dequantised.
-        source_config = _source_config(src.parent, gguf_file=src.name)
-        check_source_architecture(source_config)
-        # The output's DiffLlamaConfig, built (and so validated) now: a rope_freq_base below 1 or anneal_steps beyond
-        # its bound was refused only after dequantising, beside DST's lock and staging.
-        expected = TensorMapping.for_source(source_config, method, None, anneal_steps, noise_init)
-        with _transformers_bars(progress):  # transformers 5.17 shows a bar while it builds a GGUF tokenizer's merges
+        # transformers' bars off for the whole conversion where progress is off (5.17 shows one while it builds a
+        # GGUF tokenizer's merges, before the model is loaded)
+        with _transformers_bars(progress):
+            # The family, the output's config and the tensors the file must hold, the tokenizer (from the file's
+            # metadata, in a moment; the output needs it), the heads and the calibration against the metadata, then
+            # the destination: all before the model is dequantised.
+            source_config = _source_config(src.parent, gguf_file=src.name)
+            check_source_architecture(source_config)
+            # The output's DiffLlamaConfig, built (and so validated) now: a rope_freq_base below 1 or anneal_steps
+            # beyond its bound was refused only after dequantising, beside DST's lock and staging.
+            expected = TensorMapping.for_source(source_config, method, None, anneal_steps, noise_init)
             tokenizer = load_tokenizer(src.parent, " from the file's tokenizer.ggml.* metadata", gguf_file=src.name)
-        if isinstance(calibration, str) and chooses_heads_by_entropy(method, heads):
-            calibration = calibration_ids_from(calibration, tokenizer)
-        _chosen_heads(source_config, method, heads, calibration)
-        _check_gguf_tensors(src, source_config, expected)
-        dst = _checked_destination(dst, overwrite, protect)
-        with atomic_directory(dst, overwrite, protect=protect, expected=EARLIER_OUTPUT_FILES) as tmp, \
-                _transformers_bars(progress):
-            try:  # a file gguf's reader parses whose tensors do not match its metadata fails in transformers
-                model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32,
-                                                             local_files_only=True)
-            except RuntimeError as error:
-                raise ValueError(f"source {str(src)!r} could not be loaded as a model: {error}") from None
-            converted = convert_model(model, method, heads, head_fraction, calibration, tokenizer, anneal_steps,
-                                      noise_init, progress)
-            converted.save_pretrained(tmp)
-            save_tokenizer(tokenizer, tmp)
-        return dst
+            if isinstance(calibration, str) and chooses_heads_by_entropy(method, heads):
+                calibration = calibration_ids_from(calibration, tokenizer)
+            _chosen_heads(source_config, method, heads, calibration)
+            _check_gguf_tensors(src, source_config, expected)
+            dst = _checked_destination(dst, overwrite, protect)
+            with atomic_directory(dst, overwrite, protect=protect, expected=EARLIER_OUTPUT_FILES) as tmp:
+                try:  # a file gguf's reader parses whose tensors do not match its metadata fails in transformers
+                    model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32,
+                                                                 local_files_only=True)
+                except RuntimeError as error:
+                    raise ValueError(f"source {str(src)!r} could not be loaded as a model: {error}") from None
+                converted = convert_model(model, method, heads, head_fraction, calibration, tokenizer, anneal_steps,
+                                          noise_init, progress)
+                converted.save_pretrained(tmp)
+                save_tokenizer(tokenizer, tmp)
+            return dst
 
     # Everything that can be refused is refused here, before the destination is touched or the calibration runs.
     source = CheckpointDir(src)
