@@ -18,8 +18,8 @@ from peft import get_peft_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from conftest import tiny_model  # noqa: E402
+from lambda_grad_precision import shape  # noqa: E402
 
-from modeling_diff import preset_config  # noqa: E402
 from modeling_diff.lora import lora_config  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -62,9 +62,7 @@ def main() -> None:
           "eager's | logits over float32 eager's tokens |")
     print("|---|---|---|---|---|---|---|---|")
     for mode, hooked, dex_heads, lengths in CASES:
-        fields = dict(preset_config(f"1.1b-{mode}").to_diff_dict(), num_hidden_layers=2, vocab_size=1000)
-        fields = {k: v for k, v in fields.items() if k not in ("model_type", "transformers_version")}
-        fields.update({} if dex_heads is None else dict(dex_heads=dex_heads))
+        fields = shape(mode) | ({} if dex_heads is None else dict(dex_heads=dex_heads))
         base = tiny_model(mode, **fields)
         for peft_copy in (False, True):
             for length in lengths:

@@ -34,8 +34,9 @@ def lambda_grads(base, ids, dtype, implementation, hook) -> list[torch.Tensor]:
     return [layer.self_attn.diff_lambda.lambda_q1.grad.double() for layer in model.model.layers]
 
 
-def shape() -> dict:
-    fields = dict(preset_config("1.1b-v1").to_diff_dict(), num_hidden_layers=2, vocab_size=1000)
+def shape(mode: str = "v1") -> dict:
+    """The config fields of two layers of the ~1.1B `mode` model (tests/test_kernels.py's GPU shapes)."""
+    fields = dict(preset_config(f"1.1b-{mode}").to_diff_dict(), num_hidden_layers=2, vocab_size=1000)
     return {k: v for k, v in fields.items() if k not in ("model_type", "transformers_version")}
 
 
